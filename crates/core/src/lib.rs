@@ -1,0 +1,15 @@
+//! Shared vocabulary of Ashlar: identifiers, units, size parsing and the one vdisk I/O
+//! interface that every front-end (NBD today, iSCSI later) speaks.
+//!
+//! Nothing in this crate does I/O; it is depended on by every other crate.
+
+mod io;
+mod size;
+mod units;
+
+pub use io::{check_range, BlockDevice, BlockStatusRun, IoError, IoResult};
+pub use size::{format_size, parse_size, SizeParseError};
+pub use units::{
+    ByteCount, ByteOffset, Epoch, ExtentIndex, VdiskId, BLOCK_SIZE_BYTES, EXTENT_SIZE_BYTES,
+    MAX_VDISK_SIZE_BYTES,
+};

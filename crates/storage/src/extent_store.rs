@@ -1,0 +1,1 @@
+//! The extent store (see docs/extent-store-format.md).

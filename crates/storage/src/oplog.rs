@@ -1,0 +1,1 @@
+//! The oplog (see docs/oplog-format.md).
