@@ -1,1 +1,23 @@
-fn main() {}
+//! `ashlar`: the node daemon and the command-line client, one binary.
+
+mod args;
+mod client;
+mod http;
+mod metrics;
+mod node;
+mod registry;
+
+use clap::Parser;
+
+fn main() {
+    let cli = args::Cli::parse();
+    let result = match cli.command {
+        args::Command::Node(node_args) => node::run(node_args),
+        args::Command::Vdisk(command) => client::run(&cli.server, command),
+    };
+    if let Err(error) = result {
+        // One line a user can act on; the chain gives the cause.
+        eprintln!("error: {error:#}");
+        std::process::exit(1);
+    }
+}

@@ -1,1 +1,21 @@
-//! placeholder
+//! The thread-per-core vdisk engine.
+//!
+//! - [`reactor`]: one pinned thread per core running a current-thread tokio runtime.
+//! - [`shard`]: shard controllers, the single-threaded owners of a vdisk's offset ranges.
+//! - [`vdisk`]: the shard map and the per-connection handle that splits and joins I/O.
+//! - [`engine`]: the control plane: catalog, recovery, create/resize/re-shard/delete.
+//! - [`cache`]: the per-reactor read cache (single-touch and multi-touch LRU pools).
+
+pub mod cache;
+pub mod catalog;
+pub mod config;
+pub mod engine;
+mod lru;
+pub mod reactor;
+pub mod shard;
+pub mod stats;
+pub mod vdisk;
+
+pub use config::EngineConfig;
+pub use engine::{CacheStats, Engine, EngineError, VdiskInfo, VdiskStats};
+pub use vdisk::VdiskHandle;

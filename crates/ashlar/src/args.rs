@@ -1,0 +1,126 @@
+//! Command-line arguments. Every flag explains itself in `--help`.
+
+use clap::{Args, Parser, Subcommand};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+pub const DEFAULT_NBD_LISTEN: &str = "127.0.0.1:10809";
+pub const DEFAULT_HTTP_LISTEN: &str = "127.0.0.1:10810";
+pub const DEFAULT_SERVER: &str = "http://127.0.0.1:10810";
+
+#[derive(Parser, Debug)]
+#[command(name = "ashlar", version, about = "Ashlar distributed block storage: node daemon and CLI",
+    long_about = "Ashlar pools a node's disks and serves thin-provisioned virtual disks (vdisks) over NBD.\n\
+Run `ashlar node` to start a node; use `ashlar vdisk ...` to manage its vdisks.")]
+pub struct Cli {
+    /// HTTP address of the node the vdisk commands talk to.
+    #[arg(long, global = true, env = "ASHLAR_SERVER", default_value = DEFAULT_SERVER, value_name = "URL")]
+    pub server: String,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run a node: serve its vdisks over NBD and its API over HTTP until SIGTERM/SIGINT.
+    Node(NodeArgs),
+    /// Create, list, inspect, resize, re-shard and delete vdisks on a running node.
+    #[command(subcommand)]
+    Vdisk(VdiskCommand),
+}
+
+#[derive(Args, Debug)]
+pub struct NodeArgs {
+    /// Directory for the node's metadata (and its data when no --disk is given).
+    #[arg(long, default_value = "./ashlar-data", value_name = "DIR")]
+    pub data_dir: PathBuf,
+    /// A directory on a local filesystem to store data in, with its tier (default fast).
+    /// Repeat for several disks. The oplog lives on the first fast disk. Without --disk, data
+    /// lives in DATA_DIR/disk0.
+    #[arg(long = "disk", value_name = "PATH[:fast|:slow]")]
+    pub disks: Vec<String>,
+    /// Address to serve NBD on (export names are vdisk names).
+    #[arg(long, default_value = DEFAULT_NBD_LISTEN, value_name = "ADDR")]
+    pub nbd_listen: SocketAddr,
+    /// Address to serve the HTTP API, /stats and /metrics on.
+    #[arg(long, default_value = DEFAULT_HTTP_LISTEN, value_name = "ADDR")]
+    pub http_listen: SocketAddr,
+    /// Reactor threads (one per core). Default: one per CPU.
+    #[arg(long, value_name = "N")]
+    pub reactors: Option<usize>,
+    /// Read cache of the whole node, split across reactors (K/M/G suffixes).
+    #[arg(long, default_value = "1G", value_name = "SIZE")]
+    pub cache_size: String,
+    /// Oplog capacity of each vdisk, split across its shards (at least 16M per shard).
+    /// Writers wait when it is full.
+    #[arg(long, default_value = "256M", value_name = "SIZE")]
+    pub oplog_size: String,
+    /// Requests queued per shard controller before clients wait.
+    #[arg(long, default_value_t = 1024, value_name = "N")]
+    pub shard_queue_limit: usize,
+    /// Extent groups each shard keeps open (16 KiB of checksums and one fd each).
+    #[arg(long, default_value_t = 256, value_name = "N")]
+    pub max_open_egroups: usize,
+    /// Shard count of vdisks created without --shards. Default: the reactor count.
+    #[arg(long, value_name = "N")]
+    pub default_shards: Option<u32>,
+    /// Largest NBD request accepted (bigger ones are refused with an error).
+    #[arg(long, default_value = "32M", value_name = "SIZE")]
+    pub nbd_max_request: String,
+    /// Requests in flight per NBD connection before the server stops reading more.
+    #[arg(long, default_value_t = 128, value_name = "N")]
+    pub nbd_max_in_flight: usize,
+    /// Create this vdisk at startup if it does not exist yet (e.g. demo:8G). Repeatable.
+    #[arg(long = "ensure-vdisk", value_name = "NAME:SIZE")]
+    pub ensure_vdisks: Vec<String>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum VdiskCommand {
+    /// Create a thin-provisioned vdisk (costs nothing until written).
+    Create {
+        name: String,
+        /// Size with an optional K/M/G/T suffix (binary units), e.g. 200G.
+        #[arg(long, value_name = "SIZE")]
+        size: String,
+        /// Shard controllers serving it (1-64). Default: the node's reactor count.
+        #[arg(long, value_name = "N")]
+        shards: Option<u32>,
+    },
+    /// List vdisks.
+    List {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one vdisk.
+    Show {
+        name: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Change a vdisk's size. Growing is always allowed; shrinking discards the tail.
+    Resize {
+        name: String,
+        #[arg(long, value_name = "SIZE")]
+        size: String,
+        /// Allow the new size to be smaller (data past it is discarded).
+        #[arg(long)]
+        allow_shrink: bool,
+    },
+    /// Change settings of a vdisk while clients use it.
+    Set {
+        name: String,
+        /// New shard count (1-64); changes with no data moved and no I/O failed.
+        #[arg(long, value_name = "N")]
+        shards: u32,
+    },
+    /// Delete a vdisk and its data.
+    Delete {
+        name: String,
+        /// Delete even while clients are connected (their I/O then fails).
+        #[arg(long)]
+        force: bool,
+    },
+}

@@ -1,0 +1,157 @@
+//! The node's HTTP JSON API, stats pages and Prometheus metrics.
+
+use crate::metrics::render_metrics;
+use crate::registry::NodeEngine;
+use ashlar_engine::{EngineError, VdiskInfo};
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+#[derive(Clone)]
+pub struct ApiState {
+    pub engine: Arc<NodeEngine>,
+    pub nbd_listen: std::net::SocketAddr,
+}
+
+pub fn router(state: ApiState) -> Router {
+    Router::new()
+        .route("/api/v1/vdisks", get(list_vdisks).post(create_vdisk))
+        .route("/api/v1/vdisks/{name}", get(show_vdisk).patch(update_vdisk).delete(delete_vdisk))
+        .route("/api/v1/node", get(node_info))
+        .route("/stats/vdisks", get(vdisk_stats))
+        .route("/stats/cache", get(cache_stats))
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .fallback(|| async { ApiError(StatusCode::NOT_FOUND, "no such endpoint; see /api/v1/vdisks, /stats/vdisks, /stats/cache, /metrics".into()) })
+        .with_state(state)
+}
+
+struct ApiError(StatusCode, String);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.0, Json(json!({ "error": self.1 }))).into_response()
+    }
+}
+
+impl From<EngineError> for ApiError {
+    fn from(error: EngineError) -> Self {
+        let status = match &error {
+            EngineError::NotFound(_) => StatusCode::NOT_FOUND,
+            EngineError::AlreadyExists(_) | EngineError::InUse { .. } | EngineError::ShrinkRefused { .. } => {
+                StatusCode::CONFLICT
+            }
+            EngineError::InvalidName { .. } | EngineError::InvalidSize(_) | EngineError::InvalidShards(_) => {
+                StatusCode::BAD_REQUEST
+            }
+            EngineError::Stopping => StatusCode::SERVICE_UNAVAILABLE,
+            EngineError::Meta(_) | EngineError::Storage(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError(status, error.to_string())
+    }
+}
+
+fn with_uri(state: &ApiState, info: VdiskInfo) -> Value {
+    let mut value = serde_json::to_value(&info).unwrap_or(Value::Null);
+    value["nbd_uri"] = json!(format!("nbd://{}/{}", state.nbd_listen, info.name));
+    value
+}
+
+async fn list_vdisks(State(state): State<ApiState>) -> Json<Value> {
+    let vdisks: Vec<Value> = state.engine.list_vdisks().into_iter().map(|v| with_uri(&state, v)).collect();
+    Json(Value::Array(vdisks))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateRequest {
+    name: String,
+    size_bytes: u64,
+    shards: Option<u32>,
+}
+
+async fn create_vdisk(
+    State(state): State<ApiState>,
+    body: Result<Json<CreateRequest>, axum::extract::rejection::JsonRejection>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let Json(request) = body.map_err(|e| ApiError(StatusCode::BAD_REQUEST, e.body_text()))?;
+    let info = state.engine.create_vdisk(&request.name, request.size_bytes, request.shards).await?;
+    Ok((StatusCode::CREATED, Json(with_uri(&state, info))))
+}
+
+async fn show_vdisk(State(state): State<ApiState>, Path(name): Path<String>) -> Result<Json<Value>, ApiError> {
+    Ok(Json(with_uri(&state, state.engine.vdisk(&name)?)))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UpdateRequest {
+    size_bytes: Option<u64>,
+    #[serde(default)]
+    allow_shrink: bool,
+    shards: Option<u32>,
+}
+
+async fn update_vdisk(
+    State(state): State<ApiState>,
+    Path(name): Path<String>,
+    body: Result<Json<UpdateRequest>, axum::extract::rejection::JsonRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let Json(request) = body.map_err(|e| ApiError(StatusCode::BAD_REQUEST, e.body_text()))?;
+    let mut info = state.engine.vdisk(&name)?;
+    if let Some(size_bytes) = request.size_bytes {
+        info = state.engine.resize(&name, size_bytes, request.allow_shrink).await?;
+    }
+    if let Some(shards) = request.shards {
+        info = state.engine.set_shards(&name, shards).await?;
+    }
+    Ok(Json(with_uri(&state, info)))
+}
+
+#[derive(Deserialize)]
+struct DeleteQuery {
+    #[serde(default)]
+    force: bool,
+}
+
+async fn delete_vdisk(
+    State(state): State<ApiState>,
+    Path(name): Path<String>,
+    Query(query): Query<DeleteQuery>,
+) -> Result<Json<Value>, ApiError> {
+    state.engine.delete_vdisk(&name, query.force).await?;
+    Ok(Json(json!({ "deleted": name })))
+}
+
+async fn node_info(State(state): State<ApiState>) -> Json<Value> {
+    let config = state.engine.config();
+    Json(json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "nbd_listen": state.nbd_listen.to_string(),
+        "reactors": config.reactors,
+        "cache_bytes": config.cache_bytes,
+        "oplog_bytes_per_vdisk": config.oplog_bytes_per_vdisk,
+        "disks": config.disks.iter().map(|d| json!({"path": d.path.display().to_string(), "tier": d.tier.name()})).collect::<Vec<_>>(),
+    }))
+}
+
+async fn vdisk_stats(State(state): State<ApiState>) -> Json<Value> {
+    Json(json!({ "vdisks": state.engine.vdisk_stats() }))
+}
+
+async fn cache_stats(State(state): State<ApiState>) -> Json<Value> {
+    let (total, per_reactor) = state.engine.cache_stats();
+    Json(json!({ "total": total, "per_reactor": per_reactor }))
+}
+
+async fn metrics(State(state): State<ApiState>) -> impl IntoResponse {
+    (
+        [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        render_metrics(&state.engine),
+    )
+}

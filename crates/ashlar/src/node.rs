@@ -1,0 +1,274 @@
+//! `ashlar node`: start the engine, serve NBD and HTTP, stop cleanly on SIGTERM/SIGINT.
+
+use crate::args::NodeArgs;
+use crate::http::{router, ApiState};
+use crate::registry::{EngineRegistry, NodeEngine};
+use anyhow::{anyhow, bail, Context, Result};
+use ashlar_core::{format_size, parse_size};
+use ashlar_engine::reactor::default_reactor_count;
+use ashlar_engine::{Engine, EngineConfig, EngineError};
+use ashlar_meta::EmbeddedMetaStore;
+use ashlar_nbd::{serve_connection, NbdLimits};
+use ashlar_storage::disk::{Disk, Tier};
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Notify};
+
+/// How long SIGTERM waits for clients' in-flight requests before exiting anyway.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+pub fn run(args: NodeArgs) -> Result<()> {
+    init_logging();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the control runtime")?;
+    runtime.block_on(serve(args))
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}
+
+fn parse_disk(text: &str) -> Result<Disk> {
+    let (path, tier) = match text.rsplit_once(':') {
+        Some((path, "fast")) => (path, Tier::Fast),
+        Some((path, "slow")) => (path, Tier::Slow),
+        Some((_, other)) if !other.contains('/') => {
+            bail!("--disk {text}: unknown tier '{other}' (use fast or slow)")
+        }
+        _ => (text, Tier::Fast),
+    };
+    let path = PathBuf::from(path);
+    match std::fs::metadata(&path) {
+        Ok(meta) if meta.is_dir() => {}
+        Ok(_) => bail!("--disk {text}: {} is not a directory; this version stores data in files on a mounted filesystem, so give the directory of a mount point", path.display()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::create_dir_all(&path).with_context(|| format!("--disk {text}: creating {}", path.display()))?
+        }
+        Err(e) => bail!("--disk {text}: {e}"),
+    }
+    Ok(Disk { path, tier })
+}
+
+fn engine_config(args: &NodeArgs) -> Result<EngineConfig> {
+    let size = |flag: &str, text: &str| parse_size(text).map_err(|e| anyhow!("{flag}: {e}"));
+    let reactors = args.reactors.unwrap_or_else(default_reactor_count);
+    if reactors == 0 || reactors > 256 {
+        bail!("--reactors must be between 1 and 256");
+    }
+    let disks = if args.disks.is_empty() {
+        vec![Disk { path: args.data_dir.join("disk0"), tier: Tier::Fast }]
+    } else {
+        args.disks.iter().map(|d| parse_disk(d)).collect::<Result<_>>()?
+    };
+    Ok(EngineConfig {
+        data_dir: args.data_dir.clone(),
+        disks,
+        reactors,
+        cache_bytes: size("--cache-size", &args.cache_size)?,
+        oplog_bytes_per_vdisk: size("--oplog-size", &args.oplog_size)?,
+        shard_queue_limit: args.shard_queue_limit.max(1),
+        drain_batch_bytes: 8 << 20,
+        drain_idle: Duration::from_millis(500),
+        max_open_egroups_per_shard: args.max_open_egroups.max(1),
+        default_shards: args.default_shards.unwrap_or(reactors.min(ashlar_engine::config::MAX_SHARDS as usize) as u32),
+    })
+}
+
+fn nbd_limits(args: &NodeArgs) -> Result<NbdLimits> {
+    let max = parse_size(&args.nbd_max_request).map_err(|e| anyhow!("--nbd-max-request: {e}"))?;
+    if !(4096..=(1 << 30)).contains(&max) {
+        bail!("--nbd-max-request must be between 4K and 1G");
+    }
+    Ok(NbdLimits {
+        max_request_bytes: max as u32,
+        max_in_flight_requests: args.nbd_max_in_flight.max(1),
+        ..NbdLimits::default()
+    })
+}
+
+async fn ensure_vdisks(engine: &NodeEngine, specs: &[String]) -> Result<()> {
+    for spec in specs {
+        let (name, size) = spec
+            .split_once(':')
+            .ok_or_else(|| anyhow!("--ensure-vdisk {spec}: expected NAME:SIZE, e.g. demo:8G"))?;
+        let size_bytes = parse_size(size).map_err(|e| anyhow!("--ensure-vdisk {spec}: {e}"))?;
+        match engine.create_vdisk(name, size_bytes, None).await {
+            Ok(_) => tracing::info!(vdisk = name, size = %format_size(size_bytes), "created vdisk"),
+            Err(EngineError::AlreadyExists(_)) => {}
+            Err(e) => return Err(anyhow!("--ensure-vdisk {spec}: {e}")),
+        }
+    }
+    Ok(())
+}
+
+async fn serve(args: NodeArgs) -> Result<()> {
+    std::fs::create_dir_all(&args.data_dir)
+        .with_context(|| format!("creating data directory {}", args.data_dir.display()))?;
+    let config = engine_config(&args)?;
+    let limits = nbd_limits(&args)?;
+    let meta_path = args.data_dir.join("meta.redb");
+    let meta = EmbeddedMetaStore::open(&meta_path)
+        .map_err(|e| anyhow!("opening metadata store {}: {e}", meta_path.display()))?;
+    let nbd_listener = TcpListener::bind(args.nbd_listen)
+        .await
+        .with_context(|| format!("cannot listen for NBD on {}", args.nbd_listen))?;
+    let http_listener = TcpListener::bind(args.http_listen)
+        .await
+        .with_context(|| format!("cannot listen for HTTP on {}", args.http_listen))?;
+    let started = Instant::now();
+    let engine = Engine::start(config, meta).await.map_err(|e| anyhow!("starting the engine: {e}"))?;
+    ensure_vdisks(&engine, &args.ensure_vdisks).await?;
+    print_banner(&args, &engine, started.elapsed());
+
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let connections = Arc::new(ConnectionCount::default());
+    let api = router(ApiState { engine: engine.clone(), nbd_listen: args.nbd_listen });
+    let mut http_shutdown = shutdown_rx.clone();
+    let http = tokio::spawn(async move {
+        let graceful = async move {
+            let _ = http_shutdown.wait_for(|stop| *stop).await;
+        };
+        axum::serve(http_listener, api).with_graceful_shutdown(graceful).await
+    });
+    let accept = accept_loop(nbd_listener, engine.clone(), limits, shutdown_rx.clone(), connections.clone());
+    tokio::select! {
+        result = accept => result?,
+        signal = wait_for_signal() => tracing::info!("received {signal}; stopping"),
+    }
+    let _ = shutdown_tx.send(true);
+    if !connections.wait_idle(SHUTDOWN_GRACE).await {
+        tracing::warn!(left = connections.live(), "clients still connected after the grace period; exiting");
+    }
+    engine.begin_shutdown();
+    let _ = tokio::time::timeout(Duration::from_secs(2), http).await;
+    drop(engine);
+    tracing::info!("stopped; every acknowledged write is on stable storage");
+    Ok(())
+}
+
+fn print_banner(args: &NodeArgs, engine: &NodeEngine, startup: Duration) {
+    let config = engine.config();
+    tracing::info!(reactors = config.reactors, cache = %format_size(config.cache_bytes),
+        startup_ms = startup.as_millis() as u64, "node ready");
+    println!("Ashlar node ready: NBD on {}, HTTP API on http://{}", args.nbd_listen, args.http_listen);
+    for vdisk in engine.list_vdisks() {
+        let uri = format!("nbd://{}/{}", args.nbd_listen, vdisk.name);
+        println!("vdisk {} ({}): {uri}", vdisk.name, format_size(vdisk.size_bytes));
+    }
+    if let Some(vdisk) = engine.list_vdisks().first() {
+        let uri = format!("nbd://{}/{}", args.nbd_listen, vdisk.name);
+        println!("Connect with:");
+        println!("  nbdinfo {uri}");
+        println!("  qemu-img info {uri}");
+        println!("  fio --name=t --ioengine=nbd --uri={uri} --rw=randrw --bs=4k --iodepth=32 --size=1G --runtime=10 --time_based");
+        println!("  mkdir -p /tmp/mnt && nbdfuse /tmp/mnt {uri} &   # then: losetup -f --show /tmp/mnt/nbd; mkfs.ext4; mount");
+    }
+    println!("Manage vdisks with: ashlar vdisk --help");
+}
+
+async fn wait_for_signal() -> &'static str {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut interrupt)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        std::future::pending::<()>().await;
+        return "nothing";
+    };
+    tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = interrupt.recv() => "SIGINT",
+    }
+}
+
+#[derive(Default)]
+struct ConnectionCount {
+    live: AtomicUsize,
+    changed: Notify,
+}
+
+impl ConnectionCount {
+    fn live(&self) -> usize {
+        self.live.load(Ordering::SeqCst)
+    }
+
+    async fn wait_idle(&self, limit: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        while self.live() > 0 {
+            if tokio::time::timeout_at(deadline, self.changed.notified()).await.is_err() {
+                return self.live() == 0;
+            }
+        }
+        true
+    }
+}
+
+struct ConnectionTicket(Arc<ConnectionCount>);
+
+impl Drop for ConnectionTicket {
+    fn drop(&mut self) {
+        self.0.live.fetch_sub(1, Ordering::SeqCst);
+        self.0.changed.notify_waiters();
+    }
+}
+
+/// Accepts NBD clients and places each connection on a reactor, round-robin, so several
+/// connections to one vdisk (multi-conn) run on different cores.
+async fn accept_loop(
+    listener: TcpListener,
+    engine: Arc<NodeEngine>,
+    limits: NbdLimits,
+    shutdown: watch::Receiver<bool>,
+    connections: Arc<ConnectionCount>,
+) -> Result<()> {
+    let mut next_reactor = 0usize;
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(error) => {
+                // Out of file descriptors and the like: keep serving existing clients.
+                tracing::warn!(%error, "accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let std_stream = match stream.into_std() {
+            Ok(s) => s,
+            Err(error) => {
+                tracing::warn!(%peer, %error, "cannot hand over connection");
+                continue;
+            }
+        };
+        let reactors = engine.reactors().handles();
+        let reactor = &reactors[next_reactor % reactors.len()];
+        next_reactor += 1;
+        connections.live.fetch_add(1, Ordering::SeqCst);
+        let ticket = ConnectionTicket(connections.clone());
+        let registry_engine = engine.clone();
+        let limits = limits.clone();
+        let shutdown = shutdown.clone();
+        let spawned = reactor.spawn_detached(move || async move {
+            let _ticket = ticket;
+            let stream = match tokio::net::TcpStream::from_std(std_stream) {
+                Ok(stream) => stream,
+                Err(error) => {
+                    tracing::warn!(%peer, %error, "cannot register connection");
+                    return;
+                }
+            };
+            let registry = Rc::new(EngineRegistry { engine: registry_engine });
+            tracing::debug!(%peer, "NBD client connected");
+            if let Err(error) = serve_connection(stream, registry, limits, shutdown).await {
+                tracing::info!(%peer, %error, "NBD connection ended with an error");
+            }
+        });
+        if spawned.is_err() {
+            tracing::warn!(%peer, "reactor queue full; connection dropped");
+        }
+    }
+}

@@ -1,0 +1,168 @@
+//! The read cache: one per reactor, so only that reactor's shard controllers touch it (no
+//! locks). Two pools, as in DSF's unified cache: a block read once enters the single-touch pool;
+//! a second hit promotes it to the multi-touch pool, so one large scan cannot flush the blocks a
+//! workload reads again and again. Blocks evicted from the multi-touch pool get a second chance
+//! in the single-touch pool.
+
+use crate::lru::Lru;
+use ashlar_core::{Epoch, VdiskId};
+use bytes::Bytes;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// A cached 4 KiB block. The shard-map epoch is part of the key: when shards are re-created
+/// the new controllers never see blocks cached under an older epoch, which may be stale.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CacheKey {
+    pub vdisk: VdiskId,
+    pub epoch: Epoch,
+    pub block: u64,
+}
+
+/// Counters readable from any thread (the stats endpoint), written only by the owning reactor.
+#[derive(Default, Debug)]
+pub struct CacheCounters {
+    pub single_touch_hits: AtomicU64,
+    pub multi_touch_hits: AtomicU64,
+    pub misses: AtomicU64,
+    pub single_touch_bytes: AtomicU64,
+    pub multi_touch_bytes: AtomicU64,
+    pub capacity_bytes: AtomicU64,
+}
+
+pub struct BlockCache {
+    single_touch: Lru<CacheKey, Bytes>,
+    multi_touch: Lru<CacheKey, Bytes>,
+    single_touch_limit_bytes: u64,
+    multi_touch_limit_bytes: u64,
+    block_bytes: u64,
+    counters: Arc<CacheCounters>,
+}
+
+impl BlockCache {
+    /// `capacity_bytes` is split evenly between the pools.
+    pub fn new(capacity_bytes: u64, block_bytes: u64) -> Self {
+        let counters = Arc::new(CacheCounters::default());
+        counters.capacity_bytes.store(capacity_bytes, Ordering::Relaxed);
+        BlockCache {
+            single_touch: Lru::new(),
+            multi_touch: Lru::new(),
+            single_touch_limit_bytes: capacity_bytes / 2,
+            multi_touch_limit_bytes: capacity_bytes - capacity_bytes / 2,
+            block_bytes,
+            counters,
+        }
+    }
+
+    pub fn counters(&self) -> Arc<CacheCounters> {
+        self.counters.clone()
+    }
+
+    pub fn get(&mut self, key: &CacheKey) -> Option<Bytes> {
+        if let Some(block) = self.multi_touch.get(key) {
+            let block = block.clone();
+            self.counters.multi_touch_hits.fetch_add(1, Ordering::Relaxed);
+            return Some(block);
+        }
+        if let Some(block) = self.single_touch.remove(key) {
+            self.counters.single_touch_hits.fetch_add(1, Ordering::Relaxed);
+            self.multi_touch.insert(*key, block.clone());
+            self.enforce_limits();
+            return Some(block);
+        }
+        self.counters.misses.fetch_add(1, Ordering::Relaxed);
+        None
+    }
+
+    /// Caches a block just read from the extent store.
+    pub fn insert(&mut self, key: CacheKey, block: Bytes) {
+        debug_assert_eq!(block.len() as u64, self.block_bytes);
+        if self.single_touch_limit_bytes < self.block_bytes {
+            return;
+        }
+        self.multi_touch.remove(&key);
+        self.single_touch.insert(key, block);
+        self.enforce_limits();
+    }
+
+    /// Drops a block whose data changed.
+    pub fn invalidate(&mut self, key: &CacheKey) {
+        if self.single_touch.remove(key).is_none() {
+            self.multi_touch.remove(key);
+        }
+        self.publish_sizes();
+    }
+
+    fn enforce_limits(&mut self) {
+        while self.bytes(&self.multi_touch) > self.multi_touch_limit_bytes {
+            match self.multi_touch.pop_lru() {
+                Some((key, block)) => {
+                    self.single_touch.insert(key, block);
+                }
+                None => break,
+            }
+        }
+        while self.bytes(&self.single_touch) > self.single_touch_limit_bytes {
+            if self.single_touch.pop_lru().is_none() {
+                break;
+            }
+        }
+        self.publish_sizes();
+    }
+
+    fn bytes(&self, pool: &Lru<CacheKey, Bytes>) -> u64 {
+        pool.len() as u64 * self.block_bytes
+    }
+
+    fn publish_sizes(&self) {
+        let c = &self.counters;
+        c.single_touch_bytes.store(self.bytes(&self.single_touch), Ordering::Relaxed);
+        c.multi_touch_bytes.store(self.bytes(&self.multi_touch), Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(block: u64) -> CacheKey {
+        CacheKey { vdisk: VdiskId(1), epoch: Epoch(1), block }
+    }
+
+    fn block(fill: u8) -> Bytes {
+        Bytes::from(vec![fill; 4096])
+    }
+
+    #[test]
+    fn second_hit_promotes_and_scans_do_not_evict_hot_blocks() {
+        let mut cache = BlockCache::new(8 * 4096, 4096);
+        cache.insert(key(0), block(0));
+        assert!(cache.get(&key(0)).is_some()); // promoted to multi-touch
+        for b in 1..100 {
+            cache.insert(key(b), block(b as u8)); // a scan through single-touch
+        }
+        assert_eq!(cache.get(&key(0)).unwrap()[0], 0);
+        let counters = cache.counters();
+        assert!(counters.single_touch_bytes.load(Ordering::Relaxed) <= 4 * 4096);
+        assert_eq!(counters.multi_touch_bytes.load(Ordering::Relaxed), 4096);
+    }
+
+    #[test]
+    fn invalidate_removes_from_either_pool() {
+        let mut cache = BlockCache::new(8 * 4096, 4096);
+        cache.insert(key(1), block(1));
+        cache.insert(key(2), block(2));
+        cache.get(&key(2));
+        cache.invalidate(&key(1));
+        cache.invalidate(&key(2));
+        assert!(cache.get(&key(1)).is_none());
+        assert!(cache.get(&key(2)).is_none());
+    }
+
+    #[test]
+    fn zero_capacity_caches_nothing() {
+        let mut cache = BlockCache::new(0, 4096);
+        cache.insert(key(1), block(1));
+        assert!(cache.get(&key(1)).is_none());
+    }
+}

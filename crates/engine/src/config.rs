@@ -1,0 +1,48 @@
+//! Engine configuration: every limit that bounds memory or queues is named here.
+
+use ashlar_storage::disk::Disk;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Where the metadata store lives (and, without `--disk`, the data).
+    pub data_dir: PathBuf,
+    /// Directories holding oplogs (first fast disk) and extent groups.
+    pub disks: Vec<Disk>,
+    /// Reactor threads, one per core.
+    pub reactors: usize,
+    /// Read cache of the whole node, split evenly across reactors.
+    pub cache_bytes: u64,
+    /// Oplog capacity of each vdisk, split evenly across its shards.
+    pub oplog_bytes_per_vdisk: u64,
+    /// Requests queued per shard controller before senders wait.
+    pub shard_queue_limit: usize,
+    /// Largest amount of oplog data one drain pass moves to the extent store.
+    pub drain_batch_bytes: u64,
+    /// A shard drains its oplog when it has seen no write for this long.
+    pub drain_idle: Duration,
+    /// Extent groups a shard keeps open (fds and checksum blocks, 16 KiB each).
+    pub max_open_egroups_per_shard: usize,
+    /// Shard count of a new vdisk when the user does not choose one.
+    pub default_shards: u32,
+}
+
+/// Upper bound on shards per vdisk; more would only add queues, not parallelism.
+pub const MAX_SHARDS: u32 = 64;
+/// Each shard's oplog gets at least this much, whatever the per-vdisk setting.
+pub const MIN_OPLOG_BYTES_PER_SHARD: u64 = 16 << 20;
+
+impl EngineConfig {
+    pub fn oplog_bytes_per_shard(&self, shards: u32) -> u64 {
+        (self.oplog_bytes_per_vdisk / shards.max(1) as u64).max(MIN_OPLOG_BYTES_PER_SHARD)
+    }
+
+    /// The oplog lives on the first fast-tier disk (or the first disk if none is fast).
+    pub fn oplog_disk(&self) -> &Disk {
+        self.disks
+            .iter()
+            .find(|d| d.tier == ashlar_storage::disk::Tier::Fast)
+            .unwrap_or(&self.disks[0])
+    }
+}

@@ -1,0 +1,631 @@
+//! The engine: owns the reactors, the vdisk catalog and every vdisk's control state. This is
+//! the control half of each vdisk's primary controller: it creates, resizes, re-shards and
+//! deletes vdisks. Control operations are serialized by one async mutex; none runs per I/O.
+
+use crate::cache::{BlockCache, CacheCounters};
+use crate::catalog::{self, CatalogError, VdiskRecord};
+use crate::config::{EngineConfig, MAX_SHARDS};
+use crate::reactor::{ReactorId, ReactorPool};
+use crate::shard::{drain_all, remove_oplog_dir, start_shard, ShardControl, ShardLink, ShardSpec};
+use crate::stats::{CounterSnapshot, IoRates};
+use crate::vdisk::{ShardMap, VdiskHandle, VdiskShared, SHARD_RANGE_BYTES};
+use ashlar_core::{Epoch, VdiskId, BLOCK_SIZE_BYTES, MAX_VDISK_SIZE_BYTES};
+use ashlar_meta::MetaStore;
+use ashlar_storage::disk::StdOpener;
+use ashlar_storage::extent_store::{self, ExtentStore, ExtentStoreConfig};
+use ashlar_storage::oplog::{Oplog, OplogConfig};
+use serde::Serialize;
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+use tokio::sync::{oneshot, watch};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("vdisk '{0}' not found")]
+    NotFound(String),
+    #[error("vdisk '{0}' already exists")]
+    AlreadyExists(String),
+    #[error("invalid vdisk name '{name}': {reason}")]
+    InvalidName { name: String, reason: String },
+    #[error("invalid size: {0}")]
+    InvalidSize(String),
+    #[error("invalid shard count {0}: must be between 1 and {MAX_SHARDS}")]
+    InvalidShards(u32),
+    #[error("refusing to shrink vdisk '{name}' from {current} to {requested} bytes: data past the new end would be discarded (use --allow-shrink)")]
+    ShrinkRefused { name: String, current: u64, requested: u64 },
+    #[error("vdisk '{name}' has {connections} connected client(s); disconnect them or use --force")]
+    InUse { name: String, connections: usize },
+    #[error("metadata: {0}")]
+    Meta(String),
+    #[error("storage: {0}")]
+    Storage(String),
+    #[error("the node is stopping")]
+    Stopping,
+}
+
+impl From<CatalogError> for EngineError {
+    fn from(error: CatalogError) -> Self {
+        match error {
+            CatalogError::AlreadyExists(name) => EngineError::AlreadyExists(name),
+            other => EngineError::Meta(other.to_string()),
+        }
+    }
+}
+
+/// A vdisk as the API shows it.
+#[derive(Clone, Debug, Serialize)]
+pub struct VdiskInfo {
+    pub name: String,
+    pub id: VdiskId,
+    pub size_bytes: u64,
+    pub shards: u32,
+    pub replication_factor: u8,
+    pub block_size_bytes: u32,
+    pub created_unix_seconds: u64,
+    pub connections: usize,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct VdiskStats {
+    pub name: String,
+    pub id: VdiskId,
+    pub size_bytes: u64,
+    pub shards: u32,
+    pub connections: usize,
+    pub read_ops: u64,
+    pub write_ops: u64,
+    pub read_bytes: u64,
+    pub write_bytes: u64,
+    pub errors: u64,
+    pub oplog_usage_bytes: u64,
+    pub oplog_capacity_bytes: u64,
+    /// Rates over the interval since the previous stats request (at least 1 s).
+    #[serde(flatten)]
+    pub rates: IoRates,
+}
+
+#[derive(Clone, Debug, Serialize, Default)]
+pub struct CacheStats {
+    pub capacity_bytes: u64,
+    pub single_touch_bytes: u64,
+    pub multi_touch_bytes: u64,
+    pub single_touch_hits: u64,
+    pub multi_touch_hits: u64,
+    pub misses: u64,
+    pub hit_rate: f64,
+    pub single_touch_hit_rate: f64,
+    pub multi_touch_hit_rate: f64,
+}
+
+struct VdiskEntry {
+    record: VdiskRecord,
+    shared: Arc<VdiskShared>,
+}
+
+struct RateSample {
+    at: Instant,
+    snapshot: CounterSnapshot,
+    rates: IoRates,
+}
+
+pub struct Engine<M: MetaStore> {
+    config: EngineConfig,
+    meta: M,
+    reactors: ReactorPool,
+    vdisks: Mutex<BTreeMap<String, VdiskEntry>>,
+    control: tokio::sync::Mutex<()>,
+    cache_counters: Vec<Arc<CacheCounters>>,
+    rate_samples: Mutex<HashMap<VdiskId, RateSample>>,
+}
+
+thread_local! {
+    /// The reactor's read cache; set once when the reactor starts.
+    static REACTOR_CACHE: RefCell<Option<Rc<RefCell<BlockCache>>>> = const { RefCell::new(None) };
+}
+
+fn reactor_cache() -> Rc<RefCell<BlockCache>> {
+    REACTOR_CACHE.with(|slot| {
+        slot.borrow_mut()
+            .get_or_insert_with(|| Rc::new(RefCell::new(BlockCache::new(0, BLOCK_SIZE_BYTES))))
+            .clone()
+    })
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Control-plane maps hold no invariant a panic could break half-way; keep serving.
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn now_unix_seconds() -> u64 {
+    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+impl<M: MetaStore> Engine<M> {
+    /// Starts reactors, recovers every vdisk's oplogs left by a previous run, and starts the
+    /// shard controllers. Returns once every vdisk is ready to serve.
+    pub async fn start(config: EngineConfig, meta: M) -> Result<Arc<Self>, EngineError> {
+        assert!(!config.disks.is_empty(), "the node needs at least one disk");
+        for disk in &config.disks {
+            std::fs::create_dir_all(&disk.path)
+                .map_err(|e| EngineError::Storage(format!("cannot create {}: {e}", disk.path.display())))?;
+        }
+        let reactors = ReactorPool::start(config.reactors)
+            .map_err(|e| EngineError::Storage(format!("cannot start reactor threads: {e}")))?;
+        let per_reactor_cache = config.cache_bytes / reactors.len() as u64;
+        let mut cache_counters = Vec::new();
+        for reactor in reactors.handles() {
+            let counters = reactor
+                .run(move || async move {
+                    let cache = BlockCache::new(per_reactor_cache, BLOCK_SIZE_BYTES);
+                    let counters = cache.counters();
+                    REACTOR_CACHE.with(|slot| *slot.borrow_mut() = Some(Rc::new(RefCell::new(cache))));
+                    counters
+                })
+                .await
+                .map_err(|e| EngineError::Storage(e.to_string()))?;
+            cache_counters.push(counters);
+        }
+        let engine = Arc::new(Engine {
+            config,
+            meta,
+            reactors,
+            vdisks: Mutex::new(BTreeMap::new()),
+            control: tokio::sync::Mutex::new(()),
+            cache_counters,
+            rate_samples: Mutex::new(HashMap::new()),
+        });
+        let records = catalog::list(&engine.meta).await?;
+        engine.remove_orphans(&records);
+        for record in records {
+            let epoch = engine.recover_oplogs(record.id).await?;
+            let shared = engine.start_vdisk(&record, epoch.next()).await?;
+            tracing::info!(vdisk = %record.name, id = %record.id, size_bytes = record.size_bytes,
+                shards = record.shards, "vdisk ready");
+            lock(&engine.vdisks).insert(record.name.clone(), VdiskEntry { record, shared });
+        }
+        Ok(engine)
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    fn oplog_root(&self, vdisk: VdiskId) -> PathBuf {
+        self.config.oplog_disk().path.join("oplog").join(vdisk.to_string())
+    }
+
+    fn oplog_dir(&self, vdisk: VdiskId, epoch: Epoch, shard: u32) -> PathBuf {
+        self.oplog_root(vdisk).join(format!("e{:010}-s{:04}", epoch.0, shard))
+    }
+
+    /// Data of vdisks the catalog no longer knows (a delete interrupted by a crash after the
+    /// catalog entry went away) is removed at startup.
+    fn remove_orphans(&self, records: &[VdiskRecord]) {
+        let known: std::collections::HashSet<String> = records.iter().map(|r| r.id.to_string()).collect();
+        for disk in &self.config.disks {
+            for area in ["extents", "oplog"] {
+                let Ok(entries) = std::fs::read_dir(disk.path.join(area)) else { continue };
+                for entry in entries.flatten() {
+                    let name = entry.file_name().to_string_lossy().into_owned();
+                    if name.len() == 16 && u64::from_str_radix(&name, 16).is_ok() && !known.contains(&name) {
+                        tracing::warn!(path = %entry.path().display(), "removing data of a deleted vdisk");
+                        let _ = std::fs::remove_dir_all(entry.path());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Replays and drains every oplog a previous run left for the vdisk, oldest shard-map
+    /// epoch first, so the extent store holds every acknowledged write. Returns the newest
+    /// epoch seen (0 if none).
+    async fn recover_oplogs(&self, vdisk: VdiskId) -> Result<Epoch, EngineError> {
+        let root = self.oplog_root(vdisk);
+        let mut logs = list_oplog_dirs(&root);
+        if logs.is_empty() {
+            return Ok(Epoch(0));
+        }
+        logs.sort();
+        let newest = logs.last().map(|(epoch, _, _)| *epoch).unwrap_or(Epoch(0));
+        let disks = self.config.disks.clone();
+        let capacity = self.config.oplog_bytes_per_vdisk.max(1 << 20);
+        let max_open_egroups = self.config.max_open_egroups_per_shard;
+        let reactor = self.reactors.get(ReactorId(vdisk.0 as usize));
+        reactor
+            .run(move || async move {
+                let store = ExtentStore::new(StdOpener, ExtentStoreConfig { vdisk, disks, max_open_egroups });
+                for (epoch, shard, dir) in logs {
+                    let config = OplogConfig {
+                        dir: dir.clone(),
+                        capacity_bytes: capacity,
+                        segment_bytes: (capacity / 8).max(1 << 20),
+                        max_commit_batch_bytes: 4 << 20,
+                    };
+                    let oplog = Oplog::open(StdOpener, config)
+                        .await
+                        .map_err(|e| format!("replaying {}: {e}", dir.display()))?;
+                    let live = oplog.live_bytes();
+                    drain_all(&oplog, &store).await?;
+                    drop(oplog);
+                    remove_oplog_dir(&dir)?;
+                    if live > 0 {
+                        tracing::info!(vdisk = %vdisk, epoch = epoch.0, shard, live_bytes = live,
+                            "replayed oplog into the extent store");
+                    }
+                }
+                store.sync().await.map_err(|e| e.to_string())
+            })
+            .await
+            .map_err(|e| EngineError::Storage(e.to_string()))?
+            .map_err(EngineError::Storage)?;
+        Ok(newest)
+    }
+
+    /// Starts `count` gated shard controllers for `epoch`, spread over reactors.
+    async fn start_shards(
+        &self,
+        vdisk: VdiskId,
+        epoch: Epoch,
+        count: u32,
+    ) -> Result<(Vec<ShardLink>, watch::Sender<bool>), EngineError> {
+        let (gate, gate_receiver) = watch::channel(false);
+        let mut links = Vec::with_capacity(count as usize);
+        for index in 0..count {
+            let spec = ShardSpec {
+                vdisk,
+                epoch,
+                index,
+                oplog_dir: self.oplog_dir(vdisk, epoch, index),
+                oplog_capacity_bytes: self.config.oplog_bytes_per_shard(count),
+                disks: self.config.disks.clone(),
+                max_open_egroups: self.config.max_open_egroups_per_shard,
+                drain_batch_bytes: self.config.drain_batch_bytes,
+                drain_idle: self.config.drain_idle,
+                request_queue_limit: self.config.shard_queue_limit,
+            };
+            let reactor = self.reactors.get(ReactorId(vdisk.0 as usize + index as usize));
+            let gate = gate_receiver.clone();
+            let link = reactor
+                .run(move || async move { start_shard(spec, reactor_cache(), gate).await })
+                .await
+                .map_err(|e| EngineError::Storage(e.to_string()))?
+                .map_err(EngineError::Storage)?;
+            links.push(link);
+        }
+        Ok((links, gate))
+    }
+
+    async fn start_vdisk(&self, record: &VdiskRecord, epoch: Epoch) -> Result<Arc<VdiskShared>, EngineError> {
+        let (shards, gate) = self.start_shards(record.id, epoch, record.shards).await?;
+        let map = ShardMap { epoch, shards };
+        let shared = Arc::new(VdiskShared::new(record.id, record.name.clone(), record.size_bytes, map));
+        let _ = gate.send(true);
+        Ok(shared)
+    }
+
+    fn validate_size(size_bytes: u64) -> Result<(), EngineError> {
+        if size_bytes == 0 {
+            return Err(EngineError::InvalidSize("a vdisk must be larger than 0 bytes".into()));
+        }
+        if size_bytes % 512 != 0 {
+            return Err(EngineError::InvalidSize(format!("{size_bytes} is not a multiple of 512 bytes")));
+        }
+        if size_bytes > MAX_VDISK_SIZE_BYTES {
+            return Err(EngineError::InvalidSize(format!(
+                "{size_bytes} bytes is larger than the maximum vdisk size ({MAX_VDISK_SIZE_BYTES} bytes)"
+            )));
+        }
+        Ok(())
+    }
+
+    fn validate_shards(&self, shards: u32) -> Result<(), EngineError> {
+        if shards == 0 || shards > MAX_SHARDS {
+            return Err(EngineError::InvalidShards(shards));
+        }
+        Ok(())
+    }
+
+    pub async fn create_vdisk(
+        &self,
+        name: &str,
+        size_bytes: u64,
+        shards: Option<u32>,
+    ) -> Result<VdiskInfo, EngineError> {
+        catalog::validate_name(name)
+            .map_err(|reason| EngineError::InvalidName { name: name.into(), reason })?;
+        Self::validate_size(size_bytes)?;
+        let shards = shards.unwrap_or(self.config.default_shards);
+        self.validate_shards(shards)?;
+        let _control = self.control.lock().await;
+        if lock(&self.vdisks).contains_key(name) {
+            return Err(EngineError::AlreadyExists(name.into()));
+        }
+        let record = VdiskRecord {
+            id: VdiskId(0),
+            name: name.into(),
+            size_bytes,
+            shards,
+            replication_factor: 1,
+            block_size_bytes: BLOCK_SIZE_BYTES as u32,
+            created_unix_seconds: now_unix_seconds(),
+        };
+        let record = catalog::create(&self.meta, record).await?;
+        let shared = self.start_vdisk(&record, Epoch(1)).await?;
+        tracing::info!(vdisk = %record.name, id = %record.id, size_bytes, shards, "vdisk created");
+        let info = info_of(&record, &shared);
+        lock(&self.vdisks).insert(record.name.clone(), VdiskEntry { record, shared });
+        Ok(info)
+    }
+
+    pub fn list_vdisks(&self) -> Vec<VdiskInfo> {
+        lock(&self.vdisks).values().map(|e| info_of(&e.record, &e.shared)).collect()
+    }
+
+    pub fn vdisk(&self, name: &str) -> Result<VdiskInfo, EngineError> {
+        lock(&self.vdisks)
+            .get(name)
+            .map(|e| info_of(&e.record, &e.shared))
+            .ok_or_else(|| EngineError::NotFound(name.into()))
+    }
+
+    fn shared(&self, name: &str) -> Result<(VdiskRecord, Arc<VdiskShared>), EngineError> {
+        lock(&self.vdisks)
+            .get(name)
+            .map(|e| (e.record.clone(), e.shared.clone()))
+            .ok_or_else(|| EngineError::NotFound(name.into()))
+    }
+
+    /// A handle for one client connection.
+    pub fn open(&self, name: &str) -> Result<VdiskHandle, EngineError> {
+        let (_, shared) = self.shared(name)?;
+        if shared.closing.load(Ordering::Relaxed) {
+            return Err(EngineError::Stopping);
+        }
+        Ok(VdiskHandle::new(shared))
+    }
+
+    pub async fn resize(&self, name: &str, size_bytes: u64, allow_shrink: bool) -> Result<VdiskInfo, EngineError> {
+        Self::validate_size(size_bytes)?;
+        let _control = self.control.lock().await;
+        let (mut record, shared) = self.shared(name)?;
+        let current = record.size_bytes;
+        if size_bytes < current {
+            if !allow_shrink {
+                return Err(EngineError::ShrinkRefused { name: name.into(), current, requested: size_bytes });
+            }
+            // Clients lose the tail first, then its data is freed, then the catalog follows:
+            // a crash in between leaves a larger vdisk whose tail reads as zeros.
+            shared.size_bytes.store(size_bytes, Ordering::Relaxed);
+            discard_range(&shared, size_bytes, current).await?;
+        }
+        record.size_bytes = size_bytes;
+        catalog::update(&self.meta, &record).await?;
+        shared.size_bytes.store(size_bytes, Ordering::Relaxed);
+        self.replace_record(record.clone());
+        tracing::info!(vdisk = name, from = current, to = size_bytes, "vdisk resized");
+        Ok(info_of(&record, &shared))
+    }
+
+    fn replace_record(&self, record: VdiskRecord) {
+        if let Some(entry) = lock(&self.vdisks).get_mut(&record.name) {
+            entry.record = record;
+        }
+    }
+
+    /// Changes the shard count while clients run. New controllers start gated, the new map is
+    /// published, old controllers finish in-flight I/O and drain their oplogs into the extent
+    /// store, then the gate opens. Requests that reach an old shard meanwhile are re-sent on
+    /// the new map; none fails.
+    pub async fn set_shards(&self, name: &str, shards: u32) -> Result<VdiskInfo, EngineError> {
+        self.validate_shards(shards)?;
+        let _control = self.control.lock().await;
+        let (mut record, shared) = self.shared(name)?;
+        let old_map = shared.map.load_full();
+        if shards as usize == old_map.shards.len() {
+            return Ok(info_of(&record, &shared));
+        }
+        let epoch = old_map.epoch.next();
+        let (links, gate) = self.start_shards(record.id, epoch, shards).await?;
+        shared.map.store(Arc::new(ShardMap { epoch, shards: links }));
+        let started = Instant::now();
+        if let Err(error) = retire_all(&old_map.shards, false).await {
+            // The old oplogs stay on disk and are replayed (oldest epoch first) on restart;
+            // serving the new map now could expose older data, so stop serving this vdisk.
+            shared.closing.store(true, Ordering::Relaxed);
+            return Err(EngineError::Storage(format!("re-sharding '{name}' failed: {error}; vdisk taken offline")));
+        }
+        let _ = gate.send(true);
+        record.shards = shards;
+        catalog::update(&self.meta, &record).await?;
+        self.replace_record(record.clone());
+        tracing::info!(vdisk = name, from = old_map.shards.len(), to = shards, epoch = epoch.0,
+            pause_ms = started.elapsed().as_millis() as u64, "shard count changed");
+        Ok(info_of(&record, &shared))
+    }
+
+    pub async fn delete_vdisk(&self, name: &str, force: bool) -> Result<(), EngineError> {
+        let _control = self.control.lock().await;
+        let (record, shared) = self.shared(name)?;
+        let connections = shared.connections.load(Ordering::Relaxed);
+        if connections > 0 && !force {
+            return Err(EngineError::InUse { name: name.into(), connections });
+        }
+        shared.closing.store(true, Ordering::Relaxed);
+        // Catalog first: a crash after this leaves orphan files that startup removes, never
+        // a catalog entry whose data is half gone.
+        catalog::delete(&self.meta, name).await?;
+        lock(&self.vdisks).remove(name);
+        let map = shared.map.load_full();
+        if let Err(error) = retire_all(&map.shards, true).await {
+            tracing::warn!(vdisk = name, %error, "shards did not stop cleanly during delete");
+        }
+        remove_oplog_dir(&self.oplog_root(record.id)).map_err(EngineError::Storage)?;
+        extent_store::remove_vdisk_data(&self.config.disks, record.id)
+            .map_err(|e| EngineError::Storage(format!("removing data of '{name}': {e}")))?;
+        tracing::info!(vdisk = name, id = %record.id, "vdisk deleted");
+        Ok(())
+    }
+
+    pub fn vdisk_stats(&self) -> Vec<VdiskStats> {
+        let entries: Vec<(VdiskRecord, Arc<VdiskShared>)> =
+            lock(&self.vdisks).values().map(|e| (e.record.clone(), e.shared.clone())).collect();
+        let mut samples = lock(&self.rate_samples);
+        let now = Instant::now();
+        entries
+            .into_iter()
+            .map(|(record, shared)| {
+                let snapshot = shared.counters.snapshot();
+                let sample = samples.entry(record.id).or_insert_with(|| RateSample {
+                    at: now,
+                    snapshot: CounterSnapshot::default(),
+                    rates: IoRates::default(),
+                });
+                let elapsed = now.duration_since(sample.at);
+                if elapsed >= Duration::from_secs(1) || sample.snapshot.read_latency.is_empty() {
+                    sample.rates = snapshot.rates_since(&sample.snapshot, elapsed.max(Duration::from_millis(1)));
+                    sample.snapshot = snapshot.clone();
+                    sample.at = now;
+                }
+                VdiskStats {
+                    name: record.name.clone(),
+                    id: record.id,
+                    size_bytes: shared.size_bytes.load(Ordering::Relaxed),
+                    shards: shared.shard_count() as u32,
+                    connections: shared.connections.load(Ordering::Relaxed),
+                    read_ops: snapshot.read_ops,
+                    write_ops: snapshot.write_ops,
+                    read_bytes: snapshot.read_bytes,
+                    write_bytes: snapshot.write_bytes,
+                    errors: snapshot.errors,
+                    oplog_usage_bytes: shared.oplog_usage_bytes(),
+                    oplog_capacity_bytes: self.config.oplog_bytes_per_shard(record.shards) * record.shards as u64,
+                    rates: sample.rates.clone(),
+                }
+            })
+            .collect()
+    }
+
+    /// Cache statistics summed over reactors, and per reactor.
+    pub fn cache_stats(&self) -> (CacheStats, Vec<CacheStats>) {
+        let per_reactor: Vec<CacheStats> = self.cache_counters.iter().map(|c| cache_stats_of(c)).collect();
+        let mut total = CacheStats::default();
+        for s in &per_reactor {
+            total.capacity_bytes += s.capacity_bytes;
+            total.single_touch_bytes += s.single_touch_bytes;
+            total.multi_touch_bytes += s.multi_touch_bytes;
+            total.single_touch_hits += s.single_touch_hits;
+            total.multi_touch_hits += s.multi_touch_hits;
+            total.misses += s.misses;
+        }
+        fill_hit_rates(&mut total);
+        (total, per_reactor)
+    }
+
+    /// The reactors, for front-ends that place connections on them.
+    pub fn reactors(&self) -> &ReactorPool {
+        &self.reactors
+    }
+
+    /// Fails further I/O on every vdisk. Acknowledged writes are already durable; oplogs are
+    /// replayed at the next start.
+    pub fn begin_shutdown(&self) {
+        for entry in lock(&self.vdisks).values() {
+            entry.shared.closing.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+fn info_of(record: &VdiskRecord, shared: &VdiskShared) -> VdiskInfo {
+    VdiskInfo {
+        name: record.name.clone(),
+        id: record.id,
+        size_bytes: shared.size_bytes.load(Ordering::Relaxed),
+        shards: shared.shard_count() as u32,
+        replication_factor: record.replication_factor,
+        block_size_bytes: record.block_size_bytes,
+        created_unix_seconds: record.created_unix_seconds,
+        connections: shared.connections.load(Ordering::Relaxed),
+    }
+}
+
+fn cache_stats_of(counters: &CacheCounters) -> CacheStats {
+    let mut stats = CacheStats {
+        capacity_bytes: counters.capacity_bytes.load(Ordering::Relaxed),
+        single_touch_bytes: counters.single_touch_bytes.load(Ordering::Relaxed),
+        multi_touch_bytes: counters.multi_touch_bytes.load(Ordering::Relaxed),
+        single_touch_hits: counters.single_touch_hits.load(Ordering::Relaxed),
+        multi_touch_hits: counters.multi_touch_hits.load(Ordering::Relaxed),
+        misses: counters.misses.load(Ordering::Relaxed),
+        ..CacheStats::default()
+    };
+    fill_hit_rates(&mut stats);
+    stats
+}
+
+fn fill_hit_rates(stats: &mut CacheStats) {
+    let lookups = (stats.single_touch_hits + stats.multi_touch_hits + stats.misses).max(1) as f64;
+    stats.hit_rate = (stats.single_touch_hits + stats.multi_touch_hits) as f64 / lookups;
+    stats.single_touch_hit_rate = stats.single_touch_hits as f64 / lookups;
+    stats.multi_touch_hit_rate = stats.multi_touch_hits as f64 / lookups;
+}
+
+/// Oplog directories of a vdisk: `e<epoch>-s<shard>`, as (epoch, shard, path).
+fn list_oplog_dirs(root: &Path) -> Vec<(Epoch, u32, PathBuf)> {
+    let Ok(entries) = std::fs::read_dir(root) else { return Vec::new() };
+    let mut dirs = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let parsed = name
+            .strip_prefix('e')
+            .and_then(|rest| rest.split_once("-s"))
+            .and_then(|(epoch, shard)| Some((epoch.parse::<u64>().ok()?, shard.parse::<u32>().ok()?)));
+        match parsed {
+            Some((epoch, shard)) => dirs.push((Epoch(epoch), shard, entry.path())),
+            None => tracing::warn!(path = %entry.path().display(), "ignoring unexpected entry in oplog directory"),
+        }
+    }
+    dirs
+}
+
+async fn retire_all(shards: &[ShardLink], discard: bool) -> Result<(), String> {
+    let mut waiting = Vec::new();
+    for link in shards {
+        let (done, result) = oneshot::channel();
+        if link.control.send(ShardControl::Retire { discard, done }).await.is_ok() {
+            waiting.push(result);
+        }
+    }
+    let mut first_error = None;
+    for result in waiting {
+        match result.await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => {
+                first_error.get_or_insert(error);
+            }
+            Err(_) => {
+                first_error.get_or_insert_with(|| "a shard stopped before handing over".to_string());
+            }
+        }
+    }
+    first_error.map_or(Ok(()), Err)
+}
+
+/// Frees `[from, to)` through the shards, one bounded chunk at a time.
+async fn discard_range(shared: &VdiskShared, from: u64, to: u64) -> Result<(), EngineError> {
+    const CHUNK_BYTES: u64 = 256 * SHARD_RANGE_BYTES;
+    let mut at = from;
+    while at < to {
+        let length = (to - at).min(CHUNK_BYTES);
+        shared
+            .call_split(at, length, |o, l| crate::shard::ShardOp::WriteZeroes { offset: o, length: l, punch_hole: true })
+            .await
+            .map_err(|e| EngineError::Storage(format!("discarding the tail: {e}")))?;
+        at += length;
+    }
+    Ok(())
+}
