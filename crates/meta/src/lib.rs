@@ -1,1 +1,26 @@
-//! placeholder
+//! Ashlar's metadata store: cluster-wide, strongly consistent state (nodes,
+//! disks, vdisks, ownership leases, placement) behind an interface modelled
+//! on etcd v3, so the same control-plane code runs on a single node (the
+//! embedded redb implementation here) and on a cluster (etcd).
+//!
+//! Control plane only: vdisk create/resize/delete and startup, never per
+//! client I/O. See docs/metastore.md for the model and key layout.
+
+mod embedded;
+mod engine;
+mod error;
+pub mod layout;
+mod lease;
+mod record;
+mod store;
+mod types;
+mod watch;
+
+pub use embedded::{EmbeddedMetaStore, EmbeddedOptions};
+pub use error::{ErrorSource, MetaError};
+pub use store::MetaStore;
+pub use types::{
+    prefix_end, Compare, CompareOp, CompareTarget, EventKind, KeyRange, KeyValue, LeaseId,
+    RangeResponse, Revision, Txn, TxnOp, TxnOpResult, TxnResponse, WatchEvent,
+};
+pub use watch::{Watch, WatchItem};
