@@ -30,10 +30,6 @@ impl<K: Hash + Eq + Clone, V> Lru<K, V> {
         self.map.len()
     }
 
-    pub fn contains(&self, key: &K) -> bool {
-        self.map.contains_key(key)
-    }
-
     /// Returns the value and marks it most recently used.
     pub fn get(&mut self, key: &K) -> Option<&V> {
         let index = *self.map.get(key)?;

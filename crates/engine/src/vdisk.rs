@@ -105,6 +105,7 @@ impl VdiskShared {
             let (o, l) = pieces[0];
             return Ok(vec![self.call(|| op_for(o, l), o).await?]);
         }
+        let op_for = &op_for;
         let futures: Vec<_> = pieces.iter().map(|&(o, l)| self.call(move || op_for(o, l), o)).collect();
         let mut replies = Vec::with_capacity(futures.len());
         // Polled together so every piece is in flight on its shard at once.
@@ -132,7 +133,10 @@ pub fn split(offset: u64, length: u64) -> Vec<(u64, u64)> {
 }
 
 /// Polls a set of futures concurrently and returns their outputs in order.
-async fn join_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
+async fn join_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output>
+where
+    F::Output: Unpin,
+{
     use std::future::Future;
     use std::pin::Pin;
     use std::task::{Context, Poll};
@@ -140,7 +144,10 @@ async fn join_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
         futures: Vec<Pin<Box<F>>>,
         outputs: Vec<Option<F::Output>>,
     }
-    impl<F: Future> Future for JoinAll<F> {
+    impl<F: Future> Future for JoinAll<F>
+    where
+        F::Output: Unpin,
+    {
         type Output = Vec<F::Output>;
         fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
             let this = self.get_mut();

@@ -29,7 +29,7 @@ use crate::error::MetaError;
 use crate::lease::LeaseTable;
 use crate::record;
 use crate::store::MetaStore;
-use crate::types::{KeyRange, KeyValue, LeaseId, RangeResponse, Revision, Txn, TxnOp, TxnResponse};
+use crate::types::{KeyRange, KeyValue, LeaseId, Revision, Txn, TxnOp, TxnOpResult, TxnResponse};
 use crate::watch::{Watch, WatchHub};
 
 /// Tunables of the embedded store. The defaults suit the control plane.
@@ -265,14 +265,14 @@ impl MetaStore for EmbeddedMetaStore {
         &self,
         range: KeyRange,
         limit: Option<usize>,
-    ) -> Result<RangeResponse, MetaError> {
+    ) -> Result<Vec<KeyValue>, MetaError> {
         self.run(move |inner| inner.range(&range, limit)).await
     }
 
     async fn put(
         &self,
-        key: &[u8],
-        value: &[u8],
+        key: impl Into<Vec<u8>> + Send,
+        value: impl Into<Vec<u8>> + Send,
         lease: Option<LeaseId>,
     ) -> Result<Revision, MetaError> {
         let txn = Txn::new().and_then([TxnOp::put(key, value, lease)]);
@@ -288,7 +288,7 @@ impl MetaStore for EmbeddedMetaStore {
             .results
             .iter()
             .map(|r| match r {
-                crate::types::TxnOpResult::Delete { deleted } => *deleted,
+                TxnOpResult::Delete { deleted } => *deleted,
                 _ => 0,
             })
             .sum())

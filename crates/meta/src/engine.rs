@@ -20,7 +20,7 @@ use crate::error::MetaError;
 use crate::lease::LeaseTable;
 use crate::record;
 use crate::types::{
-    Compare, CompareTarget, EventKind, KeyRange, KeyValue, LeaseId, RangeResponse, Revision, Txn,
+    Compare, CompareTarget, EventKind, KeyRange, KeyValue, LeaseId, Revision, Txn,
     TxnOp, TxnOpResult, TxnResponse, WatchEvent,
 };
 use crate::watch::WatchHub;
@@ -115,22 +115,17 @@ impl Inner {
         &self,
         range: &KeyRange,
         limit: Option<usize>,
-    ) -> Result<RangeResponse, MetaError> {
+    ) -> Result<Vec<KeyValue>, MetaError> {
         if limit == Some(0) {
             return Err(MetaError::invalid(
                 "range limit must be at least 1 (use None for no limit)",
             ));
         }
         check_range(range)?;
-        let st = self.state()?;
+        let _st = self.state()?;
         let rtx = self.db.begin_read().map_err(|e| self.err(e))?;
         let table = rtx.open_table(KV).map_err(|e| self.err(e))?;
-        let (kvs, more) = self.scan(&table, range, limit)?;
-        Ok(RangeResponse {
-            kvs,
-            more,
-            revision: st.revision,
-        })
+        Ok(self.scan(&table, range, limit)?.0)
     }
 
     pub(crate) fn txn(&self, txn: &Txn) -> Result<TxnResponse, MetaError> {

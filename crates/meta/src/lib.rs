@@ -21,6 +21,6 @@ pub use error::{ErrorSource, MetaError};
 pub use store::MetaStore;
 pub use types::{
     prefix_end, Compare, CompareOp, CompareTarget, EventKind, KeyRange, KeyValue, LeaseId,
-    RangeResponse, Revision, Txn, TxnOp, TxnOpResult, TxnResponse, WatchEvent,
+    Revision, Txn, TxnOp, TxnOpResult, TxnResponse, WatchEvent,
 };
 pub use watch::{Watch, WatchItem};

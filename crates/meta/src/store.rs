@@ -5,7 +5,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use crate::error::MetaError;
-use crate::types::{KeyRange, KeyValue, LeaseId, RangeResponse, Revision, Txn, TxnResponse};
+use crate::types::{KeyRange, KeyValue, LeaseId, Revision, Txn, TxnResponse};
 use crate::watch::Watch;
 
 /// Strongly consistent cluster metadata with etcd's data model.
@@ -21,18 +21,24 @@ pub trait MetaStore: Send + Sync + 'static {
 
     /// Keys in `range`, ascending, at most `limit` of them (`None` = all;
     /// `Some(0)` is rejected, since etcd would read it as "no limit").
+    /// To page, ask again from just past the last key returned.
+    ///
+    /// To list and then watch without missing a change, read with a
+    /// [`Txn`] holding a [`crate::TxnOp::Get`] instead: its
+    /// [`TxnResponse::revision`] is the revision the read saw, so watching
+    /// from `revision.next()` continues exactly where the read ended.
     fn range(
         &self,
         range: KeyRange,
         limit: Option<usize>,
-    ) -> impl Future<Output = Result<RangeResponse, MetaError>> + Send;
+    ) -> impl Future<Output = Result<Vec<KeyValue>, MetaError>> + Send;
 
     /// Create or overwrite `key`; returns the revision of the write.
     /// A lease that does not exist fails with [`MetaError::LeaseNotFound`].
     fn put(
         &self,
-        key: &[u8],
-        value: &[u8],
+        key: impl Into<Vec<u8>> + Send,
+        value: impl Into<Vec<u8>> + Send,
         lease: Option<LeaseId>,
     ) -> impl Future<Output = Result<Revision, MetaError>> + Send;
 

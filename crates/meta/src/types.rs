@@ -224,6 +224,12 @@ impl Compare {
         Self::new(key, op, CompareTarget::ModRevision(rev))
     }
 
+    /// Shorthand for the CAS guard `mod_revision == rev`; with
+    /// `Revision(0)` it means "the key is absent".
+    pub fn mod_revision_equals(key: impl Into<Vec<u8>>, rev: Revision) -> Self {
+        Self::mod_revision(key, CompareOp::Equal, rev)
+    }
+
     pub fn lease(key: impl Into<Vec<u8>>, op: CompareOp, lease: Option<LeaseId>) -> Self {
         Self::new(key, op, CompareTarget::Lease(lease))
     }
@@ -316,18 +322,6 @@ pub struct TxnResponse {
     /// Store revision after the transaction; unchanged if the branch wrote nothing.
     pub revision: Revision,
     pub results: Vec<TxnOpResult>,
-}
-
-/// The result of [`crate::MetaStore::range`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RangeResponse {
-    /// Matching keys in ascending byte order, at most `limit` of them.
-    pub kvs: Vec<KeyValue>,
-    /// True when `limit` cut the result short.
-    pub more: bool,
-    /// The store revision the read observed. Watch from `revision.next()` to
-    /// see every later change without a gap (etcd's list-then-watch idiom).
-    pub revision: Revision,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -1,1 +1,0 @@
-//! The oplog (see docs/oplog-format.md).

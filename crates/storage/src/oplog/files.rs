@@ -1,0 +1,188 @@
+//! Directory-level operations and segment freeing.
+//!
+//! `FileOpener`/`FileIo` cover positional I/O on open files only; creating, listing, syncing
+//! and removing directory entries, file lengths and truncation go through `std::fs` here.
+//! Blocking calls that may wait for the disk (fsync, truncate) run on tokio's blocking pool,
+//! like `StdFile::sync_data`, so the reactor keeps serving.
+
+use super::commit::Failure;
+use super::error::io_error;
+use super::{Inner, OplogError};
+use crate::disk::FileOpener;
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// Runs a blocking filesystem call off the reactor when inside a tokio runtime.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> io::Result<T> + Send + 'static) -> io::Result<T> {
+    match tokio::runtime::Handle::try_current() {
+        Ok(_) => tokio::task::spawn_blocking(f)
+            .await
+            .map_err(|e| io::Error::other(format!("blocking filesystem task failed: {e}")))?,
+        Err(_) => f(),
+    }
+}
+
+/// fsync of a directory: makes creations and removals of its entries durable.
+pub(super) async fn sync_dir(dir: &Path) -> Result<(), OplogError> {
+    let path = dir.to_path_buf();
+    blocking(move || std::fs::File::open(&path)?.sync_all()).await.map_err(|e| io_error(dir, e))
+}
+
+/// Creates the log directory if missing, making its entry durable in the parent.
+pub(super) async fn create_dir(dir: &Path) -> Result<(), OplogError> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir).map_err(|e| io_error(dir, e))?;
+    match dir.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => sync_dir(parent).await,
+        _ => Ok(()),
+    }
+}
+
+/// Cuts a segment at `len` (a torn tail) and makes the new length durable before anything
+/// is appended after the log, so the garbage cannot reappear in the middle of the log.
+pub(super) async fn truncate(path: &Path, len: u64) -> Result<(), OplogError> {
+    let owned = path.to_path_buf();
+    blocking(move || {
+        let file = std::fs::OpenOptions::new().write(true).open(&owned)?;
+        file.set_len(len)?;
+        file.sync_all()
+    })
+    .await
+    .map_err(|e| io_error(path, e))
+}
+
+pub(super) fn file_len(path: &Path) -> Result<u64, OplogError> {
+    std::fs::metadata(path).map(|m| m.len()).map_err(|e| io_error(path, e))
+}
+
+/// Segment files of `dir` as (first seq, path), oldest first. Other entries are left alone.
+pub(super) fn list_segments(dir: &Path) -> Result<Vec<(u64, PathBuf)>, OplogError> {
+    let mut segments = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(|e| io_error(dir, e))? {
+        let entry = entry.map_err(|e| io_error(dir, e))?;
+        let name = entry.file_name();
+        match name.to_str().and_then(super::format::parse_segment_name) {
+            Some(seq) => segments.push((seq, entry.path())),
+            None => tracing::warn!(path = %entry.path().display(), "ignoring a non-segment file in the oplog directory"),
+        }
+    }
+    segments.sort_unstable_by_key(|(seq, _)| *seq);
+    Ok(segments)
+}
+
+/// Removes a segment file and makes the removal durable before the next (newer) one goes:
+/// were a newer removal to survive a crash and an older one not, replay could resurrect a
+/// record whose successor is gone (rule 2).
+async fn remove_segment_file(dir: &Path, path: &Path) -> Result<(), OplogError> {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        // Never created: its first commit failed before the file existed.
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io_error(path, e)),
+    }
+    sync_dir(dir).await
+}
+
+/// Undoes `State::freeing` however `free_segments` ends.
+struct FreeingGuard<'a, O: FileOpener>(&'a Inner<O>);
+
+impl<O: FileOpener> Drop for FreeingGuard<'_, O> {
+    fn drop(&mut self) {
+        if let Ok(mut state) = self.0.state.try_borrow_mut() {
+            state.freeing = false;
+        }
+    }
+}
+
+/// A segment chosen for deletion, already out of the segment table.
+struct Victim {
+    id: u64,
+    path: PathBuf,
+    bytes: u64,
+}
+
+impl<O: FileOpener> Inner<O> {
+    /// Deletes segments from the oldest while the oldest holds no live entry and no batch
+    /// bound for it (rule 2). Returns how many went; 0 also when another task is freeing
+    /// (it re-checks after each deletion, so it sees what changed meanwhile). A failed
+    /// deletion fails the log: no newer segment may go before it.
+    pub(super) async fn free_segments(&self) -> Result<usize, OplogError> {
+        if !self.begin_freeing() {
+            return Ok(0);
+        }
+        let _guard = FreeingGuard(self);
+        let mut freed = 0;
+        while let Some(victim) = self.take_free_segment() {
+            if let Err(error) = remove_segment_file(&self.config.dir, &victim.path).await {
+                tracing::error!(path = %victim.path.display(), %error, "cannot free an oplog segment; the log takes no more writes");
+                self.fail_log(Failure::from_error(&error, &self.config.dir));
+                return Err(error);
+            }
+            tracing::debug!(path = %victim.path.display(), "freed oplog segment {}", victim.id);
+            self.state.borrow_mut().usage -= victim.bytes;
+            freed += 1;
+        }
+        if freed > 0 {
+            self.space.notify_waiters();
+        }
+        Ok(freed)
+    }
+
+    fn begin_freeing(&self) -> bool {
+        let mut state = self.state.borrow_mut();
+        if state.freeing {
+            return false;
+        }
+        state.freeing = true;
+        true
+    }
+
+    /// Takes the oldest segment out of the table if it may go. Taking it out before the
+    /// deletion awaits keeps new records from being appended to it meanwhile.
+    fn take_free_segment(&self) -> Option<Victim> {
+        let mut state = self.state.borrow_mut();
+        let state = &mut *state;
+        let (&id, segment) = state.segments.iter().next()?;
+        if state.index.segment_is_live(id) || segment.batches > 0 {
+            return None;
+        }
+        let segment = state.segments.remove(&id)?;
+        if state.active == Some(id) {
+            state.active = None;
+        }
+        if let Some(file) = segment.file {
+            // The current drain batch may still read it; an unlinked file stays readable.
+            if state.drain_pinned.contains(&id) {
+                state.retired.insert(id, file);
+            }
+        }
+        Some(Victim { id, path: segment.path, bytes: segment.bytes })
+    }
+
+    /// Deletes every segment, then the directory. Only for an empty, idle log.
+    pub(super) async fn destroy(&self) -> Result<(), OplogError> {
+        {
+            let state = self.state.borrow();
+            if !state.index.is_empty() || !state.pending.is_empty() || state.committing {
+                return Err(OplogError::NotEmpty {
+                    path: self.config.dir.clone(),
+                    live_bytes: state.index.live_bytes(),
+                });
+            }
+        }
+        self.free_segments().await?;
+        let left = self.state.borrow().segments.len();
+        if left > 0 {
+            // Another task is freeing concurrently; the caller broke the "idle" contract.
+            return Err(OplogError::NotEmpty { path: self.config.dir.clone(), live_bytes: 0 });
+        }
+        self.state.borrow_mut().retired.clear();
+        std::fs::remove_dir(&self.config.dir).map_err(|e| io_error(&self.config.dir, e))?;
+        match self.config.dir.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => sync_dir(parent).await,
+            _ => Ok(()),
+        }
+    }
+}
