@@ -144,10 +144,7 @@ impl<O: FileOpener> Inner<O> {
     fn take_free_segment(&self) -> Option<Victim> {
         let mut state = self.state.borrow_mut();
         let state = &mut *state;
-        let (&id, segment) = state.segments.iter().next()?;
-        if state.index.segment_is_live(id) || segment.batches > 0 {
-            return None;
-        }
+        let (&id, _segment) = state.segments.iter().find(|(id, s)| !state.index.segment_is_live(**id) && s.batches == 0)?;
         let segment = state.segments.remove(&id)?;
         if state.active == Some(id) {
             state.active = None;
