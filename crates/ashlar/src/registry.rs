@@ -25,7 +25,15 @@ impl ExportRegistry for EngineRegistry {
             .collect()
     }
 
+    /// The empty name (the NBD default export) means the only vdisk, when there is one.
     fn open_export(&self, name: &str) -> Result<VdiskHandle, String> {
+        if name.is_empty() {
+            let vdisks = self.engine.list_vdisks();
+            return match vdisks.as_slice() {
+                [only] => self.engine.open(&only.name).map_err(|e| e.to_string()),
+                _ => Err(format!("no default export: name one of the {} vdisks (nbdinfo --list)", vdisks.len())),
+            };
+        }
         self.engine.open(name).map_err(|e| e.to_string())
     }
 }

@@ -121,6 +121,7 @@ pub struct Engine<M: MetaStore> {
     control: tokio::sync::Mutex<()>,
     cache_counters: Vec<Arc<CacheCounters>>,
     rate_samples: Mutex<HashMap<VdiskId, RateSample>>,
+    started_at: Instant,
 }
 
 thread_local! {
@@ -178,6 +179,7 @@ impl<M: MetaStore> Engine<M> {
             control: tokio::sync::Mutex::new(()),
             cache_counters,
             rate_samples: Mutex::new(HashMap::new()),
+            started_at: Instant::now(),
         });
         let records = catalog::list(&engine.meta).await?;
         engine.remove_orphans(&records);
@@ -480,8 +482,9 @@ impl<M: MetaStore> Engine<M> {
             .into_iter()
             .map(|(record, shared)| {
                 let snapshot = shared.counters.snapshot();
+                // The first request sees the average since the node started.
                 let sample = samples.entry(record.id).or_insert_with(|| RateSample {
-                    at: now,
+                    at: self.started_at,
                     snapshot: CounterSnapshot::default(),
                     rates: IoRates::default(),
                 });

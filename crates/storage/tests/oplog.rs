@@ -18,11 +18,15 @@ mod oplog {
     const MIB: u64 = 1 << 20;
 
     async fn open(dir: &Path) -> Oplog<StdOpener> {
-        Oplog::open(StdOpener, OplogConfig::new(dir, 64 * MIB)).await.expect("open")
+        Oplog::open(StdOpener, OplogConfig::new(dir, 64 * MIB))
+            .await
+            .expect("open")
     }
 
     async fn open_with(dir: &Path, capacity: u64, segment: u64) -> Oplog<StdOpener> {
-        Oplog::open(StdOpener, config(dir, capacity, segment)).await.expect("open")
+        Oplog::open(StdOpener, config(dir, capacity, segment))
+            .await
+            .expect("open")
     }
 
     fn kinds(pieces: &[LogPiece]) -> Vec<(u64, u64, &'static str)> {
@@ -40,7 +44,11 @@ mod oplog {
     }
 
     /// Simulates the engine's drain into a byte-map "extent store".
-    async fn drain_into(oplog: &Oplog<StdOpener>, store: &mut BTreeMap<u64, u8>, max_bytes: u64) -> usize {
+    async fn drain_into(
+        oplog: &Oplog<StdOpener>,
+        store: &mut BTreeMap<u64, u8>,
+        max_bytes: u64,
+    ) -> usize {
         let items = oplog.drain_batch(max_bytes);
         for item in &items {
             let data = oplog.read_drain_item(item).await.expect("read drain item");
@@ -66,10 +74,20 @@ mod oplog {
             oplog.write(5_000, data.clone()).await.unwrap();
             assert!(!oplog.is_empty());
             assert_eq!(oplog.live_bytes(), 10_000);
-            assert_eq!(kinds(&oplog.lookup(0, 20_000)), vec![(0, 5_000, "absent"), (5_000, 10_000, "data"), (15_000, 5_000, "absent")]);
+            assert_eq!(
+                kinds(&oplog.lookup(0, 20_000)),
+                vec![
+                    (0, 5_000, "absent"),
+                    (5_000, 10_000, "data"),
+                    (15_000, 5_000, "absent")
+                ]
+            );
             assert_eq!(read_data(&oplog, 5_000, 10_000).await, data.to_vec());
             // Unaligned sub-ranges crossing chunk boundaries.
-            assert_eq!(read_data(&oplog, 9_000, 100).await, data[4_000..4_100].to_vec());
+            assert_eq!(
+                read_data(&oplog, 9_000, 100).await,
+                data[4_000..4_100].to_vec()
+            );
             assert_eq!(read_data(&oplog, 14_999, 1).await, data[9_999..].to_vec());
             assert!(oplog.lookup(0, 0).is_empty());
             oplog.write(0, Bytes::new()).await.unwrap();
@@ -90,7 +108,12 @@ mod oplog {
             oplog.write(12_000, c.clone()).await.unwrap(); // over a's tail and beyond
             assert_eq!(
                 kinds(&oplog.lookup(0, 22_000)),
-                vec![(0, 6_000, "data"), (6_000, 4_000, "data"), (10_000, 2_000, "data"), (12_000, 10_000, "data")]
+                vec![
+                    (0, 6_000, "data"),
+                    (6_000, 4_000, "data"),
+                    (10_000, 2_000, "data"),
+                    (12_000, 10_000, "data")
+                ]
             );
             let mut expected = a.to_vec();
             expected.resize(22_000, 0);
@@ -116,7 +139,12 @@ mod oplog {
             oplog.barrier(10_000, 10_000).await.unwrap();
             assert_eq!(
                 kinds(&oplog.lookup(0, 20_000)),
-                vec![(0, 4_096, "data"), (4_096, 4_096, "zero"), (8_192, 1_808, "data"), (10_000, 10_000, "absent")]
+                vec![
+                    (0, 4_096, "data"),
+                    (4_096, 4_096, "zero"),
+                    (8_192, 1_808, "data"),
+                    (10_000, 10_000, "absent")
+                ]
             );
             let bytes = read_log(&oplog, 4_000, 4_300).await.unwrap();
             assert_eq!(bytes[96], LogByte::Zero);
@@ -128,7 +156,10 @@ mod oplog {
             // Zero ranges larger than one record can hold are split.
             oplog.write_zeroes(0, 5 << 30).await.unwrap();
             assert_eq!(oplog.live_bytes(), 5 << 30);
-            assert!(oplog.lookup(0, 5 << 30).iter().all(|p| p.source == PieceSource::Zero));
+            assert!(oplog
+                .lookup(0, 5 << 30)
+                .iter()
+                .all(|p| p.source == PieceSource::Zero));
         });
     }
 
@@ -138,20 +169,27 @@ mod oplog {
         let opener = CountingOpener::default();
         let faults = opener.faults.clone();
         run_local(async move {
-            let oplog = Oplog::open(opener, OplogConfig::new(dir.path(), 64 * MIB)).await.unwrap();
+            let oplog = Oplog::open(opener, OplogConfig::new(dir.path(), 64 * MIB))
+                .await
+                .unwrap();
             let handles: Vec<_> = (0..64u64)
                 .map(|i| {
                     let oplog = oplog.clone();
-                    tokio::task::spawn_local(async move { oplog.write(i * 8_192, pattern(i, 8_192)).await })
+                    tokio::task::spawn_local(async move {
+                        oplog.write(i * 8_192, pattern(i, 8_192)).await
+                    })
                 })
                 .collect();
             for handle in handles {
                 handle.await.unwrap().unwrap();
             }
             let syncs = faults.syncs.get();
-            assert!(syncs <= 8, "64 concurrent writes took {syncs} syncs");
+            assert!(syncs <= 4, "64 concurrent writes took {syncs} syncs");
             for i in 0..64u64 {
-                assert_eq!(read_data(&oplog, i * 8_192, 8_192).await, pattern(i, 8_192).to_vec());
+                assert_eq!(
+                    read_data(&oplog, i * 8_192, 8_192).await,
+                    pattern(i, 8_192).to_vec()
+                );
             }
         });
     }
@@ -168,7 +206,9 @@ mod oplog {
             let handles: Vec<_> = (0..30u64)
                 .map(|i| {
                     let oplog = oplog.clone();
-                    tokio::task::spawn_local(async move { oplog.write(i * 4_096, pattern(i, 4_096)).await })
+                    tokio::task::spawn_local(async move {
+                        oplog.write(i * 4_096, pattern(i, 4_096)).await
+                    })
                 })
                 .collect();
             for handle in handles {
@@ -177,7 +217,10 @@ mod oplog {
             // At most 3 records per commit: at least 10 syncs.
             assert!(faults.syncs.get() >= 10, "{} syncs", faults.syncs.get());
             for i in 0..30u64 {
-                assert_eq!(read_data(&oplog, i * 4_096, 4_096).await, pattern(i, 4_096).to_vec());
+                assert_eq!(
+                    read_data(&oplog, i * 4_096, 4_096).await,
+                    pattern(i, 4_096).to_vec()
+                );
             }
         });
     }
@@ -189,7 +232,10 @@ mod oplog {
             match i % 5 {
                 3 => oplog.write_zeroes(offset, 3_000).await.unwrap(),
                 4 => oplog.barrier(offset, 2_000).await.unwrap(),
-                _ => oplog.write(offset, pattern(i, 1_000 + (i as usize * 131) % 9_000)).await.unwrap(),
+                _ => oplog
+                    .write(offset, pattern(i, 1_000 + (i as usize * 131) % 9_000))
+                    .await
+                    .unwrap(),
             }
         }
     }
@@ -201,7 +247,12 @@ mod oplog {
             let (pieces, bytes, usage, live) = {
                 let oplog = open_with(dir.path(), 64 * MIB, 16_384).await;
                 write_mix(&oplog).await;
-                (oplog.lookup(0, 80_000), read_log(&oplog, 0, 80_000).await.unwrap(), oplog.usage_bytes(), oplog.live_bytes())
+                (
+                    oplog.lookup(0, 80_000),
+                    read_log(&oplog, 0, 80_000).await.unwrap(),
+                    oplog.usage_bytes(),
+                    oplog.live_bytes(),
+                )
             };
             assert!(segment_files(dir.path()).len() > 3);
             let oplog = open_with(dir.path(), 64 * MIB, 16_384).await;
@@ -227,7 +278,7 @@ mod oplog {
         let dir = tempfile::tempdir().unwrap();
         run_local(async {
             {
-                let oplog = open_with(dir.path(), 64 * MIB, 1 * MIB).await;
+                let oplog = open_with(dir.path(), 64 * MIB, MIB).await;
                 oplog.write(0, pattern(1, 5_000)).await.unwrap();
                 oplog.write(10_000, pattern(2, 5_000)).await.unwrap();
                 oplog.write(20_000, pattern(3, 5_000)).await.unwrap();
@@ -235,19 +286,39 @@ mod oplog {
             // Cut the last record in the middle of its payload.
             let last = last_segment(dir.path());
             let len = std::fs::metadata(&last).unwrap().len();
-            std::fs::OpenOptions::new().write(true).open(&last).unwrap().set_len(len - 2_000).unwrap();
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&last)
+                .unwrap()
+                .set_len(len - 2_000)
+                .unwrap();
 
-            let oplog = open_with(dir.path(), 64 * MIB, 1 * MIB).await;
-            assert_eq!(read_data(&oplog, 0, 5_000).await, pattern(1, 5_000).to_vec());
-            assert_eq!(read_data(&oplog, 10_000, 5_000).await, pattern(2, 5_000).to_vec());
-            assert_eq!(kinds(&oplog.lookup(20_000, 5_000)), vec![(20_000, 5_000, "absent")]);
+            let oplog = open_with(dir.path(), 64 * MIB, MIB).await;
+            assert_eq!(
+                read_data(&oplog, 0, 5_000).await,
+                pattern(1, 5_000).to_vec()
+            );
+            assert_eq!(
+                read_data(&oplog, 10_000, 5_000).await,
+                pattern(2, 5_000).to_vec()
+            );
+            assert_eq!(
+                kinds(&oplog.lookup(20_000, 5_000)),
+                vec![(20_000, 5_000, "absent")]
+            );
             oplog.write(20_000, pattern(4, 5_000)).await.unwrap();
             drop(oplog);
             // The cut segment is no longer the last one, and must now be valid.
             assert_eq!(segment_files(dir.path()).len(), 2);
-            let oplog = open_with(dir.path(), 64 * MIB, 1 * MIB).await;
-            assert_eq!(read_data(&oplog, 10_000, 5_000).await, pattern(2, 5_000).to_vec());
-            assert_eq!(read_data(&oplog, 20_000, 5_000).await, pattern(4, 5_000).to_vec());
+            let oplog = open_with(dir.path(), 64 * MIB, MIB).await;
+            assert_eq!(
+                read_data(&oplog, 10_000, 5_000).await,
+                pattern(2, 5_000).to_vec()
+            );
+            assert_eq!(
+                read_data(&oplog, 20_000, 5_000).await,
+                pattern(4, 5_000).to_vec()
+            );
         });
     }
 
@@ -262,18 +333,34 @@ mod oplog {
             }
             let last = last_segment(dir.path());
             let clean_len = std::fs::metadata(&last).unwrap().len();
-            let mut file = std::fs::OpenOptions::new().append(true).open(&last).unwrap();
+            let mut file = std::fs::OpenOptions::new()
+                .append(true)
+                .open(&last)
+                .unwrap();
             file.write_all(&[0x41; 100]).unwrap();
             drop(file);
 
             let oplog = open(dir.path()).await;
-            assert_eq!(std::fs::metadata(&last).unwrap().len(), clean_len, "garbage truncated");
-            assert_eq!(read_data(&oplog, 0, 3_000).await, pattern(1, 3_000).to_vec());
-            assert_eq!(kinds(&oplog.lookup(3_000, 3_000)), vec![(3_000, 3_000, "zero")]);
+            assert_eq!(
+                std::fs::metadata(&last).unwrap().len(),
+                clean_len,
+                "garbage truncated"
+            );
+            assert_eq!(
+                read_data(&oplog, 0, 3_000).await,
+                pattern(1, 3_000).to_vec()
+            );
+            assert_eq!(
+                kinds(&oplog.lookup(3_000, 3_000)),
+                vec![(3_000, 3_000, "zero")]
+            );
             oplog.write(6_000, pattern(2, 100)).await.unwrap();
             drop(oplog);
             let oplog = open(dir.path()).await;
-            assert_eq!(read_data(&oplog, 6_000, 100).await, pattern(2, 100).to_vec());
+            assert_eq!(
+                read_data(&oplog, 6_000, 100).await,
+                pattern(2, 100).to_vec()
+            );
         });
     }
 
@@ -286,13 +373,21 @@ mod oplog {
                 oplog.write(0, pattern(1, 3_000)).await.unwrap();
             }
             let last = last_segment(dir.path());
-            std::fs::OpenOptions::new().write(true).open(&last).unwrap().set_len(20).unwrap();
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&last)
+                .unwrap()
+                .set_len(20)
+                .unwrap();
             let oplog = open(dir.path()).await;
             assert!(oplog.is_empty());
             oplog.write(0, pattern(2, 3_000)).await.unwrap();
             drop(oplog);
             let oplog = open(dir.path()).await;
-            assert_eq!(read_data(&oplog, 0, 3_000).await, pattern(2, 3_000).to_vec());
+            assert_eq!(
+                read_data(&oplog, 0, 3_000).await,
+                pattern(2, 3_000).to_vec()
+            );
         });
     }
 
@@ -313,22 +408,33 @@ mod oplog {
             let pieces = oplog.lookup(0, 10_000);
             let mut buf = vec![0u8; 10_000];
             match oplog.read_piece(&pieces[0], &mut buf).await {
-                Err(OplogError::Corrupt { path, file_offset, .. }) => {
+                Err(OplogError::Corrupt {
+                    path, file_offset, ..
+                }) => {
                     assert_eq!(path, first);
                     assert_eq!(file_offset, 40 + 12 + 8_192);
                 }
                 other => panic!("expected Corrupt, got {other:?}"),
             }
             // Chunks that are intact still read.
-            assert_eq!(read_data(&oplog, 0, 8_192).await, pattern(1, 10_000)[..8_192].to_vec());
+            assert_eq!(
+                read_data(&oplog, 0, 8_192).await,
+                pattern(1, 10_000)[..8_192].to_vec()
+            );
             drop(oplog);
 
             // The damaged segment is not the last one: replay keeps it, reads report it.
             let oplog = open_with(dir.path(), 64 * MIB, 16_384).await;
-            assert!(matches!(read_log(&oplog, 8_000, 500).await, Err(OplogError::Corrupt { .. })));
+            assert!(matches!(
+                read_log(&oplog, 8_000, 500).await,
+                Err(OplogError::Corrupt { .. })
+            ));
             let items = oplog.drain_batch(u64::MAX);
             let bad = items.iter().find(|i| i.offset == 0).unwrap();
-            assert!(matches!(oplog.read_drain_item(bad).await, Err(OplogError::Corrupt { .. })));
+            assert!(matches!(
+                oplog.read_drain_item(bad).await,
+                Err(OplogError::Corrupt { .. })
+            ));
         });
     }
 
@@ -346,7 +452,11 @@ mod oplog {
             bytes[10] ^= 1; // inside the seq field: header CRC mismatch
             std::fs::write(&first, &bytes).unwrap();
             match Oplog::open(StdOpener, config(dir.path(), 64 * MIB, 16_384)).await {
-                Err(OplogError::Corrupt { path, file_offset: 0, .. }) => assert_eq!(path, first),
+                Err(OplogError::Corrupt {
+                    path,
+                    file_offset: 0,
+                    ..
+                }) => assert_eq!(path, first),
                 Err(other) => panic!("expected Corrupt, got {other}"),
                 Ok(_) => panic!("expected Corrupt, opened"),
             }
@@ -387,7 +497,10 @@ mod oplog {
 
             // The oldest segment's entries come first.
             let items = oplog.drain_batch(8_192);
-            assert_eq!(items.iter().map(|i| i.offset).collect::<Vec<_>>(), vec![0, 4_096]);
+            assert_eq!(
+                items.iter().map(|i| i.offset).collect::<Vec<_>>(),
+                vec![0, 4_096]
+            );
             // Overwrite one of them while the drain runs: it must stay live.
             oplog.write(4_096, pattern(100, 4_096)).await.unwrap();
             for item in &items {
@@ -398,9 +511,19 @@ mod oplog {
                 }
             }
             oplog.complete_drain(&items).await.unwrap();
-            assert_eq!(kinds(&oplog.lookup(0, 8_192)), vec![(0, 4_096, "absent"), (4_096, 4_096, "data")]);
-            assert_eq!(read_data(&oplog, 4_096, 4_096).await, pattern(100, 4_096).to_vec());
-            assert_eq!(segment_ids(dir.path()), vec![3, 5, 7], "segment 1 freed, nothing else");
+            assert_eq!(
+                kinds(&oplog.lookup(0, 8_192)),
+                vec![(0, 4_096, "absent"), (4_096, 4_096, "data")]
+            );
+            assert_eq!(
+                read_data(&oplog, 4_096, 4_096).await,
+                pattern(100, 4_096).to_vec()
+            );
+            assert_eq!(
+                segment_ids(dir.path()),
+                vec![3, 5, 7],
+                "segment 1 freed, nothing else"
+            );
             assert_eq!(oplog.usage_bytes(), 5 * RECORD_4K);
 
             while drain_into(&oplog, &mut store, 4_096).await > 0 {}
@@ -408,7 +531,11 @@ mod oplog {
             assert_eq!(oplog.usage_bytes(), 0);
             assert!(segment_files(dir.path()).is_empty());
             for i in 0..6u64 {
-                let expected = if i == 1 { pattern(100, 4_096) } else { pattern(i, 4_096) };
+                let expected = if i == 1 {
+                    pattern(100, 4_096)
+                } else {
+                    pattern(i, 4_096)
+                };
                 let got: Vec<u8> = (0..4_096).map(|b| store[&(i * 4_096 + b)]).collect();
                 assert_eq!(got, expected.to_vec());
             }
@@ -437,15 +564,25 @@ mod oplog {
                 oplog.read_drain_item(&w3[0]).await.unwrap();
                 oplog.complete_drain(&w3).await.unwrap();
                 assert_eq!(kinds(&oplog.lookup(a, 4_096)), vec![(a, 4_096, "absent")]);
-                assert_eq!(segment_ids(dir.path()), vec![1, 3], "seg2 must survive while seg1 is live");
+                assert_eq!(
+                    segment_ids(dir.path()),
+                    vec![1, 3],
+                    "seg2 must survive while seg1 is live"
+                );
             }
             let oplog = open_with(dir.path(), 64 * MIB, 2 * RECORD_4K).await;
             // A may come back from the log (W3 was drained but is still there), never as W1.
             let bytes = read_log(&oplog, a, 4_096).await.unwrap();
             if bytes[0] != LogByte::Absent {
-                assert_eq!(read_data(&oplog, a, 4_096).await, pattern(3, 4_096).to_vec());
+                assert_eq!(
+                    read_data(&oplog, a, 4_096).await,
+                    pattern(3, 4_096).to_vec()
+                );
             }
-            assert_eq!(read_data(&oplog, b, 4_096).await, pattern(2, 4_096).to_vec());
+            assert_eq!(
+                read_data(&oplog, b, 4_096).await,
+                pattern(2, 4_096).to_vec()
+            );
             // Draining everything frees both, oldest first.
             let mut store = BTreeMap::new();
             while drain_into(&oplog, &mut store, u64::MAX).await > 0 {}
@@ -464,7 +601,10 @@ mod oplog {
                 oplog.write(0, pattern(i, 4_096)).await.unwrap();
                 assert!(oplog.usage_bytes() <= 4 * RECORD_4K);
             }
-            assert_eq!(read_data(&oplog, 0, 4_096).await, pattern(19, 4_096).to_vec());
+            assert_eq!(
+                read_data(&oplog, 0, 4_096).await,
+                pattern(19, 4_096).to_vec()
+            );
             // Barrier-only traffic never leaves live entries, and must not stall either.
             for i in 0..200u64 {
                 oplog.barrier(i * 4_096, 4_096).await.unwrap();
@@ -484,9 +624,15 @@ mod oplog {
             oplog.write(0, pattern(3, 4_096)).await.unwrap(); // supersedes the item: seg1 dead
             oplog.write(16_384, pattern(4, 4_096)).await.unwrap(); // needs space: frees seg1
             assert_eq!(segment_ids(dir.path()), vec![2, 3, 4]);
-            assert_eq!(oplog.read_drain_item(&items[0]).await.unwrap(), pattern(1, 4_096));
+            assert_eq!(
+                oplog.read_drain_item(&items[0]).await.unwrap(),
+                pattern(1, 4_096)
+            );
             oplog.complete_drain(&items).await.unwrap();
-            assert_eq!(read_data(&oplog, 0, 4_096).await, pattern(3, 4_096).to_vec());
+            assert_eq!(
+                read_data(&oplog, 0, 4_096).await,
+                pattern(3, 4_096).to_vec()
+            );
         });
     }
 
@@ -500,9 +646,15 @@ mod oplog {
             let mut store = BTreeMap::new();
             drain_into(&oplog, &mut store, u64::MAX).await;
             let mut buf = vec![0u8; 4_096];
-            assert!(matches!(oplog.read_piece(&pieces[0], &mut buf).await, Err(OplogError::Stale { .. })));
+            assert!(matches!(
+                oplog.read_piece(&pieces[0], &mut buf).await,
+                Err(OplogError::Stale { .. })
+            ));
             let mut short = vec![0u8; 10];
-            assert!(matches!(oplog.read_piece(&pieces[0], &mut short).await, Err(OplogError::InvalidRange { .. })));
+            assert!(matches!(
+                oplog.read_piece(&pieces[0], &mut short).await,
+                Err(OplogError::InvalidRange { .. })
+            ));
         });
     }
 
@@ -539,7 +691,10 @@ mod oplog {
                 })
                 .collect();
             for writer in writers {
-                tokio::time::timeout(Duration::from_secs(30), writer).await.expect("writer stuck").unwrap();
+                tokio::time::timeout(Duration::from_secs(30), writer)
+                    .await
+                    .expect("writer stuck")
+                    .unwrap();
             }
             assert!(drains.get() > 0, "writers never needed a drain");
             drainer.abort();
@@ -574,11 +729,17 @@ mod oplog {
             for i in 0..8u64 {
                 oplog.write(i * 4_096, pattern(i, 4_096)).await.unwrap();
             }
-            assert!(!oplog.needs_drain(), "8 blocks are not above half of 16 records");
+            assert!(
+                !oplog.needs_drain(),
+                "8 blocks are not above half of 16 records"
+            );
             assert!(!wanted.is_finished());
             oplog.write(8 * 4_096, pattern(8, 4_096)).await.unwrap();
             assert!(oplog.needs_drain());
-            tokio::time::timeout(Duration::from_secs(5), wanted).await.expect("drain_wanted").unwrap();
+            tokio::time::timeout(Duration::from_secs(5), wanted)
+                .await
+                .expect("drain_wanted")
+                .unwrap();
         });
     }
 
@@ -587,13 +748,19 @@ mod oplog {
         let dir = tempfile::tempdir().unwrap();
         run_local(async {
             let oplog = open_with(dir.path(), 2 * MIB, MIB).await;
-            let err = oplog.write(0, Bytes::from(vec![0u8; 2 * MIB as usize])).await.unwrap_err();
+            let err = oplog
+                .write(0, Bytes::from(vec![0u8; 2 * MIB as usize]))
+                .await
+                .unwrap_err();
             assert!(matches!(err, OplogError::TooLarge { capacity, .. } if capacity == 2 * MIB));
             // Larger than a segment but not than the log: gets a segment of its own.
             oplog.write(0, pattern(1, 1_500_000)).await.unwrap();
             oplog.write(0, pattern(2, 10)).await.unwrap();
             assert_eq!(segment_files(dir.path()).len(), 2);
-            assert!(matches!(oplog.write(u64::MAX - 5, pattern(1, 10)).await, Err(OplogError::InvalidRange { .. })));
+            assert!(matches!(
+                oplog.write(u64::MAX - 5, pattern(1, 10)).await,
+                Err(OplogError::InvalidRange { .. })
+            ));
         });
     }
 
@@ -603,13 +770,17 @@ mod oplog {
         let opener = CountingOpener::default();
         let faults = opener.faults.clone();
         run_local(async move {
-            let oplog = Oplog::open(opener.clone(), OplogConfig::new(dir.path(), 64 * MIB)).await.unwrap();
+            let oplog = Oplog::open(opener.clone(), OplogConfig::new(dir.path(), 64 * MIB))
+                .await
+                .unwrap();
             oplog.write(0, pattern(1, 4_096)).await.unwrap();
             faults.fail_syncs.set(1);
             let handles: Vec<_> = (1..5u64)
                 .map(|i| {
                     let oplog = oplog.clone();
-                    tokio::task::spawn_local(async move { oplog.write(i * 4_096, pattern(i, 4_096)).await })
+                    tokio::task::spawn_local(async move {
+                        oplog.write(i * 4_096, pattern(i, 4_096)).await
+                    })
                 })
                 .collect();
             // The batch whose sync failed gets the I/O error; later writers find the log failed.
@@ -622,16 +793,33 @@ mod oplog {
                 }
             }
             assert!(io_errors >= 1);
-            assert!(matches!(oplog.write(0, pattern(9, 10)).await, Err(OplogError::Failed { .. })));
+            assert!(matches!(
+                oplog.write(0, pattern(9, 10)).await,
+                Err(OplogError::Failed { .. })
+            ));
             // Acknowledged data still reads; unacknowledged data is not indexed.
-            assert_eq!(read_data(&oplog, 0, 4_096).await, pattern(1, 4_096).to_vec());
-            assert_eq!(kinds(&oplog.lookup(4_096, 4_096)), vec![(4_096, 4_096, "absent")]);
+            assert_eq!(
+                read_data(&oplog, 0, 4_096).await,
+                pattern(1, 4_096).to_vec()
+            );
+            assert_eq!(
+                kinds(&oplog.lookup(4_096, 4_096)),
+                vec![(4_096, 4_096, "absent")]
+            );
             drop(oplog);
 
-            let oplog = Oplog::open(opener, OplogConfig::new(dir.path(), 64 * MIB)).await.unwrap();
-            assert_eq!(read_data(&oplog, 0, 4_096).await, pattern(1, 4_096).to_vec());
+            let oplog = Oplog::open(opener, OplogConfig::new(dir.path(), 64 * MIB))
+                .await
+                .unwrap();
+            assert_eq!(
+                read_data(&oplog, 0, 4_096).await,
+                pattern(1, 4_096).to_vec()
+            );
             oplog.write(0, pattern(2, 4_096)).await.unwrap();
-            assert_eq!(read_data(&oplog, 0, 4_096).await, pattern(2, 4_096).to_vec());
+            assert_eq!(
+                read_data(&oplog, 0, 4_096).await,
+                pattern(2, 4_096).to_vec()
+            );
         });
     }
 
@@ -642,7 +830,13 @@ mod oplog {
         run_local(async {
             let oplog = open(&log_dir).await;
             oplog.write(0, pattern(1, 100)).await.unwrap();
-            assert!(matches!(oplog.clone().destroy().await, Err(OplogError::NotEmpty { live_bytes: 100, .. })));
+            assert!(matches!(
+                oplog.clone().destroy().await,
+                Err(OplogError::NotEmpty {
+                    live_bytes: 100,
+                    ..
+                })
+            ));
             let mut store = BTreeMap::new();
             drain_into(&oplog, &mut store, u64::MAX).await;
             oplog.destroy().await.unwrap();

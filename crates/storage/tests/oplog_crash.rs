@@ -25,7 +25,10 @@ mod oplog {
 
     /// Each slot is a disjoint range with its own unaligned offset and length.
     fn slot_range(slot: u64) -> (u64, u64) {
-        (slot * 16_384 + (slot * 37) % 4_096, 1 + (slot * 7_919) % 12_288)
+        (
+            slot * 16_384 + (slot * 37) % 4_096,
+            1 + (slot * 7_919) % 12_288,
+        )
     }
 
     /// Contents of generation `gen` of a slot; every fifth generation is a zero record.
@@ -52,10 +55,14 @@ mod oplog {
     fn child(dir: &Path) {
         run_local(async {
             // Small: writers regularly wait for space and drains run all the time.
-            let oplog = Oplog::open(StdOpener, config(&log_dir(dir), 256 << 10, 32 << 10)).await.expect("open");
+            let oplog = Oplog::open(StdOpener, config(&log_dir(dir), 256 << 10, 32 << 10))
+                .await
+                .expect("open");
             let store = StdFile::open(&store_path(dir), true).expect("store");
             tokio::task::spawn_local(drainer(oplog.clone(), store));
-            let writers: Vec<_> = (0..WRITERS).map(|w| tokio::task::spawn_local(writer(oplog.clone(), w))).collect();
+            let writers: Vec<_> = (0..WRITERS)
+                .map(|w| tokio::task::spawn_local(writer(oplog.clone(), w)))
+                .collect();
             for writer in writers {
                 let _ = writer.await;
             }
@@ -69,7 +76,10 @@ mod oplog {
                 let (offset, length) = slot_range(slot);
                 match contents(slot, gen) {
                     Some(data) => oplog.write(offset, data).await.expect("write"),
-                    None => oplog.write_zeroes(offset, length).await.expect("write_zeroes"),
+                    None => oplog
+                        .write_zeroes(offset, length)
+                        .await
+                        .expect("write_zeroes"),
                 }
                 println!("ACK {slot} {gen}");
             }
@@ -86,7 +96,10 @@ mod oplog {
             let items = oplog.drain_batch(64 << 10);
             for item in &items {
                 let data = oplog.read_drain_item(item).await.expect("read drain item");
-                store.write_at(&data, item.offset).await.expect("store write");
+                store
+                    .write_at(&data, item.offset)
+                    .await
+                    .expect("store write");
             }
             store.sync_data().await.expect("store sync");
             oplog.complete_drain(&items).await.expect("complete drain");
@@ -123,7 +136,10 @@ mod oplog {
                 acked.insert(slot, gen);
                 count += 1;
             }
-            assert!(started.elapsed() < Duration::from_secs(120), "child too slow");
+            assert!(
+                started.elapsed() < Duration::from_secs(120),
+                "child too slow"
+            );
         }
         child.kill().expect("SIGKILL"); // std sends SIGKILL on unix
         child.wait().expect("reap child");
@@ -141,7 +157,12 @@ mod oplog {
     }
 
     /// What the range reads as: the log where it has the range, else the store file.
-    async fn read_vdisk(oplog: &Oplog<StdOpener>, store: &StdFile, offset: u64, length: u64) -> Vec<u8> {
+    async fn read_vdisk(
+        oplog: &Oplog<StdOpener>,
+        store: &StdFile,
+        offset: u64,
+        length: u64,
+    ) -> Vec<u8> {
         let mut out = vec![0u8; length as usize];
         for piece in oplog.lookup(offset, length) {
             let at = (piece.offset - offset) as usize;
@@ -155,7 +176,9 @@ mod oplog {
     }
 
     async fn verify(dir: PathBuf, acked: BTreeMap<u64, u64>) {
-        let oplog = Oplog::open(StdOpener, config(&log_dir(&dir), 256 << 10, 32 << 10)).await.expect("reopen");
+        let oplog = Oplog::open(StdOpener, config(&log_dir(&dir), 256 << 10, 32 << 10))
+            .await
+            .expect("reopen");
         let store = StdFile::open(&store_path(&dir), true).expect("store");
         let check = |slot: u64, got: &[u8]| {
             let gen = acked[&slot];
@@ -164,7 +187,10 @@ mod oplog {
                 Some(data) => got == &data[..],
                 None => got.iter().all(|&b| b == 0),
             };
-            assert!(matches(gen) || matches(gen + 1), "slot {slot}: acknowledged generation {gen} lost");
+            assert!(
+                matches(gen) || matches(gen + 1),
+                "slot {slot}: acknowledged generation {gen} lost"
+            );
         };
         for &slot in acked.keys() {
             let (offset, length) = slot_range(slot);
@@ -175,7 +201,10 @@ mod oplog {
             let items = oplog.drain_batch(u64::MAX);
             for item in &items {
                 let data = oplog.read_drain_item(item).await.expect("read drain item");
-                store.write_at(&data, item.offset).await.expect("store write");
+                store
+                    .write_at(&data, item.offset)
+                    .await
+                    .expect("store write");
             }
             store.sync_data().await.expect("store sync");
             oplog.complete_drain(&items).await.expect("complete drain");

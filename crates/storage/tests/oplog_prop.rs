@@ -17,13 +17,31 @@ mod oplog {
 
     #[derive(Clone, Debug)]
     enum Op {
-        Write { offset: u64, len: u64, seed: u64 },
-        Zero { offset: u64, len: u64 },
+        Write {
+            offset: u64,
+            len: u64,
+            seed: u64,
+        },
+        Zero {
+            offset: u64,
+            len: u64,
+        },
         /// The engine's bypass: data straight to the extent store, then a barrier.
-        Direct { offset: u64, len: u64, seed: u64 },
-        Drain { max: u64 },
+        Direct {
+            offset: u64,
+            len: u64,
+            seed: u64,
+        },
+        Drain {
+            max: u64,
+        },
         /// drain_batch, then a write lands, then complete_drain.
-        DrainAcrossWrite { max: u64, offset: u64, len: u64, seed: u64 },
+        DrainAcrossWrite {
+            max: u64,
+            offset: u64,
+            len: u64,
+            seed: u64,
+        },
         Reopen,
     }
 
@@ -55,7 +73,11 @@ mod oplog {
 
     impl Model {
         fn new() -> Self {
-            Model { log: vec![LogByte::Absent; SPACE as usize], store: vec![0; SPACE as usize], truth: vec![0; SPACE as usize] }
+            Model {
+                log: vec![LogByte::Absent; SPACE as usize],
+                store: vec![0; SPACE as usize],
+                truth: vec![0; SPACE as usize],
+            }
         }
 
         fn write(&mut self, offset: u64, data: &[u8]) {
@@ -97,22 +119,39 @@ mod oplog {
     }
 
     async fn open(dir: &Path, segment: u64) -> Oplog<StdOpener> {
-        Oplog::open(StdOpener, config(dir, 8 << 20, segment)).await.expect("open")
+        Oplog::open(StdOpener, config(dir, 8 << 20, segment))
+            .await
+            .expect("open")
     }
 
     /// Takes a drain batch and reads its items, checking them against the model.
-    async fn take_batch(oplog: &Oplog<StdOpener>, model: &Model, max: u64) -> Vec<(DrainItem, Vec<u8>)> {
+    async fn take_batch(
+        oplog: &Oplog<StdOpener>,
+        model: &Model,
+        max: u64,
+    ) -> Vec<(DrainItem, Vec<u8>)> {
         let items = oplog.drain_batch(max);
         let mut out = Vec::new();
         let mut previous_end = 0;
         for item in items {
-            assert!(item.offset >= previous_end, "drain items sorted and disjoint");
+            assert!(
+                item.offset >= previous_end,
+                "drain items sorted and disjoint"
+            );
             previous_end = item.offset + item.length;
-            let data = oplog.read_drain_item(&item).await.expect("read drain item").to_vec();
+            let data = oplog
+                .read_drain_item(&item)
+                .await
+                .expect("read drain item")
+                .to_vec();
             for (i, &b) in data.iter().enumerate() {
                 let expected = model.log[(item.offset + i as u64) as usize];
                 match expected {
-                    LogByte::Data(d) => assert!(!item.zero && d == b, "drain item data differs at {}", item.offset),
+                    LogByte::Data(d) => assert!(
+                        !item.zero && d == b,
+                        "drain item data differs at {}",
+                        item.offset
+                    ),
                     LogByte::Zero => assert!(item.zero && b == 0),
                     LogByte::Absent => panic!("drain item covers a byte the index does not hold"),
                 }
@@ -179,7 +218,12 @@ mod oplog {
                         model.drained(item, data, None);
                     }
                 }
-                Op::DrainAcrossWrite { max, offset, len, seed } => {
+                Op::DrainAcrossWrite {
+                    max,
+                    offset,
+                    len,
+                    seed,
+                } => {
                     let batch = take_batch(&oplog, &model, max).await;
                     let data = pattern(seed, len as usize);
                     oplog.write(offset, data.clone()).await.expect("write");

@@ -35,7 +35,13 @@ pub(super) struct Batch {
 
 impl Batch {
     fn new(segment: u64, file_offset: u64) -> Self {
-        Batch { segment, file_offset, buf: Vec::new(), updates: Vec::new(), signal: Rc::default() }
+        Batch {
+            segment,
+            file_offset,
+            buf: Vec::new(),
+            updates: Vec::new(),
+            signal: Rc::default(),
+        }
     }
 }
 
@@ -74,14 +80,24 @@ impl Failure {
             OplogError::NoSpace { path } => (path.clone(), true, io::ErrorKind::StorageFull),
             _ => (fallback.to_path_buf(), false, io::ErrorKind::Other),
         };
-        Failure { path, no_space, kind, message: error.to_string() }
+        Failure {
+            path,
+            no_space,
+            kind,
+            message: error.to_string(),
+        }
     }
 
     fn to_error(&self) -> OplogError {
         if self.no_space {
-            return OplogError::NoSpace { path: self.path.clone() };
+            return OplogError::NoSpace {
+                path: self.path.clone(),
+            };
         }
-        OplogError::Io { path: self.path.clone(), source: io::Error::new(self.kind, self.message.clone()) }
+        OplogError::Io {
+            path: self.path.clone(),
+            source: io::Error::new(self.kind, self.message.clone()),
+        }
     }
 }
 
@@ -105,7 +121,10 @@ impl<O: FileOpener> Inner<O> {
             RecordKind::Zero | RecordKind::Barrier => super::format::HEADER_BYTES,
         };
         if bytes > self.config.capacity_bytes {
-            return Err(OplogError::TooLarge { length: bytes, capacity: self.config.capacity_bytes });
+            return Err(OplogError::TooLarge {
+                length: bytes,
+                capacity: self.config.capacity_bytes,
+            });
         }
         self.reserve(bytes).await?;
         // No await between the last admission check in `reserve` and the append.
@@ -158,7 +177,13 @@ impl<O: FileOpener> Inner<O> {
 
     /// Gives the record a sequence number and a place in the active segment and adds it to
     /// that segment's pending batch.
-    fn append(&self, kind: RecordKind, offset: u64, length: u32, payload: &[u8]) -> Rc<BatchSignal> {
+    fn append(
+        &self,
+        kind: RecordKind,
+        offset: u64,
+        length: u32,
+        payload: &[u8],
+    ) -> Rc<BatchSignal> {
         let mut state = self.state.borrow_mut();
         let state = &mut *state;
         let seq = state.next_seq;
@@ -166,12 +191,16 @@ impl<O: FileOpener> Inner<O> {
         let header = Header::new(kind, seq, offset, length);
         let bytes = header.record_bytes();
         let (segment_id, file_offset) = {
-            let (id, segment) = state.segment_for(bytes, seq, &self.config.dir, self.config.segment_bytes);
+            let (id, segment) =
+                state.segment_for(bytes, seq, &self.config.dir, self.config.segment_bytes);
             let file_offset = segment.bytes;
             segment.bytes += bytes;
             (id, file_offset)
         };
-        let same_segment = state.pending.back().is_some_and(|b| b.segment == segment_id);
+        let same_segment = state
+            .pending
+            .back()
+            .is_some_and(|b| b.segment == segment_id);
         if !same_segment {
             if let Some(segment) = state.segments.get_mut(&segment_id) {
                 segment.batches += 1;
@@ -185,7 +214,9 @@ impl<O: FileOpener> Inner<O> {
             return Rc::default();
         };
         encode_record(&header, payload, &mut batch.buf);
-        batch.updates.push(IndexUpdate::for_record(&header, segment_id, file_offset));
+        batch
+            .updates
+            .push(IndexUpdate::for_record(&header, segment_id, file_offset));
         batch.signal.clone()
     }
 
@@ -252,7 +283,12 @@ impl<O: FileOpener> Inner<O> {
     /// Writes and syncs one batch, then indexes its records in sequence order and wakes its
     /// writers. On error the log fails (see the module comment).
     async fn commit(&self, batch: Batch) {
-        let mut guard = CommitGuard { inner: self, segment: batch.segment, signal: batch.signal.clone(), armed: true };
+        let mut guard = CommitGuard {
+            inner: self,
+            segment: batch.segment,
+            signal: batch.signal.clone(),
+            armed: true,
+        };
         let result = self.write_batch(&batch).await;
         guard.armed = false;
         match result {
@@ -267,26 +303,37 @@ impl<O: FileOpener> Inner<O> {
 
     async fn write_batch(&self, batch: &Batch) -> Result<(), OplogError> {
         let (file, path) = self.segment_file_for_commit(batch.segment).await?;
-        file.write_at(&batch.buf, batch.file_offset).await.map_err(|e| io_error(&path, e))?;
+        file.write_at(&batch.buf, batch.file_offset)
+            .await
+            .map_err(|e| io_error(&path, e))?;
         file.sync_data().await.map_err(|e| io_error(&path, e))
     }
 
     /// The segment's open file; the first commit into a new segment creates it and syncs the
     /// directory, so the file cannot vanish in a crash after its records were acknowledged
     /// (rule 3).
-    async fn segment_file_for_commit(&self, segment: u64) -> Result<(Rc<O::File>, PathBuf), OplogError> {
+    async fn segment_file_for_commit(
+        &self,
+        segment: u64,
+    ) -> Result<(Rc<O::File>, PathBuf), OplogError> {
         let (file, path) = {
             let state = self.state.borrow();
             let Some(s) = state.segments.get(&segment) else {
                 // A segment with a pending batch is never freed; this would be a bug.
-                return Err(self.failed_error(&format!("segment {segment} vanished before its commit")));
+                return Err(
+                    self.failed_error(&format!("segment {segment} vanished before its commit"))
+                );
             };
             (s.file.clone(), s.path.clone())
         };
         if let Some(file) = file {
             return Ok((file, path));
         }
-        let file = Rc::new(self.opener.open(&path, true).map_err(|e| io_error(&path, e))?);
+        let file = Rc::new(
+            self.opener
+                .open(&path, true)
+                .map_err(|e| io_error(&path, e))?,
+        );
         super::files::sync_dir(&self.config.dir).await?;
         if let Some(s) = self.state.borrow_mut().segments.get_mut(&segment) {
             s.file = Some(file.clone());
@@ -332,7 +379,9 @@ impl<O: FileOpener> Inner<O> {
     /// they see it. A commit under way (if any) finishes normally.
     pub(super) fn fail_log(&self, failure: Failure) {
         let pending = {
-            let Ok(mut state) = self.state.try_borrow_mut() else { return };
+            let Ok(mut state) = self.state.try_borrow_mut() else {
+                return;
+            };
             if state.failed.is_none() {
                 state.failed = Some(failure.message.clone());
             }

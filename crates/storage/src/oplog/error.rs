@@ -17,7 +17,11 @@ pub enum OplogError {
     NoSpace { path: PathBuf },
     /// A record or chunk failed its checksum, or the log's structure is broken.
     #[error("corrupt oplog {} at byte {file_offset}: {reason}", .path.display())]
-    Corrupt { path: PathBuf, file_offset: u64, reason: String },
+    Corrupt {
+        path: PathBuf,
+        file_offset: u64,
+        reason: String,
+    },
     /// One record would not fit in the whole log.
     #[error("a record of {length} bytes cannot fit in an oplog of {capacity} bytes")]
     TooLarge { length: u64, capacity: u64 },
@@ -40,8 +44,13 @@ pub enum OplogError {
 /// Wraps an I/O error, keeping ENOSPC recognisable so the front-end can report it as such.
 pub fn io_error(path: &Path, source: io::Error) -> OplogError {
     if source.raw_os_error() == Some(libc::ENOSPC) || source.kind() == io::ErrorKind::StorageFull {
-        OplogError::NoSpace { path: path.to_path_buf() }
+        OplogError::NoSpace {
+            path: path.to_path_buf(),
+        }
     } else {
-        OplogError::Io { path: path.to_path_buf(), source }
+        OplogError::Io {
+            path: path.to_path_buf(),
+            source,
+        }
     }
 }

@@ -13,7 +13,9 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 /// Runs a blocking filesystem call off the reactor when inside a tokio runtime.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> io::Result<T> + Send + 'static) -> io::Result<T> {
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> io::Result<T> + Send + 'static,
+) -> io::Result<T> {
     match tokio::runtime::Handle::try_current() {
         Ok(_) => tokio::task::spawn_blocking(f)
             .await
@@ -25,19 +27,29 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> io::Result<T> + Send + 
 /// fsync of a directory: makes creations and removals of its entries durable.
 pub(super) async fn sync_dir(dir: &Path) -> Result<(), OplogError> {
     let path = dir.to_path_buf();
-    blocking(move || std::fs::File::open(&path)?.sync_all()).await.map_err(|e| io_error(dir, e))
+    blocking(move || std::fs::File::open(&path)?.sync_all())
+        .await
+        .map_err(|e| io_error(dir, e))
 }
 
-/// Creates the log directory if missing, making its entry durable in the parent.
+/// Creates the log directory (and missing ancestors) if needed, making each new entry
+/// durable in its parent: a directory lost in a crash would take its segments with it.
 pub(super) async fn create_dir(dir: &Path) -> Result<(), OplogError> {
-    if dir.is_dir() {
+    let missing: Vec<&Path> = dir
+        .ancestors()
+        .take_while(|p| !p.as_os_str().is_empty() && !p.is_dir())
+        .collect();
+    if missing.is_empty() {
         return Ok(());
     }
     std::fs::create_dir_all(dir).map_err(|e| io_error(dir, e))?;
-    match dir.parent() {
-        Some(parent) if !parent.as_os_str().is_empty() => sync_dir(parent).await,
-        _ => Ok(()),
+    // Outermost first, so each parent is synced after its new child exists.
+    for created in missing.iter().rev() {
+        if let Some(parent) = created.parent().filter(|p| !p.as_os_str().is_empty()) {
+            sync_dir(parent).await?;
+        }
     }
+    Ok(())
 }
 
 /// Cuts a segment at `len` (a torn tail) and makes the new length durable before anything
@@ -54,7 +66,9 @@ pub(super) async fn truncate(path: &Path, len: u64) -> Result<(), OplogError> {
 }
 
 pub(super) fn file_len(path: &Path) -> Result<u64, OplogError> {
-    std::fs::metadata(path).map(|m| m.len()).map_err(|e| io_error(path, e))
+    std::fs::metadata(path)
+        .map(|m| m.len())
+        .map_err(|e| io_error(path, e))
 }
 
 /// Segment files of `dir` as (first seq, path), oldest first. Other entries are left alone.
@@ -65,7 +79,9 @@ pub(super) fn list_segments(dir: &Path) -> Result<Vec<(u64, PathBuf)>, OplogErro
         let name = entry.file_name();
         match name.to_str().and_then(super::format::parse_segment_name) {
             Some(seq) => segments.push((seq, entry.path())),
-            None => tracing::warn!(path = %entry.path().display(), "ignoring a non-segment file in the oplog directory"),
+            None => {
+                tracing::warn!(path = %entry.path().display(), "ignoring a non-segment file in the oplog directory")
+            }
         }
     }
     segments.sort_unstable_by_key(|(seq, _)| *seq);
@@ -144,7 +160,10 @@ impl<O: FileOpener> Inner<O> {
     fn take_free_segment(&self) -> Option<Victim> {
         let mut state = self.state.borrow_mut();
         let state = &mut *state;
-        let (&id, _segment) = state.segments.iter().find(|(id, s)| !state.index.segment_is_live(**id) && s.batches == 0)?;
+        let (&id, segment) = state.segments.iter().next()?;
+        if state.index.segment_is_live(id) || segment.batches > 0 {
+            return None;
+        }
         let segment = state.segments.remove(&id)?;
         if state.active == Some(id) {
             state.active = None;
@@ -152,10 +171,14 @@ impl<O: FileOpener> Inner<O> {
         if let Some(file) = segment.file {
             // The current drain batch may still read it; an unlinked file stays readable.
             if state.drain_pinned.contains(&id) {
-                state.retired.insert(id, file);
+                state.retired.insert(id, (file, segment.path.clone()));
             }
         }
-        Some(Victim { id, path: segment.path, bytes: segment.bytes })
+        Some(Victim {
+            id,
+            path: segment.path,
+            bytes: segment.bytes,
+        })
     }
 
     /// Deletes every segment, then the directory. Only for an empty, idle log.
@@ -173,7 +196,10 @@ impl<O: FileOpener> Inner<O> {
         let left = self.state.borrow().segments.len();
         if left > 0 {
             // Another task is freeing concurrently; the caller broke the "idle" contract.
-            return Err(OplogError::NotEmpty { path: self.config.dir.clone(), live_bytes: 0 });
+            return Err(OplogError::NotEmpty {
+                path: self.config.dir.clone(),
+                live_bytes: 0,
+            });
         }
         self.state.borrow_mut().retired.clear();
         std::fs::remove_dir(&self.config.dir).map_err(|e| io_error(&self.config.dir, e))?;

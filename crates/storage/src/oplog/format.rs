@@ -52,7 +52,13 @@ impl Header {
             RecordKind::Write => chunk_count(u64::from(length)),
             RecordKind::Zero | RecordKind::Barrier => 0,
         };
-        Header { kind, seq, offset, length, chunks }
+        Header {
+            kind,
+            seq,
+            offset,
+            length,
+            chunks,
+        }
     }
 
     pub fn encode(&self) -> [u8; HEADER_BYTES as usize] {
@@ -74,7 +80,10 @@ impl Header {
     /// Parses and validates a header; the error says why the bytes are not a header.
     pub fn decode(bytes: &[u8]) -> Result<Header, String> {
         if bytes.len() < HEADER_BYTES as usize {
-            return Err(format!("header needs {HEADER_BYTES} bytes, {} present", bytes.len()));
+            return Err(format!(
+                "header needs {HEADER_BYTES} bytes, {} present",
+                bytes.len()
+            ));
         }
         let magic = le_u32(bytes, 0);
         if magic != MAGIC {
@@ -83,16 +92,21 @@ impl Header {
         let stored_crc = le_u32(bytes, HEADER_CRC_AT);
         let crc = crc32c::crc32c(&bytes[..HEADER_CRC_AT]);
         if stored_crc != crc {
-            return Err(format!("header crc {stored_crc:#010x} != computed {crc:#010x}"));
+            return Err(format!(
+                "header crc {stored_crc:#010x} != computed {crc:#010x}"
+            ));
         }
         if bytes[4] != VERSION {
             return Err(format!("unsupported version {}", bytes[4]));
         }
-        let kind = RecordKind::from_byte(bytes[5]).ok_or_else(|| format!("unknown kind {}", bytes[5]))?;
+        let kind =
+            RecordKind::from_byte(bytes[5]).ok_or_else(|| format!("unknown kind {}", bytes[5]))?;
         let flags = u16::from_le_bytes([bytes[6], bytes[7]]);
         let reserved = le_u32(bytes, 32);
         if flags != 0 || reserved != 0 {
-            return Err(format!("flags {flags:#x} / reserved {reserved:#x} must be zero"));
+            return Err(format!(
+                "flags {flags:#x} / reserved {reserved:#x} must be zero"
+            ));
         }
         let header = Header {
             kind,
@@ -115,7 +129,10 @@ impl Header {
         }
         let expected = Header::new(self.kind, self.seq, self.offset, self.length).chunks;
         if self.chunks != expected {
-            return Err(format!("{} chunks for {} bytes of {:?}", self.chunks, self.length, self.kind));
+            return Err(format!(
+                "{} chunks for {} bytes of {:?}",
+                self.chunks, self.length, self.kind
+            ));
         }
         Ok(())
     }
@@ -229,8 +246,16 @@ mod tests {
         let mut bytes = Header::new(RecordKind::Zero, 1, 0, 4096).encode();
         bytes[9] ^= 1;
         assert!(Header::decode(&bytes).unwrap_err().contains("crc"));
-        let bad = Header { kind: RecordKind::Zero, seq: 1, offset: 0, length: 10, chunks: 1 };
-        assert!(Header::decode(&bad.encode()).unwrap_err().contains("chunks"));
+        let bad = Header {
+            kind: RecordKind::Zero,
+            seq: 1,
+            offset: 0,
+            length: 10,
+            chunks: 1,
+        };
+        assert!(Header::decode(&bad.encode())
+            .unwrap_err()
+            .contains("chunks"));
     }
 
     #[test]

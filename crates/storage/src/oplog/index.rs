@@ -72,7 +72,11 @@ impl Index {
         self.overlapping_starts(start, end)
             .into_iter()
             .filter_map(|s| self.entries.get(&s).map(|e| (s, *e)))
-            .map(|(s, e)| Span { start: s.max(start), end: e.end.min(end), target: e.target })
+            .map(|(s, e)| Span {
+                start: s.max(start),
+                end: e.end.min(end),
+                target: e.target,
+            })
             .collect()
     }
 
@@ -85,7 +89,11 @@ impl Index {
     pub fn segments(&self) -> impl Iterator<Item = (u64, impl Iterator<Item = Span> + '_)> + '_ {
         self.by_segment.iter().map(move |(&id, starts)| {
             let spans = starts.iter().filter_map(move |&s| {
-                self.entries.get(&s).map(|e| Span { start: s, end: e.end, target: e.target })
+                self.entries.get(&s).map(|e| Span {
+                    start: s,
+                    end: e.end,
+                    target: e.target,
+                })
             });
             (id, spans)
         })
@@ -120,7 +128,9 @@ impl Index {
     /// re-inserting the parts outside the range.
     fn clear_range(&mut self, start: u64, end: u64, matches: impl Fn(&Target) -> bool) {
         for s in self.overlapping_starts(start, end) {
-            let Some(entry) = self.entries.get(&s).copied() else { continue };
+            let Some(entry) = self.entries.get(&s).copied() else {
+                continue;
+            };
             if !matches(&entry.target) {
                 continue;
             }
@@ -137,12 +147,17 @@ impl Index {
     fn insert(&mut self, start: u64, end: u64, target: Target) {
         debug_assert!(start < end);
         self.entries.insert(start, Entry { end, target });
-        self.by_segment.entry(target.segment).or_default().insert(start);
+        self.by_segment
+            .entry(target.segment)
+            .or_default()
+            .insert(start);
         self.count(end - start, target, true);
     }
 
     fn remove(&mut self, start: u64) {
-        let Some(entry) = self.entries.remove(&start) else { return };
+        let Some(entry) = self.entries.remove(&start) else {
+            return;
+        };
         if let Some(starts) = self.by_segment.get_mut(&entry.target.segment) {
             starts.remove(&start);
             if starts.is_empty() {
@@ -169,11 +184,19 @@ mod tests {
     use super::*;
 
     fn zero(seq: u64, segment: u64) -> Target {
-        Target { seq, segment, data: None }
+        Target {
+            seq,
+            segment,
+            data: None,
+        }
     }
 
     fn spans(index: &Index) -> Vec<(u64, u64, u64)> {
-        index.overlapping(0, u64::MAX).iter().map(|s| (s.start, s.end, s.target.seq)).collect()
+        index
+            .overlapping(0, u64::MAX)
+            .iter()
+            .map(|s| (s.start, s.end, s.target.seq))
+            .collect()
     }
 
     #[test]

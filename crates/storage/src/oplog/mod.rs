@@ -112,7 +112,9 @@ pub struct Oplog<O: FileOpener> {
 
 impl<O: FileOpener> Clone for Oplog<O> {
     fn clone(&self) -> Self {
-        Oplog { inner: self.inner.clone() }
+        Oplog {
+            inner: self.inner.clone(),
+        }
     }
 }
 
@@ -141,7 +143,12 @@ struct Segment<F> {
 
 impl<F> Segment<F> {
     fn new(path: PathBuf) -> Self {
-        Segment { path, file: None, bytes: 0, batches: 0 }
+        Segment {
+            path,
+            file: None,
+            bytes: 0,
+            batches: 0,
+        }
     }
 }
 
@@ -167,18 +174,29 @@ struct State<F> {
     /// drain reads it, its handle moves to `retired` so `read_drain_item` can still read the
     /// (unlinked) file.
     drain_pinned: BTreeSet<u64>,
-    retired: BTreeMap<u64, Rc<F>>,
+    retired: BTreeMap<u64, (Rc<F>, PathBuf)>,
 }
 
 impl<F> State<F> {
     /// The segment a record of `bytes` goes to: the active one if it has room (or is empty),
     /// else a new one named after the record's sequence number.
-    fn segment_for(&mut self, bytes: u64, seq: u64, dir: &Path, segment_bytes: u64) -> (u64, &mut Segment<F>) {
+    fn segment_for(
+        &mut self,
+        bytes: u64,
+        seq: u64,
+        dir: &Path,
+        segment_bytes: u64,
+    ) -> (u64, &mut Segment<F>) {
         let fits = |s: &Segment<F>| s.bytes == 0 || s.bytes.saturating_add(bytes) <= segment_bytes;
-        let current = self.active.filter(|id| self.segments.get(id).is_some_and(fits));
+        let current = self
+            .active
+            .filter(|id| self.segments.get(id).is_some_and(fits));
         let id = current.unwrap_or(seq);
         self.active = Some(id);
-        let segment = self.segments.entry(id).or_insert_with(|| Segment::new(format::segment_path(dir, id)));
+        let segment = self
+            .segments
+            .entry(id)
+            .or_insert_with(|| Segment::new(format::segment_path(dir, id)));
         (id, segment)
     }
 
@@ -186,7 +204,7 @@ impl<F> State<F> {
         if let Some(s) = self.segments.get(&segment) {
             return s.file.clone().map(|f| (f, s.path.clone()));
         }
-        self.retired.get(&segment).map(|f| (f.clone(), PathBuf::from(format!("(freed segment {segment})"))))
+        self.retired.get(&segment).cloned()
     }
 }
 
@@ -211,8 +229,16 @@ impl IndexUpdate {
             chunks: header.chunks,
         };
         let target = match header.kind {
-            RecordKind::Write => Some(Target { seq: header.seq, segment, data: Some(data) }),
-            RecordKind::Zero => Some(Target { seq: header.seq, segment, data: None }),
+            RecordKind::Write => Some(Target {
+                seq: header.seq,
+                segment,
+                data: Some(data),
+            }),
+            RecordKind::Zero => Some(Target {
+                seq: header.seq,
+                segment,
+                data: None,
+            }),
             RecordKind::Barrier => None,
         };
         IndexUpdate { start, end, target }
@@ -255,7 +281,9 @@ impl<O: FileOpener> Oplog<O> {
             batch_room: Notify::new(),
             drain: Notify::new(),
         };
-        let oplog = Oplog { inner: Rc::new(inner) };
+        let oplog = Oplog {
+            inner: Rc::new(inner),
+        };
         // Segments whose records were all superseded before the crash hold nothing useful.
         oplog.inner.free_segments().await?;
         Ok(oplog)
@@ -271,10 +299,16 @@ impl<O: FileOpener> Oplog<O> {
         check_range(offset, length)?;
         let record_bytes = format::write_record_bytes(length);
         if record_bytes > self.inner.config.capacity_bytes {
-            return Err(OplogError::TooLarge { length: record_bytes, capacity: self.inner.config.capacity_bytes });
+            return Err(OplogError::TooLarge {
+                length: record_bytes,
+                capacity: self.inner.config.capacity_bytes,
+            });
         }
-        let length = u32::try_from(length).map_err(|_| OplogError::InvalidRange { offset, length })?;
-        self.inner.submit(RecordKind::Write, offset, length, &data).await
+        let length =
+            u32::try_from(length).map_err(|_| OplogError::InvalidRange { offset, length })?;
+        self.inner
+            .submit(RecordKind::Write, offset, length, &data)
+            .await
     }
 
     /// Makes `[offset, offset+length)` read as zeros.
@@ -288,13 +322,19 @@ impl<O: FileOpener> Oplog<O> {
         self.submit_range(RecordKind::Barrier, offset, length).await
     }
 
-    async fn submit_range(&self, kind: RecordKind, offset: u64, length: u64) -> Result<(), OplogError> {
+    async fn submit_range(
+        &self,
+        kind: RecordKind,
+        offset: u64,
+        length: u64,
+    ) -> Result<(), OplogError> {
         check_range(offset, length)?;
         let mut done = 0;
         while done < length {
             let part = (length - done).min(MAX_RANGE_RECORD_BYTES);
             // `part` is at most MAX_RANGE_RECORD_BYTES, which fits in a u32.
-            let part32 = u32::try_from(part).map_err(|_| OplogError::InvalidRange { offset, length })?;
+            let part32 =
+                u32::try_from(part).map_err(|_| OplogError::InvalidRange { offset, length })?;
             self.inner.submit(kind, offset + done, part32, &[]).await?;
             done += part;
         }
@@ -309,19 +349,35 @@ impl<O: FileOpener> Oplog<O> {
         let mut at = offset;
         for span in state.index.overlapping(offset, end) {
             if span.start > at {
-                pieces.push(LogPiece { offset: at, length: span.start - at, source: PieceSource::Absent });
+                pieces.push(LogPiece {
+                    offset: at,
+                    length: span.start - at,
+                    source: PieceSource::Absent,
+                });
             }
             let source = match span.target.data {
                 Some(data) => PieceSource::Data {
-                    location: PieceLocation { seq: span.target.seq, segment: span.target.segment, data },
+                    location: PieceLocation {
+                        seq: span.target.seq,
+                        segment: span.target.segment,
+                        data,
+                    },
                 },
                 None => PieceSource::Zero,
             };
-            pieces.push(LogPiece { offset: span.start, length: span.end - span.start, source });
+            pieces.push(LogPiece {
+                offset: span.start,
+                length: span.end - span.start,
+                source,
+            });
             at = span.end;
         }
         if end > at {
-            pieces.push(LogPiece { offset: at, length: end - at, source: PieceSource::Absent });
+            pieces.push(LogPiece {
+                offset: at,
+                length: end - at,
+                source: PieceSource::Absent,
+            });
         }
         pieces
     }
@@ -331,7 +387,10 @@ impl<O: FileOpener> Oplog<O> {
     /// drain freed the record since the lookup: look up again.
     pub async fn read_piece(&self, piece: &LogPiece, buf: &mut [u8]) -> Result<(), OplogError> {
         if buf.len() as u64 != piece.length {
-            return Err(OplogError::InvalidRange { offset: piece.offset, length: buf.len() as u64 });
+            return Err(OplogError::InvalidRange {
+                offset: piece.offset,
+                length: buf.len() as u64,
+            });
         }
         match piece.source {
             PieceSource::Absent => Ok(()),
@@ -340,7 +399,15 @@ impl<O: FileOpener> Oplog<O> {
                 Ok(())
             }
             PieceSource::Data { location } => {
-                self.inner.read_data(location.segment, location.seq, &location.data, piece.offset, buf).await
+                self.inner
+                    .read_data(
+                        location.segment,
+                        location.seq,
+                        &location.data,
+                        piece.offset,
+                        buf,
+                    )
+                    .await
             }
         }
     }
@@ -358,7 +425,11 @@ impl<O: FileOpener> Oplog<O> {
         'segments: for (segment, spans) in state.index.segments() {
             state.drain_pinned.insert(segment);
             for span in spans {
-                let cost = if span.target.data.is_some() { span.end - span.start } else { 0 };
+                let cost = if span.target.data.is_some() {
+                    span.end - span.start
+                } else {
+                    0
+                };
                 if !items.is_empty() && bytes.saturating_add(cost) > max_bytes {
                     break 'segments;
                 }
@@ -380,11 +451,21 @@ impl<O: FileOpener> Oplog<O> {
 
     /// The bytes of a drain item (zeros for a zero item), checksum-verified.
     pub async fn read_drain_item(&self, item: &DrainItem) -> Result<Bytes, OplogError> {
-        let length = usize::try_from(item.length)
-            .map_err(|_| OplogError::InvalidRange { offset: item.offset, length: item.length })?;
+        let length = usize::try_from(item.length).map_err(|_| OplogError::InvalidRange {
+            offset: item.offset,
+            length: item.length,
+        })?;
         let mut buf = vec![0u8; length];
         if let Some(data) = &item.target.data {
-            self.inner.read_data(item.target.segment, item.target.seq, data, item.offset, &mut buf).await?;
+            self.inner
+                .read_data(
+                    item.target.segment,
+                    item.target.seq,
+                    data,
+                    item.offset,
+                    &mut buf,
+                )
+                .await?;
         }
         Ok(Bytes::from(buf))
     }
@@ -397,7 +478,9 @@ impl<O: FileOpener> Oplog<O> {
             let mut state = self.inner.state.borrow_mut();
             for item in items {
                 let end = item.offset.saturating_add(item.length);
-                state.index.remove_if_record(item.offset, end, item.target.seq);
+                state
+                    .index
+                    .remove_if_record(item.offset, end, item.target.seq);
             }
             state.drain_pinned.clear();
             state.retired.clear();
@@ -459,11 +542,15 @@ impl<O: FileOpener> Inner<O> {
     fn needs_drain(&self) -> bool {
         let state = self.state.borrow();
         !state.index.is_empty()
-            && (state.index.live_data_bytes() > self.config.capacity_bytes / 2 || state.space_waiters > 0)
+            && (state.index.live_data_bytes() > self.config.capacity_bytes / 2
+                || state.space_waiters > 0)
     }
 
     fn failed_error(&self, reason: &str) -> OplogError {
-        OplogError::Failed { path: self.config.dir.clone(), reason: reason.to_string() }
+        OplogError::Failed {
+            path: self.config.dir.clone(),
+            reason: reason.to_string(),
+        }
     }
 }
 

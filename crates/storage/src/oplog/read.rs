@@ -38,10 +38,14 @@ impl<O: FileOpener> Inner<O> {
 
         let mut crcs = vec![0u8; ((end_chunk - first_chunk) * 4) as usize];
         let crcs_at = data.file_offset + crcs_start() + first_chunk * 4;
-        file.read_at(&mut crcs, crcs_at).await.map_err(|e| io_error(&path, e))?;
+        file.read_at(&mut crcs, crcs_at)
+            .await
+            .map_err(|e| io_error(&path, e))?;
         let mut chunks = vec![0u8; (chunk_bytes_end - chunk_bytes_start) as usize];
         let payload_at = data.file_offset + payload_start(data.chunks) + chunk_bytes_start;
-        file.read_at(&mut chunks, payload_at).await.map_err(|e| io_error(&path, e))?;
+        file.read_at(&mut chunks, payload_at)
+            .await
+            .map_err(|e| io_error(&path, e))?;
 
         if let Err(bad) = verify_chunks(&crcs, &chunks, first_chunk) {
             return Err(OplogError::Corrupt {

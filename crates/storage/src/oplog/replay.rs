@@ -45,10 +45,18 @@ struct Scanned {
     torn: Option<String>,
 }
 
-pub(super) async fn replay<O: FileOpener>(opener: &O, dir: &Path) -> Result<Replayed<O::File>, OplogError> {
+pub(super) async fn replay<O: FileOpener>(
+    opener: &O,
+    dir: &Path,
+) -> Result<Replayed<O::File>, OplogError> {
     let listed = files::list_segments(dir)?;
-    let mut replayed =
-        Replayed { segments: BTreeMap::new(), active: None, next_seq: 1, index: Index::default(), usage: 0 };
+    let mut replayed = Replayed {
+        segments: BTreeMap::new(),
+        active: None,
+        next_seq: 1,
+        index: Index::default(),
+        usage: 0,
+    };
     let count = listed.len();
     for (i, (id, path)) in listed.into_iter().enumerate() {
         let last = i + 1 == count;
@@ -56,7 +64,10 @@ pub(super) async fn replay<O: FileOpener>(opener: &O, dir: &Path) -> Result<Repl
             return Err(OplogError::Corrupt {
                 path,
                 file_offset: 0,
-                reason: format!("sequence gap: segment starts at {id}, the previous one ends before {}", replayed.next_seq),
+                reason: format!(
+                    "sequence gap: segment starts at {id}, the previous one ends before {}",
+                    replayed.next_seq
+                ),
             });
         }
         let file = opener.open(&path, false).map_err(|e| io_error(&path, e))?;
@@ -74,7 +85,12 @@ pub(super) async fn replay<O: FileOpener>(opener: &O, dir: &Path) -> Result<Repl
         }
         replayed.next_seq = scanned.next_seq;
         replayed.usage += scanned.valid;
-        let segment = Segment { path, file: Some(Rc::new(file)), bytes: scanned.valid, batches: 0 };
+        let segment = Segment {
+            path,
+            file: Some(Rc::new(file)),
+            bytes: scanned.valid,
+            batches: 0,
+        };
         replayed.segments.insert(id, segment);
     }
     Ok(replayed)
@@ -93,7 +109,10 @@ async fn scan_segment<F: FileIo>(
     let mut pos = 0;
     let mut seq = id;
     while pos < len {
-        match read_record(file, &mut window, pos, len, last).await.map_err(|e| io_error(path, e))? {
+        match read_record(file, &mut window, pos, len, last)
+            .await
+            .map_err(|e| io_error(path, e))?
+        {
             Ok(header) if header.seq == seq => {
                 IndexUpdate::for_record(&header, id, pos).apply(index);
                 pos += header.record_bytes();
@@ -101,13 +120,33 @@ async fn scan_segment<F: FileIo>(
             }
             Ok(header) => {
                 let reason = format!("record has sequence number {}, expected {seq}", header.seq);
-                return Err(OplogError::Corrupt { path: path.to_path_buf(), file_offset: pos, reason });
+                return Err(OplogError::Corrupt {
+                    path: path.to_path_buf(),
+                    file_offset: pos,
+                    reason,
+                });
             }
-            Err(reason) if last => return Ok(Scanned { valid: pos, next_seq: seq, torn: Some(reason) }),
-            Err(reason) => return Err(OplogError::Corrupt { path: path.to_path_buf(), file_offset: pos, reason }),
+            Err(reason) if last => {
+                return Ok(Scanned {
+                    valid: pos,
+                    next_seq: seq,
+                    torn: Some(reason),
+                })
+            }
+            Err(reason) => {
+                return Err(OplogError::Corrupt {
+                    path: path.to_path_buf(),
+                    file_offset: pos,
+                    reason,
+                })
+            }
         }
     }
-    Ok(Scanned { valid: pos, next_seq: seq, torn: None })
+    Ok(Scanned {
+        valid: pos,
+        next_seq: seq,
+        torn: None,
+    })
 }
 
 /// Reads the record at `pos`: its header, or why there is no valid record there. Payload
@@ -120,21 +159,32 @@ async fn read_record<F: FileIo>(
     verify_payload: bool,
 ) -> io::Result<Result<Header, String>> {
     if len - pos < HEADER_BYTES {
-        return Ok(Err(format!("{} bytes left, too few for a header", len - pos)));
+        return Ok(Err(format!(
+            "{} bytes left, too few for a header",
+            len - pos
+        )));
     }
     let header = match Header::decode(window.get(file, pos, HEADER_BYTES, len).await?) {
         Ok(header) => header,
         Err(reason) => return Ok(Err(reason)),
     };
     if header.record_bytes() > len - pos {
-        return Ok(Err(format!("record of {} bytes runs past the end of the file", header.record_bytes())));
+        return Ok(Err(format!(
+            "record of {} bytes runs past the end of the file",
+            header.record_bytes()
+        )));
     }
     if verify_payload && header.kind == RecordKind::Write {
-        let body = window.get(file, pos + HEADER_BYTES, header.body_bytes(), len).await?;
+        let body = window
+            .get(file, pos + HEADER_BYTES, header.body_bytes(), len)
+            .await?;
         let split = (payload_start(header.chunks) - HEADER_BYTES) as usize;
         let (crcs, payload) = body.split_at(split);
         if let Err(bad) = verify_chunks(crcs, payload, 0) {
-            return Ok(Err(format!("payload chunk {bad} of record {} fails its CRC32C", header.seq)));
+            return Ok(Err(format!(
+                "payload chunk {bad} of record {} fails its CRC32C",
+                header.seq
+            )));
         }
     }
     Ok(Ok(header))

@@ -12,7 +12,10 @@ use std::rc::Rc;
 
 /// Runs a future on a current-thread runtime inside a `LocalSet`, as a reactor does.
 pub fn run_local<F: Future>(future: F) -> F::Output {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
     tokio::task::LocalSet::new().block_on(&runtime, future)
 }
 
@@ -76,12 +79,20 @@ pub struct CountingOpener {
 impl FileOpener for CountingOpener {
     type File = CountingFile;
     fn open(&self, path: &Path, create: bool) -> io::Result<CountingFile> {
-        Ok(CountingFile { inner: StdFile::open(path, create)?, faults: self.faults.clone() })
+        Ok(CountingFile {
+            inner: StdFile::open(path, create)?,
+            faults: self.faults.clone(),
+        })
     }
 }
 
 pub fn config(dir: &Path, capacity: u64, segment: u64) -> OplogConfig {
-    OplogConfig { dir: dir.to_path_buf(), capacity_bytes: capacity, segment_bytes: segment, max_commit_batch_bytes: 4 << 20 }
+    OplogConfig {
+        dir: dir.to_path_buf(),
+        capacity_bytes: capacity,
+        segment_bytes: segment,
+        max_commit_batch_bytes: 4 << 20,
+    }
 }
 
 /// Bytes of a 4 KiB write record: header, one CRC, payload.
@@ -96,7 +107,11 @@ pub enum LogByte {
 }
 
 /// Looks up and reads `[offset, offset+length)`, byte by byte.
-pub async fn read_log<O: FileOpener>(oplog: &Oplog<O>, offset: u64, length: u64) -> Result<Vec<LogByte>, OplogError> {
+pub async fn read_log<O: FileOpener>(
+    oplog: &Oplog<O>,
+    offset: u64,
+    length: u64,
+) -> Result<Vec<LogByte>, OplogError> {
     let pieces = oplog.lookup(offset, length);
     check_exact_cover(&pieces, offset, length);
     let mut out = Vec::with_capacity(length as usize);
@@ -110,7 +125,10 @@ pub async fn read_log<O: FileOpener>(oplog: &Oplog<O>, offset: u64, length: u64)
                 out.extend(std::iter::repeat_n(LogByte::Zero, buf.len()));
             }
             PieceSource::Absent => {
-                assert!(buf.iter().all(|&b| b == 0xA5), "absent piece touched the buffer");
+                assert!(
+                    buf.iter().all(|&b| b == 0xA5),
+                    "absent piece touched the buffer"
+                );
                 out.extend(std::iter::repeat_n(LogByte::Absent, buf.len()));
             }
         }
@@ -139,7 +157,11 @@ pub fn check_exact_cover(pieces: &[LogPiece], offset: u64, length: u64) {
         assert!(piece.length > 0, "empty piece: {pieces:?}");
         at += piece.length;
     }
-    assert_eq!(at, offset + length, "pieces must cover the range: {pieces:?}");
+    assert_eq!(
+        at,
+        offset + length,
+        "pieces must cover the range: {pieces:?}"
+    );
 }
 
 /// Segment files in the directory, oldest first.
@@ -157,6 +179,11 @@ pub fn segment_files(dir: &Path) -> Vec<PathBuf> {
 pub fn segment_ids(dir: &Path) -> Vec<u64> {
     segment_files(dir)
         .iter()
-        .map(|p| p.file_stem().and_then(|s| s.to_str()).and_then(|s| s.parse().ok()).expect("segment name"))
+        .map(|p| {
+            p.file_stem()
+                .and_then(|s| s.to_str())
+                .and_then(|s| s.parse().ok())
+                .expect("segment name")
+        })
         .collect()
 }
