@@ -9,9 +9,13 @@ pub const DEFAULT_HTTP_LISTEN: &str = "127.0.0.1:10810";
 pub const DEFAULT_SERVER: &str = "http://127.0.0.1:10810";
 
 #[derive(Parser, Debug)]
-#[command(name = "ashlar", version, about = "Ashlar distributed block storage: node daemon and CLI",
+#[command(
+    name = "ashlar",
+    version,
+    about = "Ashlar distributed block storage: node daemon and CLI",
     long_about = "Ashlar pools a node's disks and serves thin-provisioned virtual disks (vdisks) over NBD.\n\
-Run `ashlar node` to start a node; use `ashlar vdisk ...` to manage its vdisks.")]
+Run `ashlar node` to start a node; use `ashlar vdisk ...` to manage its vdisks."
+)]
 pub struct Cli {
     /// HTTP address of the node the vdisk commands talk to.
     #[arg(long, global = true, env = "ASHLAR_SERVER", default_value = DEFAULT_SERVER, value_name = "URL")]

@@ -19,7 +19,10 @@ impl Client {
             .timeout_global(Some(Duration::from_secs(120)))
             .build()
             .into();
-        Client { agent, base: server.trim_end_matches('/').to_string() }
+        Client {
+            agent,
+            base: server.trim_end_matches('/').to_string(),
+        }
     }
 
     fn request(&self, method: &str, path: &str, body: Option<Value>) -> Result<Value> {
@@ -35,9 +38,15 @@ impl Client {
             anyhow!("cannot reach the Ashlar node at {} ({e}); is `ashlar node` running? (set --server or ASHLAR_SERVER)", self.base)
         })?;
         let status = response.status();
-        let text = response.body_mut().read_to_string().context("reading the node's answer")?;
-        let value: Value = if text.trim().is_empty() { Value::Null } else {
-            serde_json::from_str(&text).with_context(|| format!("the node answered {status} with non-JSON: {text}"))?
+        let text = response
+            .body_mut()
+            .read_to_string()
+            .context("reading the node's answer")?;
+        let value: Value = if text.trim().is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_str(&text)
+                .with_context(|| format!("the node answered {status} with non-JSON: {text}"))?
         };
         if !status.is_success() {
             let message = value.get("error").and_then(Value::as_str).unwrap_or(&text);
@@ -56,8 +65,17 @@ pub fn run(server: &str, command: VdiskCommand) -> Result<()> {
     match command {
         VdiskCommand::Create { name, size, shards } => {
             let size_bytes = parse_size_arg(&size)?;
-            let vdisk = client.request("POST", "/api/v1/vdisks", Some(json!({"name": name, "size_bytes": size_bytes, "shards": shards})))?;
-            println!("created vdisk {} ({}, {} shards)", name, format_size(size_bytes), vdisk["shards"]);
+            let vdisk = client.request(
+                "POST",
+                "/api/v1/vdisks",
+                Some(json!({"name": name, "size_bytes": size_bytes, "shards": shards})),
+            )?;
+            println!(
+                "created vdisk {} ({}, {} shards)",
+                name,
+                format_size(size_bytes),
+                vdisk["shards"]
+            );
         }
         VdiskCommand::List { json } => {
             let vdisks = client.request("GET", "/api/v1/vdisks", None)?;
@@ -75,17 +93,33 @@ pub fn run(server: &str, command: VdiskCommand) -> Result<()> {
                 print_details(&vdisk);
             }
         }
-        VdiskCommand::Resize { name, size, allow_shrink } => {
+        VdiskCommand::Resize {
+            name,
+            size,
+            allow_shrink,
+        } => {
             let size_bytes = parse_size_arg(&size)?;
-            client.request("PATCH", &format!("/api/v1/vdisks/{name}"), Some(json!({"size_bytes": size_bytes, "allow_shrink": allow_shrink})))?;
+            client.request(
+                "PATCH",
+                &format!("/api/v1/vdisks/{name}"),
+                Some(json!({"size_bytes": size_bytes, "allow_shrink": allow_shrink})),
+            )?;
             println!("resized vdisk {name} to {}", format_size(size_bytes));
         }
         VdiskCommand::Set { name, shards } => {
-            client.request("PATCH", &format!("/api/v1/vdisks/{name}"), Some(json!({"shards": shards})))?;
+            client.request(
+                "PATCH",
+                &format!("/api/v1/vdisks/{name}"),
+                Some(json!({"shards": shards})),
+            )?;
             println!("vdisk {name} now has {shards} shards");
         }
         VdiskCommand::Delete { name, force } => {
-            client.request("DELETE", &format!("/api/v1/vdisks/{name}?force={force}"), None)?;
+            client.request(
+                "DELETE",
+                &format!("/api/v1/vdisks/{name}?force={force}"),
+                None,
+            )?;
             println!("deleted vdisk {name}");
         }
     }
@@ -93,11 +127,17 @@ pub fn run(server: &str, command: VdiskCommand) -> Result<()> {
 }
 
 fn size_of(vdisk: &Value) -> String {
-    vdisk["size_bytes"].as_u64().map(format_size).unwrap_or_default()
+    vdisk["size_bytes"]
+        .as_u64()
+        .map(format_size)
+        .unwrap_or_default()
 }
 
 fn print_table(vdisks: &Value) {
-    println!("{:<24} {:>10} {:>6} {:>3} {:>11}", "NAME", "SIZE", "SHARDS", "RF", "CONNECTIONS");
+    println!(
+        "{:<24} {:>10} {:>6} {:>3} {:>11}",
+        "NAME", "SIZE", "SHARDS", "RF", "CONNECTIONS"
+    );
     for vdisk in vdisks.as_array().into_iter().flatten() {
         println!(
             "{:<24} {:>10} {:>6} {:>3} {:>11}",
@@ -114,7 +154,11 @@ fn print_details(vdisk: &Value) {
     let name = vdisk["name"].as_str().unwrap_or("");
     println!("name:         {name}");
     println!("id:           {}", vdisk["id"]);
-    println!("size:         {} ({} bytes)", size_of(vdisk), vdisk["size_bytes"]);
+    println!(
+        "size:         {} ({} bytes)",
+        size_of(vdisk),
+        vdisk["size_bytes"]
+    );
     println!("shards:       {}", vdisk["shards"]);
     println!("rf:           {}", vdisk["replication_factor"]);
     println!("block size:   {}", vdisk["block_size_bytes"]);

@@ -21,13 +21,22 @@ pub struct ApiState {
 pub fn router(state: ApiState) -> Router {
     Router::new()
         .route("/api/v1/vdisks", get(list_vdisks).post(create_vdisk))
-        .route("/api/v1/vdisks/{name}", get(show_vdisk).patch(update_vdisk).delete(delete_vdisk))
+        .route(
+            "/api/v1/vdisks/{name}",
+            get(show_vdisk).patch(update_vdisk).delete(delete_vdisk),
+        )
         .route("/api/v1/node", get(node_info))
         .route("/stats/vdisks", get(vdisk_stats))
         .route("/stats/cache", get(cache_stats))
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
-        .fallback(|| async { ApiError(StatusCode::NOT_FOUND, "no such endpoint; see /api/v1/vdisks, /stats/vdisks, /stats/cache, /metrics".into()) })
+        .fallback(|| async {
+            ApiError(
+                StatusCode::NOT_FOUND,
+                "no such endpoint; see /api/v1/vdisks, /stats/vdisks, /stats/cache, /metrics"
+                    .into(),
+            )
+        })
         .with_state(state)
 }
 
@@ -43,12 +52,12 @@ impl From<EngineError> for ApiError {
     fn from(error: EngineError) -> Self {
         let status = match &error {
             EngineError::NotFound(_) => StatusCode::NOT_FOUND,
-            EngineError::AlreadyExists(_) | EngineError::InUse { .. } | EngineError::ShrinkRefused { .. } => {
-                StatusCode::CONFLICT
-            }
-            EngineError::InvalidName { .. } | EngineError::InvalidSize(_) | EngineError::InvalidShards(_) => {
-                StatusCode::BAD_REQUEST
-            }
+            EngineError::AlreadyExists(_)
+            | EngineError::InUse { .. }
+            | EngineError::ShrinkRefused { .. } => StatusCode::CONFLICT,
+            EngineError::InvalidName { .. }
+            | EngineError::InvalidSize(_)
+            | EngineError::InvalidShards(_) => StatusCode::BAD_REQUEST,
             EngineError::Stopping => StatusCode::SERVICE_UNAVAILABLE,
             EngineError::Meta(_) | EngineError::Storage(_) => StatusCode::INTERNAL_SERVER_ERROR,
         };
@@ -63,7 +72,12 @@ fn with_uri(state: &ApiState, info: VdiskInfo) -> Value {
 }
 
 async fn list_vdisks(State(state): State<ApiState>) -> Json<Value> {
-    let vdisks: Vec<Value> = state.engine.list_vdisks().into_iter().map(|v| with_uri(&state, v)).collect();
+    let vdisks: Vec<Value> = state
+        .engine
+        .list_vdisks()
+        .into_iter()
+        .map(|v| with_uri(&state, v))
+        .collect();
     Json(Value::Array(vdisks))
 }
 
@@ -80,11 +94,17 @@ async fn create_vdisk(
     body: Result<Json<CreateRequest>, axum::extract::rejection::JsonRejection>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let Json(request) = body.map_err(|e| ApiError(StatusCode::BAD_REQUEST, e.body_text()))?;
-    let info = state.engine.create_vdisk(&request.name, request.size_bytes, request.shards).await?;
+    let info = state
+        .engine
+        .create_vdisk(&request.name, request.size_bytes, request.shards)
+        .await?;
     Ok((StatusCode::CREATED, Json(with_uri(&state, info))))
 }
 
-async fn show_vdisk(State(state): State<ApiState>, Path(name): Path<String>) -> Result<Json<Value>, ApiError> {
+async fn show_vdisk(
+    State(state): State<ApiState>,
+    Path(name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
     Ok(Json(with_uri(&state, state.engine.vdisk(&name)?)))
 }
 
@@ -105,7 +125,10 @@ async fn update_vdisk(
     let Json(request) = body.map_err(|e| ApiError(StatusCode::BAD_REQUEST, e.body_text()))?;
     let mut info = state.engine.vdisk(&name)?;
     if let Some(size_bytes) = request.size_bytes {
-        info = state.engine.resize(&name, size_bytes, request.allow_shrink).await?;
+        info = state
+            .engine
+            .resize(&name, size_bytes, request.allow_shrink)
+            .await?;
     }
     if let Some(shards) = request.shards {
         info = state.engine.set_shards(&name, shards).await?;
@@ -151,7 +174,10 @@ async fn cache_stats(State(state): State<ApiState>) -> Json<Value> {
 
 async fn metrics(State(state): State<ApiState>) -> impl IntoResponse {
     (
-        [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
         render_metrics(&state.engine),
     )
 }

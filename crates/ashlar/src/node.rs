@@ -69,9 +69,15 @@ fn engine_config(args: &NodeArgs) -> Result<EngineConfig> {
         bail!("--reactors must be between 1 and 256");
     }
     let disks = if args.disks.is_empty() {
-        vec![Disk { path: args.data_dir.join("disk0"), tier: Tier::Fast }]
+        vec![Disk {
+            path: args.data_dir.join("disk0"),
+            tier: Tier::Fast,
+        }]
     } else {
-        args.disks.iter().map(|d| parse_disk(d)).collect::<Result<_>>()?
+        args.disks
+            .iter()
+            .map(|d| parse_disk(d))
+            .collect::<Result<_>>()?
     };
     Ok(EngineConfig {
         data_dir: args.data_dir.clone(),
@@ -83,7 +89,9 @@ fn engine_config(args: &NodeArgs) -> Result<EngineConfig> {
         drain_batch_bytes: 8 << 20,
         drain_idle: Duration::from_millis(500),
         max_open_egroups_per_shard: args.max_open_egroups.max(1),
-        default_shards: args.default_shards.unwrap_or(reactors.min(ashlar_engine::config::MAX_SHARDS as usize) as u32),
+        default_shards: args
+            .default_shards
+            .unwrap_or(reactors.min(ashlar_engine::config::MAX_SHARDS as usize) as u32),
     })
 }
 
@@ -129,28 +137,44 @@ async fn serve(args: NodeArgs) -> Result<()> {
         .await
         .with_context(|| format!("cannot listen for HTTP on {}", args.http_listen))?;
     let started = Instant::now();
-    let engine = Engine::start(config, meta).await.map_err(|e| anyhow!("starting the engine: {e}"))?;
+    let engine = Engine::start(config, meta)
+        .await
+        .map_err(|e| anyhow!("starting the engine: {e}"))?;
     ensure_vdisks(&engine, &args.ensure_vdisks).await?;
     print_banner(&args, &engine, started.elapsed());
 
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let connections = Arc::new(ConnectionCount::default());
-    let api = router(ApiState { engine: engine.clone(), nbd_listen: args.nbd_listen });
+    let api = router(ApiState {
+        engine: engine.clone(),
+        nbd_listen: args.nbd_listen,
+    });
     let mut http_shutdown = shutdown_rx.clone();
     let http = tokio::spawn(async move {
         let graceful = async move {
             let _ = http_shutdown.wait_for(|stop| *stop).await;
         };
-        axum::serve(http_listener, api).with_graceful_shutdown(graceful).await
+        axum::serve(http_listener, api)
+            .with_graceful_shutdown(graceful)
+            .await
     });
-    let accept = accept_loop(nbd_listener, engine.clone(), limits, shutdown_rx.clone(), connections.clone());
+    let accept = accept_loop(
+        nbd_listener,
+        engine.clone(),
+        limits,
+        shutdown_rx.clone(),
+        connections.clone(),
+    );
     tokio::select! {
         result = accept => result?,
         signal = wait_for_signal() => tracing::info!("received {signal}; stopping"),
     }
     let _ = shutdown_tx.send(true);
     if !connections.wait_idle(SHUTDOWN_GRACE).await {
-        tracing::warn!(left = connections.live(), "clients still connected after the grace period; exiting");
+        tracing::warn!(
+            left = connections.live(),
+            "clients still connected after the grace period; exiting"
+        );
     }
     engine.begin_shutdown();
     let _ = tokio::time::timeout(Duration::from_secs(2), http).await;
@@ -163,10 +187,17 @@ fn print_banner(args: &NodeArgs, engine: &NodeEngine, startup: Duration) {
     let config = engine.config();
     tracing::info!(reactors = config.reactors, cache = %format_size(config.cache_bytes),
         startup_ms = startup.as_millis() as u64, "node ready");
-    println!("Ashlar node ready: NBD on {}, HTTP API on http://{}", args.nbd_listen, args.http_listen);
+    println!(
+        "Ashlar node ready: NBD on {}, HTTP API on http://{}",
+        args.nbd_listen, args.http_listen
+    );
     for vdisk in engine.list_vdisks() {
         let uri = format!("nbd://{}/{}", args.nbd_listen, vdisk.name);
-        println!("vdisk {} ({}): {uri}", vdisk.name, format_size(vdisk.size_bytes));
+        println!(
+            "vdisk {} ({}): {uri}",
+            vdisk.name,
+            format_size(vdisk.size_bytes)
+        );
     }
     if let Some(vdisk) = engine.list_vdisks().first() {
         let uri = format!("nbd://{}/{}", args.nbd_listen, vdisk.name);
@@ -181,7 +212,10 @@ fn print_banner(args: &NodeArgs, engine: &NodeEngine, startup: Duration) {
 
 async fn wait_for_signal() -> &'static str {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut interrupt)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+    let (Ok(mut term), Ok(mut interrupt)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
         std::future::pending::<()>().await;
         return "nothing";
     };
@@ -205,7 +239,10 @@ impl ConnectionCount {
     async fn wait_idle(&self, limit: Duration) -> bool {
         let deadline = tokio::time::Instant::now() + limit;
         while self.live() > 0 {
-            if tokio::time::timeout_at(deadline, self.changed.notified()).await.is_err() {
+            if tokio::time::timeout_at(deadline, self.changed.notified())
+                .await
+                .is_err()
+            {
                 return self.live() == 0;
             }
         }
@@ -266,7 +303,9 @@ async fn accept_loop(
                     return;
                 }
             };
-            let registry = Rc::new(EngineRegistry { engine: registry_engine });
+            let registry = Rc::new(EngineRegistry {
+                engine: registry_engine,
+            });
             tracing::debug!(%peer, "NBD client connected");
             if let Err(error) = serve_connection(stream, registry, limits, shutdown).await {
                 tracing::info!(%peer, %error, "NBD connection ended with an error");

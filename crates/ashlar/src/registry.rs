@@ -19,7 +19,10 @@ impl ExportRegistry for EngineRegistry {
             .list_vdisks()
             .into_iter()
             .map(|v| ExportInfo {
-                description: format!("Ashlar vdisk {} ({} bytes, {} shards)", v.name, v.size_bytes, v.shards),
+                description: format!(
+                    "Ashlar vdisk {} ({} bytes, {} shards)",
+                    v.name, v.size_bytes, v.shards
+                ),
                 name: v.name,
             })
             .collect()
@@ -31,7 +34,10 @@ impl ExportRegistry for EngineRegistry {
             let vdisks = self.engine.list_vdisks();
             return match vdisks.as_slice() {
                 [only] => self.engine.open(&only.name).map_err(|e| e.to_string()),
-                _ => Err(format!("no default export: name one of the {} vdisks (nbdinfo --list)", vdisks.len())),
+                _ => Err(format!(
+                    "no default export: name one of the {} vdisks (nbdinfo --list)",
+                    vdisks.len()
+                )),
             };
         }
         self.engine.open(name).map_err(|e| e.to_string())

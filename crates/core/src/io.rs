@@ -72,7 +72,11 @@ pub trait BlockDevice {
 pub fn check_range(offset: u64, length: u64, size: u64) -> IoResult<()> {
     match offset.checked_add(length) {
         Some(end) if end <= size => Ok(()),
-        _ => Err(IoError::OutOfRange { offset, length, size }),
+        _ => Err(IoError::OutOfRange {
+            offset,
+            length,
+            size,
+        }),
     }
 }
 

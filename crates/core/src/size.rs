@@ -7,7 +7,9 @@ use thiserror::Error;
 pub enum SizeParseError {
     #[error("empty size")]
     Empty,
-    #[error("invalid size '{0}': expected a number with an optional K, M, G, T or P suffix (e.g. 8G)")]
+    #[error(
+        "invalid size '{0}': expected a number with an optional K, M, G, T or P suffix (e.g. 8G)"
+    )]
     Invalid(String),
     #[error("size '{0}' is too large")]
     Overflow(String),
@@ -26,7 +28,9 @@ pub fn parse_size(text: &str) -> Result<u64, SizeParseError> {
     if digits_end == 0 {
         return Err(invalid());
     }
-    let number: u64 = trimmed[..digits_end].parse().map_err(|_| SizeParseError::Overflow(trimmed.to_string()))?;
+    let number: u64 = trimmed[..digits_end]
+        .parse()
+        .map_err(|_| SizeParseError::Overflow(trimmed.to_string()))?;
     let suffix = trimmed[digits_end..].to_ascii_lowercase();
     let unit_suffix = suffix.trim_end_matches('b').trim_end_matches('i');
     let shift = match unit_suffix {
@@ -51,7 +55,7 @@ pub fn parse_size(text: &str) -> Result<u64, SizeParseError> {
 pub fn format_size(bytes: u64) -> String {
     const UNITS: [(u32, &str); 5] = [(50, "P"), (40, "T"), (30, "G"), (20, "M"), (10, "K")];
     for (shift, name) in UNITS {
-        if bytes != 0 && bytes % (1u64 << shift) == 0 {
+        if bytes != 0 && bytes.is_multiple_of(1u64 << shift) {
             return format!("{}{}", bytes >> shift, name);
         }
     }
@@ -78,9 +82,15 @@ mod tests {
         assert!(matches!(parse_size("G"), Err(SizeParseError::Invalid(_))));
         assert!(matches!(parse_size("12X"), Err(SizeParseError::Invalid(_))));
         assert!(matches!(parse_size("-1"), Err(SizeParseError::Invalid(_))));
-        assert!(matches!(parse_size("1.5G"), Err(SizeParseError::Invalid(_))));
+        assert!(matches!(
+            parse_size("1.5G"),
+            Err(SizeParseError::Invalid(_))
+        ));
         assert!(matches!(parse_size("12b"), Err(SizeParseError::Invalid(_))));
-        assert!(matches!(parse_size("99999999999P"), Err(SizeParseError::Overflow(_))));
+        assert!(matches!(
+            parse_size("99999999999P"),
+            Err(SizeParseError::Overflow(_))
+        ));
     }
 
     #[test]

@@ -72,8 +72,14 @@ mod tests {
     #[test]
     fn extent_index_maps_offsets_to_their_megabyte() {
         assert_eq!(ExtentIndex::containing(ByteOffset(0)), ExtentIndex(0));
-        assert_eq!(ExtentIndex::containing(ByteOffset(EXTENT_SIZE_BYTES - 1)), ExtentIndex(0));
-        assert_eq!(ExtentIndex::containing(ByteOffset(EXTENT_SIZE_BYTES)), ExtentIndex(1));
+        assert_eq!(
+            ExtentIndex::containing(ByteOffset(EXTENT_SIZE_BYTES - 1)),
+            ExtentIndex(0)
+        );
+        assert_eq!(
+            ExtentIndex::containing(ByteOffset(EXTENT_SIZE_BYTES)),
+            ExtentIndex(1)
+        );
         assert_eq!(ExtentIndex(3).start(), ByteOffset(3 * EXTENT_SIZE_BYTES));
     }
 }

@@ -15,7 +15,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 fn env_or(name: &str, default: u64) -> u64 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 type BenchEngine = Engine<EmbeddedMetaStore>;
@@ -28,7 +31,10 @@ async fn fill_and_warm(engine: &Arc<BenchEngine>, size: u64) {
             let handle = engine.open("bench").expect("open");
             let chunk = Bytes::from(vec![0x5a; 1 << 20]);
             for offset in (0..size).step_by(1 << 20) {
-                handle.write(offset, chunk.clone(), false).await.expect("fill");
+                handle
+                    .write(offset, chunk.clone(), false)
+                    .await
+                    .expect("fill");
             }
             // Two passes: the second promotes every block to the multi-touch pool.
             for _ in 0..2 {
@@ -62,7 +68,10 @@ async fn measure(engine: &Arc<BenchEngine>, size: u64, seconds: u64, clients: u6
                             state ^= state << 13;
                             state ^= state >> 7;
                             state ^= state << 17;
-                            handle.read((state % blocks) * 4096, 4096).await.expect("read");
+                            handle
+                                .read((state % blocks) * 4096, 4096)
+                                .await
+                                .expect("read");
                             ops += 1;
                         }
                         ops
@@ -87,11 +96,17 @@ fn main() {
     let reactors = env_or("SHARD_BENCH_REACTORS", 2) as usize;
     let size = env_or("SHARD_BENCH_SIZE_MIB", 256) << 20;
     let dir = tempfile::tempdir().expect("tempdir");
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
     runtime.block_on(async {
         let config = EngineConfig {
             data_dir: dir.path().to_path_buf(),
-            disks: vec![Disk { path: dir.path().join("disk0"), tier: Tier::Fast }],
+            disks: vec![Disk {
+                path: dir.path().join("disk0"),
+                tier: Tier::Fast,
+            }],
             reactors,
             cache_bytes: 4 * size,
             oplog_bytes_per_vdisk: 256 << 20,
@@ -103,16 +118,25 @@ fn main() {
         };
         let meta = EmbeddedMetaStore::open(&dir.path().join("meta.redb")).expect("meta");
         let engine = Engine::start(config, meta).await.expect("engine");
-        engine.create_vdisk("bench", size, Some(1)).await.expect("create");
+        engine
+            .create_vdisk("bench", size, Some(1))
+            .await
+            .expect("create");
         fill_and_warm(&engine, size).await;
         let one = measure(&engine, size, seconds, clients).await;
         engine.set_shards("bench", 2).await.expect("re-shard");
         fill_and_warm(&engine, size).await;
         let two = measure(&engine, size, seconds, clients).await;
         println!();
-        println!("## In-process sharding benchmark (4 KiB random reads of cached data, no network)");
+        println!(
+            "## In-process sharding benchmark (4 KiB random reads of cached data, no network)"
+        );
         println!();
-        println!("{reactors} reactors, {} client tasks per reactor, {} MiB vdisk, {seconds} s per run", clients, size >> 20);
+        println!(
+            "{reactors} reactors, {} client tasks per reactor, {} MiB vdisk, {seconds} s per run",
+            clients,
+            size >> 20
+        );
         println!();
         println!("| shards | IOPS |");
         println!("|---:|---:|");

@@ -43,7 +43,9 @@ impl BlockCache {
     /// `capacity_bytes` is split evenly between the pools.
     pub fn new(capacity_bytes: u64, block_bytes: u64) -> Self {
         let counters = Arc::new(CacheCounters::default());
-        counters.capacity_bytes.store(capacity_bytes, Ordering::Relaxed);
+        counters
+            .capacity_bytes
+            .store(capacity_bytes, Ordering::Relaxed);
         BlockCache {
             single_touch: Lru::new(),
             multi_touch: Lru::new(),
@@ -61,11 +63,15 @@ impl BlockCache {
     pub fn get(&mut self, key: &CacheKey) -> Option<Bytes> {
         if let Some(block) = self.multi_touch.get(key) {
             let block = block.clone();
-            self.counters.multi_touch_hits.fetch_add(1, Ordering::Relaxed);
+            self.counters
+                .multi_touch_hits
+                .fetch_add(1, Ordering::Relaxed);
             return Some(block);
         }
         if let Some(block) = self.single_touch.remove(key) {
-            self.counters.single_touch_hits.fetch_add(1, Ordering::Relaxed);
+            self.counters
+                .single_touch_hits
+                .fetch_add(1, Ordering::Relaxed);
             self.multi_touch.insert(*key, block.clone());
             self.enforce_limits();
             return Some(block);
@@ -116,8 +122,10 @@ impl BlockCache {
 
     fn publish_sizes(&self) {
         let c = &self.counters;
-        c.single_touch_bytes.store(self.bytes(&self.single_touch), Ordering::Relaxed);
-        c.multi_touch_bytes.store(self.bytes(&self.multi_touch), Ordering::Relaxed);
+        c.single_touch_bytes
+            .store(self.bytes(&self.single_touch), Ordering::Relaxed);
+        c.multi_touch_bytes
+            .store(self.bytes(&self.multi_touch), Ordering::Relaxed);
     }
 }
 
@@ -126,7 +134,11 @@ mod tests {
     use super::*;
 
     fn key(block: u64) -> CacheKey {
-        CacheKey { vdisk: VdiskId(1), epoch: Epoch(1), block }
+        CacheKey {
+            vdisk: VdiskId(1),
+            epoch: Epoch(1),
+            block,
+        }
     }
 
     fn block(fill: u8) -> Bytes {

@@ -61,14 +61,20 @@ pub async fn create<M: MetaStore>(
 ) -> Result<VdiskRecord, CatalogError> {
     let key = vdisk_key(&record.name);
     loop {
-        let counter = meta.get(NEXT_VDISK_ID_KEY.as_bytes()).await.map_err(meta_error)?;
+        let counter = meta
+            .get(NEXT_VDISK_ID_KEY.as_bytes())
+            .await
+            .map_err(meta_error)?;
         let (next_id, counter_revision) = match &counter {
             Some(kv) => {
                 let text = String::from_utf8_lossy(&kv.value);
-                let id = text.trim().parse::<u64>().map_err(|e| CatalogError::Corrupt {
-                    key: NEXT_VDISK_ID_KEY.into(),
-                    reason: e.to_string(),
-                })?;
+                let id = text
+                    .trim()
+                    .parse::<u64>()
+                    .map_err(|e| CatalogError::Corrupt {
+                        key: NEXT_VDISK_ID_KEY.into(),
+                        reason: e.to_string(),
+                    })?;
                 (id, kv.mod_revision)
             }
             None => (1, ashlar_meta::Revision(0)),
@@ -77,7 +83,10 @@ pub async fn create<M: MetaStore>(
         let value = serde_json::to_vec(&record).map_err(meta_error)?;
         let txn = Txn {
             compares: vec![
-                Compare::mod_revision_equals(NEXT_VDISK_ID_KEY.as_bytes().to_vec(), counter_revision),
+                Compare::mod_revision_equals(
+                    NEXT_VDISK_ID_KEY.as_bytes().to_vec(),
+                    counter_revision,
+                ),
                 Compare::absent(key.clone()),
             ],
             success: vec![
@@ -86,7 +95,11 @@ pub async fn create<M: MetaStore>(
                     value: (next_id + 1).to_string().into_bytes(),
                     lease: None,
                 },
-                TxnOp::Put { key: key.clone(), value, lease: None },
+                TxnOp::Put {
+                    key: key.clone(),
+                    value,
+                    lease: None,
+                },
             ],
             failure: vec![],
         };
@@ -102,12 +115,16 @@ pub async fn create<M: MetaStore>(
 
 pub async fn update<M: MetaStore>(meta: &M, record: &VdiskRecord) -> Result<(), CatalogError> {
     let value = serde_json::to_vec(record).map_err(meta_error)?;
-    meta.put(vdisk_key(&record.name), value, None).await.map_err(meta_error)?;
+    meta.put(vdisk_key(&record.name), value, None)
+        .await
+        .map_err(meta_error)?;
     Ok(())
 }
 
 pub async fn delete<M: MetaStore>(meta: &M, name: &str) -> Result<(), CatalogError> {
-    meta.delete(KeyRange::Key(vdisk_key(name))).await.map_err(meta_error)?;
+    meta.delete(KeyRange::Key(vdisk_key(name)))
+        .await
+        .map_err(meta_error)?;
     Ok(())
 }
 
@@ -119,8 +136,13 @@ pub fn validate_name(name: &str) -> Result<(), String> {
     if name.starts_with('.') || name.starts_with('-') {
         return Err("a vdisk name must not start with '.' or '-'".into());
     }
-    if let Some(bad) = name.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))) {
-        return Err(format!("character '{bad}' is not allowed in a vdisk name (use letters, digits, '.', '_', '-')"));
+    if let Some(bad) = name
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    {
+        return Err(format!(
+            "character '{bad}' is not allowed in a vdisk name (use letters, digits, '.', '_', '-')"
+        ));
     }
     Ok(())
 }

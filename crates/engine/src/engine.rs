@@ -37,8 +37,14 @@ pub enum EngineError {
     #[error("invalid shard count {0}: must be between 1 and {MAX_SHARDS}")]
     InvalidShards(u32),
     #[error("refusing to shrink vdisk '{name}' from {current} to {requested} bytes: data past the new end would be discarded (use --allow-shrink)")]
-    ShrinkRefused { name: String, current: u64, requested: u64 },
-    #[error("vdisk '{name}' has {connections} connected client(s); disconnect them or use --force")]
+    ShrinkRefused {
+        name: String,
+        current: u64,
+        requested: u64,
+    },
+    #[error(
+        "vdisk '{name}' has {connections} connected client(s); disconnect them or use --force"
+    )]
     InUse { name: String, connections: usize },
     #[error("metadata: {0}")]
     Meta(String),
@@ -139,11 +145,16 @@ fn reactor_cache() -> Rc<RefCell<BlockCache>> {
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // Control-plane maps hold no invariant a panic could break half-way; keep serving.
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 fn now_unix_seconds() -> u64 {
-    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 impl<M: MetaStore> Engine<M> {
@@ -152,8 +163,9 @@ impl<M: MetaStore> Engine<M> {
     pub async fn start(config: EngineConfig, meta: M) -> Result<Arc<Self>, EngineError> {
         assert!(!config.disks.is_empty(), "the node needs at least one disk");
         for disk in &config.disks {
-            std::fs::create_dir_all(&disk.path)
-                .map_err(|e| EngineError::Storage(format!("cannot create {}: {e}", disk.path.display())))?;
+            std::fs::create_dir_all(&disk.path).map_err(|e| {
+                EngineError::Storage(format!("cannot create {}: {e}", disk.path.display()))
+            })?;
         }
         let reactors = ReactorPool::start(config.reactors)
             .map_err(|e| EngineError::Storage(format!("cannot start reactor threads: {e}")))?;
@@ -164,7 +176,8 @@ impl<M: MetaStore> Engine<M> {
                 .run(move || async move {
                     let cache = BlockCache::new(per_reactor_cache, BLOCK_SIZE_BYTES);
                     let counters = cache.counters();
-                    REACTOR_CACHE.with(|slot| *slot.borrow_mut() = Some(Rc::new(RefCell::new(cache))));
+                    REACTOR_CACHE
+                        .with(|slot| *slot.borrow_mut() = Some(Rc::new(RefCell::new(cache))));
                     counters
                 })
                 .await
@@ -198,23 +211,34 @@ impl<M: MetaStore> Engine<M> {
     }
 
     fn oplog_root(&self, vdisk: VdiskId) -> PathBuf {
-        self.config.oplog_disk().path.join("oplog").join(vdisk.to_string())
+        self.config
+            .oplog_disk()
+            .path
+            .join("oplog")
+            .join(vdisk.to_string())
     }
 
     fn oplog_dir(&self, vdisk: VdiskId, epoch: Epoch, shard: u32) -> PathBuf {
-        self.oplog_root(vdisk).join(format!("e{:010}-s{:04}", epoch.0, shard))
+        self.oplog_root(vdisk)
+            .join(format!("e{:010}-s{:04}", epoch.0, shard))
     }
 
     /// Data of vdisks the catalog no longer knows (a delete interrupted by a crash after the
     /// catalog entry went away) is removed at startup.
     fn remove_orphans(&self, records: &[VdiskRecord]) {
-        let known: std::collections::HashSet<String> = records.iter().map(|r| r.id.to_string()).collect();
+        let known: std::collections::HashSet<String> =
+            records.iter().map(|r| r.id.to_string()).collect();
         for disk in &self.config.disks {
             for area in ["extents", "oplog"] {
-                let Ok(entries) = std::fs::read_dir(disk.path.join(area)) else { continue };
+                let Ok(entries) = std::fs::read_dir(disk.path.join(area)) else {
+                    continue;
+                };
                 for entry in entries.flatten() {
                     let name = entry.file_name().to_string_lossy().into_owned();
-                    if name.len() == 16 && u64::from_str_radix(&name, 16).is_ok() && !known.contains(&name) {
+                    if name.len() == 16
+                        && u64::from_str_radix(&name, 16).is_ok()
+                        && !known.contains(&name)
+                    {
                         tracing::warn!(path = %entry.path().display(), "removing data of a deleted vdisk");
                         let _ = std::fs::remove_dir_all(entry.path());
                     }
@@ -240,7 +264,14 @@ impl<M: MetaStore> Engine<M> {
         let reactor = self.reactors.get(ReactorId(vdisk.0 as usize));
         reactor
             .run(move || async move {
-                let store = ExtentStore::new(StdOpener, ExtentStoreConfig { vdisk, disks, max_open_egroups });
+                let store = ExtentStore::new(
+                    StdOpener,
+                    ExtentStoreConfig {
+                        vdisk,
+                        disks,
+                        max_open_egroups,
+                    },
+                );
                 for (epoch, shard, dir) in logs {
                     let config = OplogConfig {
                         dir: dir.clone(),
@@ -290,7 +321,9 @@ impl<M: MetaStore> Engine<M> {
                 drain_idle: self.config.drain_idle,
                 request_queue_limit: self.config.shard_queue_limit,
             };
-            let reactor = self.reactors.get(ReactorId(vdisk.0 as usize + index as usize));
+            let reactor = self
+                .reactors
+                .get(ReactorId(vdisk.0 as usize + index as usize));
             let gate = gate_receiver.clone();
             let link = reactor
                 .run(move || async move { start_shard(spec, reactor_cache(), gate).await })
@@ -302,20 +335,33 @@ impl<M: MetaStore> Engine<M> {
         Ok((links, gate))
     }
 
-    async fn start_vdisk(&self, record: &VdiskRecord, epoch: Epoch) -> Result<Arc<VdiskShared>, EngineError> {
+    async fn start_vdisk(
+        &self,
+        record: &VdiskRecord,
+        epoch: Epoch,
+    ) -> Result<Arc<VdiskShared>, EngineError> {
         let (shards, gate) = self.start_shards(record.id, epoch, record.shards).await?;
         let map = ShardMap { epoch, shards };
-        let shared = Arc::new(VdiskShared::new(record.id, record.name.clone(), record.size_bytes, map));
+        let shared = Arc::new(VdiskShared::new(
+            record.id,
+            record.name.clone(),
+            record.size_bytes,
+            map,
+        ));
         let _ = gate.send(true);
         Ok(shared)
     }
 
     fn validate_size(size_bytes: u64) -> Result<(), EngineError> {
         if size_bytes == 0 {
-            return Err(EngineError::InvalidSize("a vdisk must be larger than 0 bytes".into()));
+            return Err(EngineError::InvalidSize(
+                "a vdisk must be larger than 0 bytes".into(),
+            ));
         }
-        if size_bytes % 512 != 0 {
-            return Err(EngineError::InvalidSize(format!("{size_bytes} is not a multiple of 512 bytes")));
+        if !size_bytes.is_multiple_of(512) {
+            return Err(EngineError::InvalidSize(format!(
+                "{size_bytes} is not a multiple of 512 bytes"
+            )));
         }
         if size_bytes > MAX_VDISK_SIZE_BYTES {
             return Err(EngineError::InvalidSize(format!(
@@ -338,8 +384,10 @@ impl<M: MetaStore> Engine<M> {
         size_bytes: u64,
         shards: Option<u32>,
     ) -> Result<VdiskInfo, EngineError> {
-        catalog::validate_name(name)
-            .map_err(|reason| EngineError::InvalidName { name: name.into(), reason })?;
+        catalog::validate_name(name).map_err(|reason| EngineError::InvalidName {
+            name: name.into(),
+            reason,
+        })?;
         Self::validate_size(size_bytes)?;
         let shards = shards.unwrap_or(self.config.default_shards);
         self.validate_shards(shards)?;
@@ -365,7 +413,10 @@ impl<M: MetaStore> Engine<M> {
     }
 
     pub fn list_vdisks(&self) -> Vec<VdiskInfo> {
-        lock(&self.vdisks).values().map(|e| info_of(&e.record, &e.shared)).collect()
+        lock(&self.vdisks)
+            .values()
+            .map(|e| info_of(&e.record, &e.shared))
+            .collect()
     }
 
     pub fn vdisk(&self, name: &str) -> Result<VdiskInfo, EngineError> {
@@ -391,14 +442,23 @@ impl<M: MetaStore> Engine<M> {
         Ok(VdiskHandle::new(shared))
     }
 
-    pub async fn resize(&self, name: &str, size_bytes: u64, allow_shrink: bool) -> Result<VdiskInfo, EngineError> {
+    pub async fn resize(
+        &self,
+        name: &str,
+        size_bytes: u64,
+        allow_shrink: bool,
+    ) -> Result<VdiskInfo, EngineError> {
         Self::validate_size(size_bytes)?;
         let _control = self.control.lock().await;
         let (mut record, shared) = self.shared(name)?;
         let current = record.size_bytes;
         if size_bytes < current {
             if !allow_shrink {
-                return Err(EngineError::ShrinkRefused { name: name.into(), current, requested: size_bytes });
+                return Err(EngineError::ShrinkRefused {
+                    name: name.into(),
+                    current,
+                    requested: size_bytes,
+                });
             }
             // Clients lose the tail first, then its data is freed, then the catalog follows:
             // a crash in between leaves a larger vdisk whose tail reads as zeros.
@@ -409,7 +469,12 @@ impl<M: MetaStore> Engine<M> {
         catalog::update(&self.meta, &record).await?;
         shared.size_bytes.store(size_bytes, Ordering::Relaxed);
         self.replace_record(record.clone());
-        tracing::info!(vdisk = name, from = current, to = size_bytes, "vdisk resized");
+        tracing::info!(
+            vdisk = name,
+            from = current,
+            to = size_bytes,
+            "vdisk resized"
+        );
         Ok(info_of(&record, &shared))
     }
 
@@ -433,20 +498,31 @@ impl<M: MetaStore> Engine<M> {
         }
         let epoch = old_map.epoch.next();
         let (links, gate) = self.start_shards(record.id, epoch, shards).await?;
-        shared.map.store(Arc::new(ShardMap { epoch, shards: links }));
+        shared.map.store(Arc::new(ShardMap {
+            epoch,
+            shards: links,
+        }));
         let started = Instant::now();
         if let Err(error) = retire_all(&old_map.shards, false).await {
             // The old oplogs stay on disk and are replayed (oldest epoch first) on restart;
             // serving the new map now could expose older data, so stop serving this vdisk.
             shared.closing.store(true, Ordering::Relaxed);
-            return Err(EngineError::Storage(format!("re-sharding '{name}' failed: {error}; vdisk taken offline")));
+            return Err(EngineError::Storage(format!(
+                "re-sharding '{name}' failed: {error}; vdisk taken offline"
+            )));
         }
         let _ = gate.send(true);
         record.shards = shards;
         catalog::update(&self.meta, &record).await?;
         self.replace_record(record.clone());
-        tracing::info!(vdisk = name, from = old_map.shards.len(), to = shards, epoch = epoch.0,
-            pause_ms = started.elapsed().as_millis() as u64, "shard count changed");
+        tracing::info!(
+            vdisk = name,
+            from = old_map.shards.len(),
+            to = shards,
+            epoch = epoch.0,
+            pause_ms = started.elapsed().as_millis() as u64,
+            "shard count changed"
+        );
         Ok(info_of(&record, &shared))
     }
 
@@ -455,7 +531,10 @@ impl<M: MetaStore> Engine<M> {
         let (record, shared) = self.shared(name)?;
         let connections = shared.connections.load(Ordering::Relaxed);
         if connections > 0 && !force {
-            return Err(EngineError::InUse { name: name.into(), connections });
+            return Err(EngineError::InUse {
+                name: name.into(),
+                connections,
+            });
         }
         shared.closing.store(true, Ordering::Relaxed);
         // Catalog first: a crash after this leaves orphan files that startup removes, never
@@ -474,8 +553,10 @@ impl<M: MetaStore> Engine<M> {
     }
 
     pub fn vdisk_stats(&self) -> Vec<VdiskStats> {
-        let entries: Vec<(VdiskRecord, Arc<VdiskShared>)> =
-            lock(&self.vdisks).values().map(|e| (e.record.clone(), e.shared.clone())).collect();
+        let entries: Vec<(VdiskRecord, Arc<VdiskShared>)> = lock(&self.vdisks)
+            .values()
+            .map(|e| (e.record.clone(), e.shared.clone()))
+            .collect();
         let mut samples = lock(&self.rate_samples);
         let now = Instant::now();
         entries
@@ -490,7 +571,8 @@ impl<M: MetaStore> Engine<M> {
                 });
                 let elapsed = now.duration_since(sample.at);
                 if elapsed >= Duration::from_secs(1) || sample.snapshot.read_latency.is_empty() {
-                    sample.rates = snapshot.rates_since(&sample.snapshot, elapsed.max(Duration::from_millis(1)));
+                    sample.rates = snapshot
+                        .rates_since(&sample.snapshot, elapsed.max(Duration::from_millis(1)));
                     sample.snapshot = snapshot.clone();
                     sample.at = now;
                 }
@@ -506,7 +588,8 @@ impl<M: MetaStore> Engine<M> {
                     write_bytes: snapshot.write_bytes,
                     errors: snapshot.errors,
                     oplog_usage_bytes: shared.oplog_usage_bytes(),
-                    oplog_capacity_bytes: self.config.oplog_bytes_per_shard(record.shards) * record.shards as u64,
+                    oplog_capacity_bytes: self.config.oplog_bytes_per_shard(record.shards)
+                        * record.shards as u64,
                     rates: sample.rates.clone(),
                 }
             })
@@ -515,7 +598,11 @@ impl<M: MetaStore> Engine<M> {
 
     /// Cache statistics summed over reactors, and per reactor.
     pub fn cache_stats(&self) -> (CacheStats, Vec<CacheStats>) {
-        let per_reactor: Vec<CacheStats> = self.cache_counters.iter().map(|c| cache_stats_of(c)).collect();
+        let per_reactor: Vec<CacheStats> = self
+            .cache_counters
+            .iter()
+            .map(|c| cache_stats_of(c))
+            .collect();
         let mut total = CacheStats::default();
         for s in &per_reactor {
             total.capacity_bytes += s.capacity_bytes;
@@ -579,17 +666,23 @@ fn fill_hit_rates(stats: &mut CacheStats) {
 
 /// Oplog directories of a vdisk: `e<epoch>-s<shard>`, as (epoch, shard, path).
 fn list_oplog_dirs(root: &Path) -> Vec<(Epoch, u32, PathBuf)> {
-    let Ok(entries) = std::fs::read_dir(root) else { return Vec::new() };
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return Vec::new();
+    };
     let mut dirs = Vec::new();
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         let parsed = name
             .strip_prefix('e')
             .and_then(|rest| rest.split_once("-s"))
-            .and_then(|(epoch, shard)| Some((epoch.parse::<u64>().ok()?, shard.parse::<u32>().ok()?)));
+            .and_then(|(epoch, shard)| {
+                Some((epoch.parse::<u64>().ok()?, shard.parse::<u32>().ok()?))
+            });
         match parsed {
             Some((epoch, shard)) => dirs.push((Epoch(epoch), shard, entry.path())),
-            None => tracing::warn!(path = %entry.path().display(), "ignoring unexpected entry in oplog directory"),
+            None => {
+                tracing::warn!(path = %entry.path().display(), "ignoring unexpected entry in oplog directory")
+            }
         }
     }
     dirs
@@ -599,7 +692,12 @@ async fn retire_all(shards: &[ShardLink], discard: bool) -> Result<(), String> {
     let mut waiting = Vec::new();
     for link in shards {
         let (done, result) = oneshot::channel();
-        if link.control.send(ShardControl::Retire { discard, done }).await.is_ok() {
+        if link
+            .control
+            .send(ShardControl::Retire { discard, done })
+            .await
+            .is_ok()
+        {
             waiting.push(result);
         }
     }
@@ -611,7 +709,8 @@ async fn retire_all(shards: &[ShardLink], discard: bool) -> Result<(), String> {
                 first_error.get_or_insert(error);
             }
             Err(_) => {
-                first_error.get_or_insert_with(|| "a shard stopped before handing over".to_string());
+                first_error
+                    .get_or_insert_with(|| "a shard stopped before handing over".to_string());
             }
         }
     }
@@ -625,7 +724,11 @@ async fn discard_range(shared: &VdiskShared, from: u64, to: u64) -> Result<(), E
     while at < to {
         let length = (to - at).min(CHUNK_BYTES);
         shared
-            .call_split(at, length, |o, l| crate::shard::ShardOp::WriteZeroes { offset: o, length: l, punch_hole: true })
+            .call_split(at, length, |o, l| crate::shard::ShardOp::WriteZeroes {
+                offset: o,
+                length: l,
+                punch_hole: true,
+            })
             .await
             .map_err(|e| EngineError::Storage(format!("discarding the tail: {e}")))?;
         at += length;

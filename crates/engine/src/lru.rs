@@ -23,7 +23,13 @@ pub struct Lru<K, V> {
 
 impl<K: Hash + Eq + Clone, V> Lru<K, V> {
     pub fn new() -> Self {
-        Lru { map: HashMap::new(), nodes: Vec::new(), free: Vec::new(), head: NIL, tail: NIL }
+        Lru {
+            map: HashMap::new(),
+            nodes: Vec::new(),
+            free: Vec::new(),
+            head: NIL,
+            tail: NIL,
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -41,7 +47,12 @@ impl<K: Hash + Eq + Clone, V> Lru<K, V> {
     /// Inserts or replaces; the entry becomes most recently used.
     pub fn insert(&mut self, key: K, value: V) -> Option<V> {
         let old = self.remove(&key);
-        let node = Node { key: key.clone(), value, prev: NIL, next: NIL };
+        let node = Node {
+            key: key.clone(),
+            value,
+            prev: NIL,
+            next: NIL,
+        };
         let index = match self.free.pop() {
             Some(index) => {
                 self.nodes[index] = Some(node);
@@ -106,7 +117,9 @@ impl<K: Hash + Eq + Clone, V> Lru<K, V> {
     }
 
     fn link_mut(&mut self, index: usize) -> &mut Node<K, V> {
-        self.nodes[index].as_mut().expect("LRU list links only live slab slots")
+        self.nodes[index]
+            .as_mut()
+            .expect("LRU list links only live slab slots")
     }
 }
 

@@ -38,7 +38,10 @@ impl ReactorHandle {
                 let _ = reply.send(make().await);
             });
         });
-        self.jobs.send(job).await.map_err(|_| ReactorStopped(self.id.0))?;
+        self.jobs
+            .send(job)
+            .await
+            .map_err(|_| ReactorStopped(self.id.0))?;
         result.await.map_err(|_| ReactorStopped(self.id.0))
     }
 
@@ -51,7 +54,9 @@ impl ReactorHandle {
         let job: Job = Box::new(move || {
             tokio::task::spawn_local(make());
         });
-        self.jobs.try_send(job).map_err(|_| ReactorStopped(self.id.0))
+        self.jobs
+            .try_send(job)
+            .map_err(|_| ReactorStopped(self.id.0))
     }
 }
 
@@ -71,14 +76,21 @@ impl ReactorPool {
     pub fn start(count: usize) -> std::io::Result<ReactorPool> {
         assert!(count > 0, "a node needs at least one reactor");
         let cpus = online_cpus();
-        let mut pool = ReactorPool { handles: Vec::new(), threads: Vec::new(), stop: Vec::new() };
+        let mut pool = ReactorPool {
+            handles: Vec::new(),
+            threads: Vec::new(),
+            stop: Vec::new(),
+        };
         for index in 0..count {
             let (jobs_tx, jobs_rx) = mpsc::channel::<Job>(REACTOR_JOB_QUEUE_LIMIT);
             let (stop_tx, stop_rx) = oneshot::channel();
             let thread = std::thread::Builder::new()
                 .name(format!("reactor-{index}"))
                 .spawn(move || reactor_main(index, index % cpus, jobs_rx, stop_rx))?;
-            pool.handles.push(ReactorHandle { id: ReactorId(index), jobs: jobs_tx });
+            pool.handles.push(ReactorHandle {
+                id: ReactorId(index),
+                jobs: jobs_tx,
+            });
             pool.threads.push(thread);
             pool.stop.push(stop_tx);
         }
@@ -122,9 +134,17 @@ impl Drop for ReactorPool {
     }
 }
 
-fn reactor_main(index: usize, cpu: usize, mut jobs: mpsc::Receiver<Job>, stop: oneshot::Receiver<()>) {
+fn reactor_main(
+    index: usize,
+    cpu: usize,
+    mut jobs: mpsc::Receiver<Job>,
+    stop: oneshot::Receiver<()>,
+) {
     pin_to_cpu(cpu);
-    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
         Ok(runtime) => runtime,
         Err(error) => {
             tracing::error!(reactor = index, %error, "cannot start reactor runtime");
@@ -146,7 +166,9 @@ fn reactor_main(index: usize, cpu: usize, mut jobs: mpsc::Receiver<Job>, stop: o
 }
 
 fn online_cpus() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
 }
 
 fn pin_to_cpu(cpu: usize) {
@@ -172,12 +194,19 @@ mod tests {
     #[test]
     fn jobs_run_on_their_reactor_thread() {
         let pool = ReactorPool::start(2).unwrap();
-        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
         for handle in pool.handles() {
             let name = runtime
-                .block_on(handle.run(|| async { std::thread::current().name().map(str::to_string) }))
+                .block_on(
+                    handle.run(|| async { std::thread::current().name().map(str::to_string) }),
+                )
                 .unwrap();
-            assert_eq!(name.as_deref(), Some(format!("reactor-{}", handle.id.0).as_str()));
+            assert_eq!(
+                name.as_deref(),
+                Some(format!("reactor-{}", handle.id.0).as_str())
+            );
         }
         pool.stop();
     }

@@ -21,11 +21,24 @@ use tokio::sync::{mpsc, oneshot, watch, Notify};
 /// handle splits requests before sending them.
 #[derive(Debug)]
 pub enum ShardOp {
-    Read { offset: u64, length: u64 },
-    Write { offset: u64, data: Bytes },
+    Read {
+        offset: u64,
+        length: u64,
+    },
+    Write {
+        offset: u64,
+        data: Bytes,
+    },
     /// Reads back as zeros; `punch_hole` lets storage be freed.
-    WriteZeroes { offset: u64, length: u64, punch_hole: bool },
-    BlockStatus { offset: u64, length: u64 },
+    WriteZeroes {
+        offset: u64,
+        length: u64,
+        punch_hole: bool,
+    },
+    BlockStatus {
+        offset: u64,
+        length: u64,
+    },
 }
 
 #[derive(Debug)]
@@ -50,7 +63,10 @@ pub struct ShardRequest {
 pub enum ShardControl {
     /// Stop serving: answer queued requests with `Retired`, finish in-flight ones, then either
     /// drain the oplog into the extent store (`discard == false`) or drop it (vdisk deleted).
-    Retire { discard: bool, done: oneshot::Sender<Result<(), String>> },
+    Retire {
+        discard: bool,
+        done: oneshot::Sender<Result<(), String>>,
+    },
 }
 
 /// Everything needed to start a shard controller.
@@ -130,7 +146,9 @@ pub async fn start_shard(
         store,
         cache,
         store_writer: tokio::sync::Mutex::new(()),
-        write_generations: (0..WRITE_GENERATION_BUCKETS).map(|_| Cell::new(0)).collect(),
+        write_generations: (0..WRITE_GENERATION_BUCKETS)
+            .map(|_| Cell::new(0))
+            .collect(),
         in_flight: Cell::new(0),
         idle: Notify::new(),
         wrote: Notify::new(),
@@ -138,7 +156,11 @@ pub async fn start_shard(
         oplog_usage_bytes: oplog_usage_bytes.clone(),
     });
     tokio::task::spawn_local(run(shard, request_rx, control_rx, gate));
-    Ok(ShardLink { requests: request_tx, control: control_tx, oplog_usage_bytes })
+    Ok(ShardLink {
+        requests: request_tx,
+        control: control_tx,
+        oplog_usage_bytes,
+    })
 }
 
 async fn run(
@@ -207,9 +229,14 @@ pub fn remove_oplog_dir(dir: &std::path::Path) -> Result<(), String> {
 
 /// Drains every live oplog entry into the extent store and syncs it. Used when a shard
 /// retires and when a node recovers oplogs left by a crash.
-pub async fn drain_all(oplog: &Oplog<StdOpener>, store: &ExtentStore<StdOpener>) -> Result<(), String> {
+pub async fn drain_all(
+    oplog: &Oplog<StdOpener>,
+    store: &ExtentStore<StdOpener>,
+) -> Result<(), String> {
     while !oplog.is_empty() {
-        drain_batch(oplog, store, u64::MAX).await.map_err(|e| e.to_string())?;
+        drain_batch(oplog, store, u64::MAX)
+            .await
+            .map_err(|e| e.to_string())?;
     }
     Ok(())
 }
@@ -296,13 +323,21 @@ async fn serve(shard: Rc<Shard>, request: ShardRequest) {
     let _in_flight = InFlight(&shard);
     let result = match request.op {
         ShardOp::Read { offset, length } => shard.read(offset, length).await.map(ShardReply::Data),
-        ShardOp::Write { offset, data } => shard.write(offset, data).await.map(|()| ShardReply::Done),
-        ShardOp::WriteZeroes { offset, length, punch_hole } => {
-            shard.write_zeroes(offset, length, punch_hole).await.map(|()| ShardReply::Done)
+        ShardOp::Write { offset, data } => {
+            shard.write(offset, data).await.map(|()| ShardReply::Done)
         }
-        ShardOp::BlockStatus { offset, length } => {
-            shard.block_status(offset, length).await.map(ShardReply::Status)
-        }
+        ShardOp::WriteZeroes {
+            offset,
+            length,
+            punch_hole,
+        } => shard
+            .write_zeroes(offset, length, punch_hole)
+            .await
+            .map(|()| ShardReply::Done),
+        ShardOp::BlockStatus { offset, length } => shard
+            .block_status(offset, length)
+            .await
+            .map(ShardReply::Status),
     };
     let _ = request.reply.send(result.map_err(ShardError::Io));
 }
@@ -315,7 +350,11 @@ fn block_range(offset: u64, length: u64) -> std::ops::Range<u64> {
 
 impl Shard {
     fn cache_key(&self, block: u64) -> CacheKey {
-        CacheKey { vdisk: self.spec.vdisk, epoch: self.spec.epoch, block }
+        CacheKey {
+            vdisk: self.spec.vdisk,
+            epoch: self.spec.epoch,
+            block,
+        }
     }
 
     fn generation_cell(&self, block: u64) -> &Cell<u64> {
@@ -333,7 +372,8 @@ impl Shard {
     }
 
     fn publish_usage(&self) {
-        self.oplog_usage_bytes.store(self.oplog.usage_bytes(), Ordering::Relaxed);
+        self.oplog_usage_bytes
+            .store(self.oplog.usage_bytes(), Ordering::Relaxed);
     }
 
     fn vdisk_io_error(&self, what: &str, offset: u64, error: impl std::fmt::Display) -> IoError {
@@ -344,14 +384,21 @@ impl Shard {
     async fn write(&self, offset: u64, data: Bytes) -> Result<(), IoError> {
         let length = data.len() as u64;
         self.invalidate(offset, length);
-        let bypass = offset % EXTENT_SIZE_BYTES == 0
-            && length % EXTENT_SIZE_BYTES == 0
+        let bypass = offset.is_multiple_of(EXTENT_SIZE_BYTES)
+            && length.is_multiple_of(EXTENT_SIZE_BYTES)
             && length > 0
-            && self.oplog.lookup(offset, length).iter().all(|p| matches!(p.source, PieceSource::Absent));
+            && self
+                .oplog
+                .lookup(offset, length)
+                .iter()
+                .all(|p| matches!(p.source, PieceSource::Absent));
         let result = if bypass {
             self.write_direct(offset, &data).await
         } else {
-            self.oplog.write(offset, data).await.map_err(|e| self.oplog_error(offset, e))
+            self.oplog
+                .write(offset, data)
+                .await
+                .map_err(|e| self.oplog_error(offset, e))
         };
         self.invalidate(offset, length);
         self.publish_usage();
@@ -364,8 +411,14 @@ impl Shard {
     async fn write_direct(&self, offset: u64, data: &[u8]) -> Result<(), IoError> {
         {
             let _guard = self.store_writer.lock().await;
-            self.store.write(offset, data).await.map_err(|e| self.store_error(offset, e))?;
-            self.store.sync().await.map_err(|e| self.store_error(offset, e))?;
+            self.store
+                .write(offset, data)
+                .await
+                .map_err(|e| self.store_error(offset, e))?;
+            self.store
+                .sync()
+                .await
+                .map_err(|e| self.store_error(offset, e))?;
         }
         self.oplog
             .barrier(offset, data.len() as u64)
@@ -373,7 +426,12 @@ impl Shard {
             .map_err(|e| self.oplog_error(offset, e))
     }
 
-    async fn write_zeroes(&self, offset: u64, length: u64, punch_hole: bool) -> Result<(), IoError> {
+    async fn write_zeroes(
+        &self,
+        offset: u64,
+        length: u64,
+        punch_hole: bool,
+    ) -> Result<(), IoError> {
         if !punch_hole {
             // The client asked for allocated zeros: store real zero bytes.
             let zeros = Bytes::from(vec![0u8; length as usize]);
@@ -407,7 +465,7 @@ impl Shard {
 
     async fn read(&self, offset: u64, length: u64) -> Result<Bytes, IoError> {
         // Fast path: one whole cached block with nothing newer in the oplog.
-        if length == BLOCK_SIZE_BYTES && offset % BLOCK_SIZE_BYTES == 0 {
+        if length == BLOCK_SIZE_BYTES && offset.is_multiple_of(BLOCK_SIZE_BYTES) {
             let pieces = self.oplog.lookup(offset, length);
             if pieces.len() == 1 && matches!(pieces[0].source, PieceSource::Absent) {
                 let key = self.cache_key(offset / BLOCK_SIZE_BYTES);
@@ -424,7 +482,9 @@ impl Shard {
                 // A drain may have freed the log segment between lookup and read: look again.
                 Err(ReadError::LogMoved) if attempts < 3 => attempts += 1,
                 Err(ReadError::LogMoved) => {
-                    return Err(IoError::Io(format!("oplog kept changing under a read at {offset}")))
+                    return Err(IoError::Io(format!(
+                        "oplog kept changing under a read at {offset}"
+                    )))
                 }
                 Err(ReadError::Io(error)) => return Err(error),
             }
@@ -447,11 +507,16 @@ impl Shard {
     async fn read_log(&self, piece: &LogPiece, slice: &mut [u8]) -> Result<(), ReadError> {
         match self.oplog.read_piece(piece, slice).await {
             Ok(()) => Ok(()),
-            Err(OplogError::Corrupt { path, file_offset, reason }) => {
+            Err(OplogError::Corrupt {
+                path,
+                file_offset,
+                reason,
+            }) => {
                 tracing::error!(vdisk = %self.spec.vdisk, offset = piece.offset, path = %path.display(),
                     file_offset, %reason, "checksum mismatch in the oplog");
                 Err(ReadError::Io(IoError::Io(format!(
-                    "checksum mismatch in oplog {} at {file_offset}", path.display()
+                    "checksum mismatch in oplog {} at {file_offset}",
+                    path.display()
                 ))))
             }
             Err(_) => Err(ReadError::LogMoved),
@@ -462,7 +527,10 @@ impl Shard {
     async fn read_store(&self, offset: u64, slice: &mut [u8]) -> Result<(), ReadError> {
         let blocks = block_range(offset, slice.len() as u64);
         let first_byte = blocks.start * BLOCK_SIZE_BYTES;
-        let generations: Vec<u64> = blocks.clone().map(|b| self.generation_cell(b).get()).collect();
+        let generations: Vec<u64> = blocks
+            .clone()
+            .map(|b| self.generation_cell(b).get())
+            .collect();
         let mut whole = vec![0u8; ((blocks.end - blocks.start) * BLOCK_SIZE_BYTES) as usize];
         let mut missing_from: Option<u64> = None;
         for block in blocks.clone().chain(std::iter::once(blocks.end)) {
@@ -475,7 +543,8 @@ impl Shard {
             match cached {
                 Some(data) => {
                     if let Some(from) = missing_from.take() {
-                        self.fill_from_store(from, block, first_byte, &mut whole).await?;
+                        self.fill_from_store(from, block, first_byte, &mut whole)
+                            .await?;
                     }
                     whole[at..at + BLOCK_SIZE_BYTES as usize].copy_from_slice(&data);
                 }
@@ -484,7 +553,8 @@ impl Shard {
                 }
                 None => {
                     if let Some(from) = missing_from.take() {
-                        self.fill_from_store(from, block, first_byte, &mut whole).await?;
+                        self.fill_from_store(from, block, first_byte, &mut whole)
+                            .await?;
                     }
                 }
             }
@@ -495,7 +565,13 @@ impl Shard {
         Ok(())
     }
 
-    async fn fill_from_store(&self, from: u64, to: u64, first_byte: u64, whole: &mut [u8]) -> Result<(), ReadError> {
+    async fn fill_from_store(
+        &self,
+        from: u64,
+        to: u64,
+        first_byte: u64,
+        whole: &mut [u8],
+    ) -> Result<(), ReadError> {
         let start = (from * BLOCK_SIZE_BYTES - first_byte) as usize;
         let end = (to * BLOCK_SIZE_BYTES - first_byte) as usize;
         let offset = from * BLOCK_SIZE_BYTES;
@@ -515,7 +591,13 @@ impl Shard {
     }
 
     fn corrupt_or_io(&self, offset: u64, error: ExtentError) -> IoError {
-        if let ExtentError::Corrupt { vdisk, offset: bad, path, .. } = &error {
+        if let ExtentError::Corrupt {
+            vdisk,
+            offset: bad,
+            path,
+            ..
+        } = &error
+        {
             tracing::error!(vdisk = %vdisk, offset = bad, disk_file = %path.display(),
                 "checksum mismatch in the extent store; returning EIO");
         }
@@ -567,7 +649,11 @@ fn push_run(runs: &mut Vec<BlockStatusRun>, length: u64, hole: bool) {
             return;
         }
     }
-    runs.push(BlockStatusRun { length, hole, zero: hole });
+    runs.push(BlockStatusRun {
+        length,
+        hole,
+        zero: hole,
+    });
 }
 
 enum ReadError {

@@ -17,7 +17,9 @@ pub struct LatencyHistogram {
 
 impl Default for LatencyHistogram {
     fn default() -> Self {
-        LatencyHistogram { buckets: (0..BUCKETS).map(|_| AtomicU64::new(0)).collect() }
+        LatencyHistogram {
+            buckets: (0..BUCKETS).map(|_| AtomicU64::new(0)).collect(),
+        }
     }
 }
 
@@ -48,7 +50,10 @@ impl LatencyHistogram {
     }
 
     pub fn snapshot(&self) -> Vec<u64> {
-        self.buckets.iter().map(|b| b.load(Ordering::Relaxed)).collect()
+        self.buckets
+            .iter()
+            .map(|b| b.load(Ordering::Relaxed))
+            .collect()
     }
 
     /// Percentile (0..=100) of the values in `counts` (a snapshot or a difference of two), in µs.
@@ -146,7 +151,10 @@ impl CounterSnapshot {
         let per_second = |now: u64, then: u64| now.saturating_sub(then) as f64 / seconds;
         let window = |now: &Vec<u64>, then: &Vec<u64>| -> Vec<u64> {
             let diff: Vec<u64> = if then.len() == now.len() {
-                now.iter().zip(then).map(|(a, b)| a.saturating_sub(*b)).collect()
+                now.iter()
+                    .zip(then)
+                    .map(|(a, b)| a.saturating_sub(*b))
+                    .collect()
             } else {
                 now.clone()
             };
@@ -181,7 +189,10 @@ mod tests {
         for nanos in [0u64, 1, 7, 8, 9, 100, 1_000, 65_535, 1 << 20, 1 << 40] {
             let bucket = bucket_of(nanos);
             assert!(bucket >= last);
-            assert!(bucket_upper_nanos(bucket) > nanos, "{nanos} in bucket {bucket}");
+            assert!(
+                bucket_upper_nanos(bucket) > nanos,
+                "{nanos} in bucket {bucket}"
+            );
             last = bucket;
         }
     }

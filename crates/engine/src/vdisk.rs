@@ -64,7 +64,12 @@ impl VdiskShared {
     }
 
     pub fn oplog_usage_bytes(&self) -> u64 {
-        self.map.load().shards.iter().map(|s| s.oplog_usage_bytes.load(Ordering::Relaxed)).sum()
+        self.map
+            .load()
+            .shards
+            .iter()
+            .map(|s| s.oplog_usage_bytes.load(Ordering::Relaxed))
+            .sum()
     }
 
     /// Sends one piece (within one shard range) and waits for its reply, following the shard
@@ -78,7 +83,10 @@ impl VdiskShared {
             }
             let map = self.map.load_full();
             let (reply, response) = oneshot::channel();
-            let request = ShardRequest { op: make_op(), reply };
+            let request = ShardRequest {
+                op: make_op(),
+                reply,
+            };
             if map.shard_for(offset).requests.send(request).await.is_err() {
                 tokio::task::yield_now().await;
                 continue;
@@ -89,7 +97,9 @@ impl VdiskShared {
                 Ok(Err(ShardError::Retired)) | Err(_) => tokio::task::yield_now().await,
             }
         }
-        Err(IoError::Io("shard map kept changing; request abandoned".into()))
+        Err(IoError::Io(
+            "shard map kept changing; request abandoned".into(),
+        ))
     }
 
     /// Runs `op_for(piece_offset, piece_length)` on every shard-range piece of the range, all
@@ -106,7 +116,10 @@ impl VdiskShared {
             return Ok(vec![self.call(|| op_for(o, l), o).await?]);
         }
         let op_for = &op_for;
-        let futures: Vec<_> = pieces.iter().map(|&(o, l)| self.call(move || op_for(o, l), o)).collect();
+        let futures: Vec<_> = pieces
+            .iter()
+            .map(|&(o, l)| self.call(move || op_for(o, l), o))
+            .collect();
         let mut replies = Vec::with_capacity(futures.len());
         // Polled together so every piece is in flight on its shard at once.
         for result in join_all(futures).await {
@@ -167,7 +180,11 @@ where
         }
     }
     let outputs = futures.iter().map(|_| None).collect();
-    JoinAll { futures: futures.into_iter().map(Box::pin).collect(), outputs }.await
+    JoinAll {
+        futures: futures.into_iter().map(Box::pin).collect(),
+        outputs,
+    }
+    .await
 }
 
 /// Counts a client connection for as long as any clone of its handle lives.
@@ -189,7 +206,10 @@ pub struct VdiskHandle {
 impl VdiskHandle {
     pub fn new(shared: Arc<VdiskShared>) -> Self {
         shared.connections.fetch_add(1, Ordering::Relaxed);
-        VdiskHandle { _connection: Rc::new(ConnectionGuard(shared.clone())), shared }
+        VdiskHandle {
+            _connection: Rc::new(ConnectionGuard(shared.clone())),
+            shared,
+        }
     }
 
     pub fn name(&self) -> &str {
@@ -204,7 +224,9 @@ impl VdiskHandle {
     }
 
     fn record<T>(&self, kind: OpKind, bytes: u64, started: Instant, result: &IoResult<T>) {
-        self.shared.counters.record(kind, bytes, started.elapsed(), result.is_ok());
+        self.shared
+            .counters
+            .record(kind, bytes, started.elapsed(), result.is_ok());
     }
 
     async fn read_inner(&self, offset: u64, length: u64) -> IoResult<Bytes> {
@@ -214,7 +236,10 @@ impl VdiskHandle {
         }
         let replies = self
             .shared
-            .call_split(offset, length, |o, l| ShardOp::Read { offset: o, length: l })
+            .call_split(offset, length, |o, l| ShardOp::Read {
+                offset: o,
+                length: l,
+            })
             .await?;
         if replies.len() == 1 {
             return match replies.into_iter().next() {
@@ -242,7 +267,10 @@ impl VdiskHandle {
         self.shared
             .call_split(offset, data.len() as u64, |o, l| {
                 let start = (o - base) as usize;
-                ShardOp::Write { offset: o, data: data_ref.slice(start..start + l as usize) }
+                ShardOp::Write {
+                    offset: o,
+                    data: data_ref.slice(start..start + l as usize),
+                }
             })
             .await
             .map(|_| ())
@@ -254,7 +282,11 @@ impl VdiskHandle {
             return Ok(());
         }
         self.shared
-            .call_split(offset, length, |o, l| ShardOp::WriteZeroes { offset: o, length: l, punch_hole })
+            .call_split(offset, length, |o, l| ShardOp::WriteZeroes {
+                offset: o,
+                length: l,
+                punch_hole,
+            })
             .await
             .map(|_| ())
     }
@@ -311,14 +343,21 @@ impl BlockDevice for VdiskHandle {
         }
         let replies = self
             .shared
-            .call_split(offset, length as u64, |o, l| ShardOp::BlockStatus { offset: o, length: l })
+            .call_split(offset, length as u64, |o, l| ShardOp::BlockStatus {
+                offset: o,
+                length: l,
+            })
             .await?;
         let mut runs: Vec<BlockStatusRun> = Vec::new();
         for reply in replies {
-            let ShardReply::Status(piece_runs) = reply else { return Err(unexpected_reply()) };
+            let ShardReply::Status(piece_runs) = reply else {
+                return Err(unexpected_reply());
+            };
             for run in piece_runs {
                 match runs.last_mut() {
-                    Some(last) if last.hole == run.hole && last.zero == run.zero => last.length += run.length,
+                    Some(last) if last.hole == run.hole && last.zero == run.zero => {
+                        last.length += run.length
+                    }
                     _ => runs.push(run),
                 }
             }
@@ -334,11 +373,17 @@ mod tests {
     #[test]
     fn split_cuts_at_range_boundaries() {
         assert_eq!(split(0, 4096), vec![(0, 4096)]);
-        assert_eq!(split(SHARD_RANGE_BYTES - 4096, 8192), vec![
-            (SHARD_RANGE_BYTES - 4096, 4096),
-            (SHARD_RANGE_BYTES, 4096)
-        ]);
-        assert_eq!(split(0, 2 * SHARD_RANGE_BYTES), vec![(0, SHARD_RANGE_BYTES), (SHARD_RANGE_BYTES, SHARD_RANGE_BYTES)]);
+        assert_eq!(
+            split(SHARD_RANGE_BYTES - 4096, 8192),
+            vec![(SHARD_RANGE_BYTES - 4096, 4096), (SHARD_RANGE_BYTES, 4096)]
+        );
+        assert_eq!(
+            split(0, 2 * SHARD_RANGE_BYTES),
+            vec![
+                (0, SHARD_RANGE_BYTES),
+                (SHARD_RANGE_BYTES, SHARD_RANGE_BYTES)
+            ]
+        );
         assert_eq!(split(10, 0), vec![(10, 0)]);
     }
 }

@@ -20,8 +20,8 @@ use crate::error::MetaError;
 use crate::lease::LeaseTable;
 use crate::record;
 use crate::types::{
-    Compare, CompareTarget, EventKind, KeyRange, KeyValue, LeaseId, Revision, Txn,
-    TxnOp, TxnOpResult, TxnResponse, WatchEvent,
+    Compare, CompareTarget, EventKind, KeyRange, KeyValue, LeaseId, Revision, Txn, TxnOp,
+    TxnOpResult, TxnResponse, WatchEvent,
 };
 use crate::watch::WatchHub;
 
@@ -96,7 +96,8 @@ impl Inner {
     pub(crate) fn revoke_locked(&self, st: &mut State, id: LeaseId) -> Result<(), MetaError> {
         let keys = st.leases.keys(id)?;
         if !keys.is_empty() {
-            let txn = Txn::new().and_then(keys.into_iter().map(|k| TxnOp::delete(KeyRange::Key(k))));
+            let txn =
+                Txn::new().and_then(keys.into_iter().map(|k| TxnOp::delete(KeyRange::Key(k))));
             // Internal: skips validate() (a lease may hold more keys than max_txn_ops).
             self.execute(st, &txn)?;
         }
@@ -191,7 +192,11 @@ impl Inner {
                     break;
                 }
             }
-            let ops = if succeeded { &txn.success } else { &txn.failure };
+            let ops = if succeeded {
+                &txn.success
+            } else {
+                &txn.failure
+            };
             let mut results = Vec::with_capacity(ops.len());
             for op in ops {
                 let result = match op {
@@ -224,9 +229,7 @@ impl Inner {
                         let (doomed, _) = self.scan(&table, range, None)?;
                         let deleted = doomed.len() as u64;
                         for old in doomed {
-                            table
-                                .remove(old.key.as_slice())
-                                .map_err(|e| self.err(e))?;
+                            table.remove(old.key.as_slice()).map_err(|e| self.err(e))?;
                             events.push(WatchEvent {
                                 kind: EventKind::Delete,
                                 kv: KeyValue {
@@ -263,8 +266,7 @@ impl Inner {
         }
         {
             let mut meta = wtx.open_table(META).map_err(|e| self.err(e))?;
-            meta.insert(META_REVISION, rev.0)
-                .map_err(|e| self.err(e))?;
+            meta.insert(META_REVISION, rev.0).map_err(|e| self.err(e))?;
         }
         // Durability::Immediate (redb's default): commit returns after fsync.
         wtx.commit().map_err(|e| self.err(e))?;

@@ -16,8 +16,7 @@ use crate::watch::Watch;
 /// make callers generic over `M: MetaStore`.
 pub trait MetaStore: Send + Sync + 'static {
     /// The key, if present.
-    fn get(&self, key: &[u8])
-        -> impl Future<Output = Result<Option<KeyValue>, MetaError>> + Send;
+    fn get(&self, key: &[u8]) -> impl Future<Output = Result<Option<KeyValue>, MetaError>> + Send;
 
     /// Keys in `range`, ascending, at most `limit` of them (`None` = all;
     /// `Some(0)` is rejected, since etcd would read it as "no limit").
@@ -57,8 +56,7 @@ pub trait MetaStore: Send + Sync + 'static {
     fn keep_alive(&self, lease: LeaseId) -> impl Future<Output = Result<(), MetaError>> + Send;
 
     /// End the lease now, deleting its keys in one transaction.
-    fn revoke_lease(&self, lease: LeaseId)
-        -> impl Future<Output = Result<(), MetaError>> + Send;
+    fn revoke_lease(&self, lease: LeaseId) -> impl Future<Output = Result<(), MetaError>> + Send;
 
     /// Stream changes to keys in `range`, in revision order, starting at
     /// `start_revision` (inclusive) or, when `None` (or `Revision(0)`), with

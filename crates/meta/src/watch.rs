@@ -35,7 +35,10 @@ impl Watch {
         Self::with_backlog(VecDeque::new(), rx)
     }
 
-    pub(crate) fn with_backlog(backlog: VecDeque<WatchEvent>, rx: mpsc::Receiver<WatchItem>) -> Self {
+    pub(crate) fn with_backlog(
+        backlog: VecDeque<WatchEvent>,
+        rx: mpsc::Receiver<WatchItem>,
+    ) -> Self {
         Watch {
             backlog,
             rx,

@@ -23,13 +23,23 @@ async fn put_get_range_prefix_delete() {
     assert_eq!(a.value, b"1");
     assert_eq!(a.lease, None);
 
-    let keys = |kvs: Vec<ashlar_meta::KeyValue>| kvs.into_iter().map(|kv| kv.key).collect::<Vec<_>>();
-    let b = store.range(KeyRange::prefix("/b/"), None).await.expect("range");
+    let keys =
+        |kvs: Vec<ashlar_meta::KeyValue>| kvs.into_iter().map(|kv| kv.key).collect::<Vec<_>>();
+    let b = store
+        .range(KeyRange::prefix("/b/"), None)
+        .await
+        .expect("range");
     assert_eq!(keys(b), vec![b"/b/1".to_vec(), b"/b/2".to_vec()]);
 
-    let all = store.range(KeyRange::prefix(""), None).await.expect("range");
+    let all = store
+        .range(KeyRange::prefix(""), None)
+        .await
+        .expect("range");
     assert_eq!(all.len(), 4);
-    let limited = store.range(KeyRange::prefix(""), Some(2)).await.expect("range");
+    let limited = store
+        .range(KeyRange::prefix(""), Some(2))
+        .await
+        .expect("range");
     assert_eq!(keys(limited), vec![b"/a".to_vec(), b"/b/1".to_vec()]);
     assert!(matches!(
         store.range(KeyRange::prefix(""), Some(0)).await,
@@ -37,18 +47,42 @@ async fn put_get_range_prefix_delete() {
     ));
 
     // [start, end) excludes end; an inverted range is empty.
-    let half_open = store.range(KeyRange::range("/b/", "/c"), None).await.expect("range");
+    let half_open = store
+        .range(KeyRange::range("/b/", "/c"), None)
+        .await
+        .expect("range");
     assert_eq!(half_open.len(), 2);
-    assert!(store.range(KeyRange::range("/c", "/a"), None).await.expect("range").is_empty());
+    assert!(store
+        .range(KeyRange::range("/c", "/a"), None)
+        .await
+        .expect("range")
+        .is_empty());
     let single = store.range(KeyRange::key("/c"), None).await.expect("range");
     assert_eq!(keys(single), vec![b"/c".to_vec()]);
 
-    assert_eq!(store.delete(KeyRange::prefix("/b/")).await.expect("delete"), 2);
-    assert_eq!(store.delete(KeyRange::key("/nope")).await.expect("delete"), 0);
+    assert_eq!(
+        store.delete(KeyRange::prefix("/b/")).await.expect("delete"),
+        2
+    );
+    assert_eq!(
+        store.delete(KeyRange::key("/nope")).await.expect("delete"),
+        0
+    );
     assert_eq!(store.delete(KeyRange::key("/a")).await.expect("delete"), 1);
-    assert_eq!(keys(store.range(KeyRange::prefix(""), None).await.expect("range")), vec![b"/c".to_vec()]);
+    assert_eq!(
+        keys(
+            store
+                .range(KeyRange::prefix(""), None)
+                .await
+                .expect("range")
+        ),
+        vec![b"/c".to_vec()]
+    );
 
-    assert!(matches!(store.put(b"", b"x", None).await, Err(MetaError::InvalidArgument(_))));
+    assert!(matches!(
+        store.put(b"", b"x", None).await,
+        Err(MetaError::InvalidArgument(_))
+    ));
 }
 
 #[tokio::test]
@@ -60,12 +94,18 @@ async fn revisions_and_versions_follow_etcd() {
     let r1 = store.put(b"/k", b"v1", None).await.expect("put");
     assert_eq!(r1, Revision(2));
     let kv = store.get(b"/k").await.expect("get").expect("present");
-    assert_eq!((kv.create_revision, kv.mod_revision, kv.version), (r1, r1, 1));
+    assert_eq!(
+        (kv.create_revision, kv.mod_revision, kv.version),
+        (r1, r1, 1)
+    );
 
     let r2 = store.put(b"/k", b"v2", None).await.expect("put");
     assert_eq!(r2, Revision(3));
     let kv = store.get(b"/k").await.expect("get").expect("present");
-    assert_eq!((kv.create_revision, kv.mod_revision, kv.version), (r1, r2, 2));
+    assert_eq!(
+        (kv.create_revision, kv.mod_revision, kv.version),
+        (r1, r2, 2)
+    );
 
     // Another key moves the store revision but not /k's.
     let r3 = store.put(b"/other", b"x", None).await.expect("put");
@@ -74,7 +114,10 @@ async fn revisions_and_versions_follow_etcd() {
     assert_eq!(store.current_revision().await.expect("rev"), r3);
 
     // Deleting nothing does not bump the revision; deleting something does.
-    store.delete(KeyRange::key("/missing")).await.expect("delete");
+    store
+        .delete(KeyRange::key("/missing"))
+        .await
+        .expect("delete");
     assert_eq!(store.current_revision().await.expect("rev"), r3);
     store.delete(KeyRange::key("/k")).await.expect("delete");
     let r4 = store.current_revision().await.expect("rev");
@@ -83,7 +126,10 @@ async fn revisions_and_versions_follow_etcd() {
     // Recreated: a new life with a new create revision and version 1.
     let r5 = store.put(b"/k", b"v3", None).await.expect("put");
     let kv = store.get(b"/k").await.expect("get").expect("present");
-    assert_eq!((kv.create_revision, kv.mod_revision, kv.version), (r5, r5, 1));
+    assert_eq!(
+        (kv.create_revision, kv.mod_revision, kv.version),
+        (r5, r5, 1)
+    );
 }
 
 #[tokio::test]
@@ -109,7 +155,15 @@ async fn txn_create_if_absent() {
         [TxnOpResult::Get { kvs }] => assert_eq!(kvs[0].value, b"first"),
         other => panic!("unexpected results {other:?}"),
     }
-    assert_eq!(store.get(b"/vd/a").await.expect("get").expect("present").value, b"first");
+    assert_eq!(
+        store
+            .get(b"/vd/a")
+            .await
+            .expect("get")
+            .expect("present")
+            .value,
+        b"first"
+    );
 }
 
 #[tokio::test]
@@ -126,7 +180,15 @@ async fn txn_update_if_mod_revision_matches() {
     let resp = store.txn(stale).await.expect("txn");
     assert!(!resp.succeeded);
     assert!(resp.results.is_empty());
-    assert_eq!(store.get(b"/cfg").await.expect("get").expect("present").value, b"other");
+    assert_eq!(
+        store
+            .get(b"/cfg")
+            .await
+            .expect("get")
+            .expect("present")
+            .value,
+        b"other"
+    );
 
     // With the fresh revision it succeeds, and all ops share one revision.
     let fresh = store.get(b"/cfg").await.expect("get").expect("present");
@@ -163,15 +225,24 @@ async fn txn_update_if_mod_revision_matches() {
 async fn txn_rejects_what_etcd_rejects() {
     let (_dir, store) = common::store();
     let dup = Txn::new().and_then([TxnOp::put("/a", "1", None), TxnOp::put("/a", "2", None)]);
-    assert!(matches!(store.txn(dup).await, Err(MetaError::InvalidArgument(_))));
+    assert!(matches!(
+        store.txn(dup).await,
+        Err(MetaError::InvalidArgument(_))
+    ));
     let too_many = Txn::new().and_then((0..129).map(|i| TxnOp::put(format!("/k{i}"), "v", None)));
-    assert!(matches!(store.txn(too_many).await, Err(MetaError::InvalidArgument(_))));
+    assert!(matches!(
+        store.txn(too_many).await,
+        Err(MetaError::InvalidArgument(_))
+    ));
     // A put with an unknown lease applies nothing.
     let leased = Txn::new().and_then([
         TxnOp::put("/x", "1", None),
         TxnOp::put("/y", "1", Some(ashlar_meta::LeaseId(999))),
     ]);
-    assert!(matches!(store.txn(leased).await, Err(MetaError::LeaseNotFound(_))));
+    assert!(matches!(
+        store.txn(leased).await,
+        Err(MetaError::LeaseNotFound(_))
+    ));
     assert_eq!(store.get(b"/x").await.expect("get"), None);
     assert_eq!(store.current_revision().await.expect("rev"), Revision(1));
 }
@@ -193,7 +264,8 @@ async fn concurrent_cas_counter_is_exact() {
                     let current = store.get(b"/counter").await.expect("get");
                     let (value, rev) = match &current {
                         Some(kv) => {
-                            let n: u64 = String::from_utf8_lossy(&kv.value).parse().expect("number");
+                            let n: u64 =
+                                String::from_utf8_lossy(&kv.value).parse().expect("number");
                             (n, kv.mod_revision)
                         }
                         None => (0, Revision(0)),
@@ -214,7 +286,10 @@ async fn concurrent_cas_counter_is_exact() {
         h.await.expect("task");
     }
     let kv = store.get(b"/counter").await.expect("get").expect("present");
-    assert_eq!(String::from_utf8_lossy(&kv.value), (TASKS * INCREMENTS).to_string());
+    assert_eq!(
+        String::from_utf8_lossy(&kv.value),
+        (TASKS * INCREMENTS).to_string()
+    );
     assert_eq!(kv.version as u64, TASKS * INCREMENTS);
 }
 
@@ -237,7 +312,10 @@ fn works_without_a_tokio_runtime() {
     let store = ashlar_meta::EmbeddedMetaStore::open(&common::db_path(&dir)).expect("open");
     block_on(async {
         store.put(b"/a", b"1", None).await.expect("put");
-        assert_eq!(store.get(b"/a").await.expect("get").expect("present").value, b"1");
+        assert_eq!(
+            store.get(b"/a").await.expect("get").expect("present").value,
+            b"1"
+        );
         let lease = store
             .grant_lease(std::time::Duration::from_millis(50))
             .await

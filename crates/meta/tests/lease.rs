@@ -4,7 +4,9 @@ mod common;
 
 use std::time::Duration;
 
-use ashlar_meta::{Compare, CompareOp, EventKind, KeyRange, LeaseId, MetaError, MetaStore, Txn, TxnOp};
+use ashlar_meta::{
+    Compare, CompareOp, EventKind, KeyRange, LeaseId, MetaError, MetaStore, Txn, TxnOp,
+};
 
 const TTL: Duration = Duration::from_millis(300);
 
@@ -12,15 +14,24 @@ const TTL: Duration = Duration::from_millis(300);
 async fn keys_vanish_after_ttl_without_keep_alive() {
     let (_dir, store) = common::store();
     let lease = store.grant_lease(TTL).await.expect("grant");
-    store.put(b"/owner/vd1", b"node-a", Some(lease)).await.expect("put");
+    store
+        .put(b"/owner/vd1", b"node-a", Some(lease))
+        .await
+        .expect("put");
     store.put(b"/plain", b"stays", None).await.expect("put");
-    let kv = store.get(b"/owner/vd1").await.expect("get").expect("present");
+    let kv = store
+        .get(b"/owner/vd1")
+        .await
+        .expect("get")
+        .expect("present");
     assert_eq!(kv.lease, Some(lease));
 
     tokio::time::sleep(TTL * 2).await;
     assert_eq!(store.get(b"/owner/vd1").await.expect("get"), None);
     assert!(store.get(b"/plain").await.expect("get").is_some());
-    assert!(matches!(store.keep_alive(lease).await, Err(MetaError::LeaseNotFound(id)) if id == lease));
+    assert!(
+        matches!(store.keep_alive(lease).await, Err(MetaError::LeaseNotFound(id)) if id == lease)
+    );
     assert!(matches!(
         store.put(b"/owner/vd1", b"again", Some(lease)).await,
         Err(MetaError::LeaseNotFound(_))
@@ -31,7 +42,10 @@ async fn keys_vanish_after_ttl_without_keep_alive() {
 async fn keep_alive_keeps_keys() {
     let (_dir, store) = common::store();
     let lease = store.grant_lease(TTL).await.expect("grant");
-    store.put(b"/owner/vd1", b"node-a", Some(lease)).await.expect("put");
+    store
+        .put(b"/owner/vd1", b"node-a", Some(lease))
+        .await
+        .expect("put");
     for _ in 0..8 {
         tokio::time::sleep(TTL / 3).await;
         store.keep_alive(lease).await.expect("keep alive");
@@ -43,13 +57,19 @@ async fn keep_alive_keeps_keys() {
 #[tokio::test]
 async fn revoke_deletes_keys_in_one_revision() {
     let (_dir, store) = common::store();
-    let lease = store.grant_lease(Duration::from_secs(60)).await.expect("grant");
+    let lease = store
+        .grant_lease(Duration::from_secs(60))
+        .await
+        .expect("grant");
     store.put(b"/l/a", b"1", Some(lease)).await.expect("put");
     store.put(b"/l/b", b"2", Some(lease)).await.expect("put");
     // Re-put without the lease detaches /l/b.
     store.put(b"/l/b", b"2", None).await.expect("put");
     store.put(b"/l/c", b"3", Some(lease)).await.expect("put");
-    let mut watch = store.watch(KeyRange::prefix("/l/"), None).await.expect("watch");
+    let mut watch = store
+        .watch(KeyRange::prefix("/l/"), None)
+        .await
+        .expect("watch");
     let before = store.current_revision().await.expect("rev");
 
     store.revoke_lease(lease).await.expect("revoke");
@@ -64,16 +84,28 @@ async fn revoke_deletes_keys_in_one_revision() {
         assert_eq!(ev.kv.key, key);
         assert_eq!(ev.revision(), before.next());
     }
-    assert!(matches!(store.revoke_lease(lease).await, Err(MetaError::LeaseNotFound(_))));
-    assert!(matches!(store.keep_alive(LeaseId(12345)).await, Err(MetaError::LeaseNotFound(_))));
+    assert!(matches!(
+        store.revoke_lease(lease).await,
+        Err(MetaError::LeaseNotFound(_))
+    ));
+    assert!(matches!(
+        store.keep_alive(LeaseId(12345)).await,
+        Err(MetaError::LeaseNotFound(_))
+    ));
 }
 
 #[tokio::test]
 async fn expiry_task_deletes_keys_without_further_calls() {
     let (_dir, store) = common::store();
     let lease = store.grant_lease(TTL).await.expect("grant");
-    store.put(b"/hb/node-a", b"alive", Some(lease)).await.expect("put");
-    let mut watch = store.watch(KeyRange::prefix("/hb/"), None).await.expect("watch");
+    store
+        .put(b"/hb/node-a", b"alive", Some(lease))
+        .await
+        .expect("put");
+    let mut watch = store
+        .watch(KeyRange::prefix("/hb/"), None)
+        .await
+        .expect("watch");
     // Only the watch is awaited: the deletion must come from the background task.
     let ev = tokio::time::timeout(TTL * 10, watch.next())
         .await
@@ -87,9 +119,18 @@ async fn expiry_task_deletes_keys_without_further_calls() {
 #[tokio::test]
 async fn lease_compare_and_zero_ttl() {
     let (_dir, store) = common::store();
-    assert!(matches!(store.grant_lease(Duration::ZERO).await, Err(MetaError::InvalidArgument(_))));
-    let lease = store.grant_lease(Duration::from_secs(60)).await.expect("grant");
-    let other = store.grant_lease(Duration::from_secs(60)).await.expect("grant");
+    assert!(matches!(
+        store.grant_lease(Duration::ZERO).await,
+        Err(MetaError::InvalidArgument(_))
+    ));
+    let lease = store
+        .grant_lease(Duration::from_secs(60))
+        .await
+        .expect("grant");
+    let other = store
+        .grant_lease(Duration::from_secs(60))
+        .await
+        .expect("grant");
     assert_ne!(lease, other);
     store.put(b"/owner", b"a", Some(lease)).await.expect("put");
     let resp = store

@@ -33,11 +33,24 @@ async fn state_survives_close_and_reopen() {
     let store = EmbeddedMetaStore::open(&path).expect("reopen");
     assert_eq!(store.current_revision().await.expect("rev"), last_rev);
     let a = store.get(b"/a").await.expect("get").expect("present");
-    assert_eq!((a.value.as_slice(), a.create_revision, a.version), (&b"2"[..], create_rev, 2));
+    assert_eq!(
+        (a.value.as_slice(), a.create_revision, a.version),
+        (&b"2"[..], create_rev, 2)
+    );
     assert_eq!(store.get(b"/gone").await.expect("get"), None);
-    assert_eq!(store.range(KeyRange::prefix("/"), None).await.expect("range").len(), 2);
+    assert_eq!(
+        store
+            .range(KeyRange::prefix("/"), None)
+            .await
+            .expect("range")
+            .len(),
+        2
+    );
     // Revisions keep counting from where they were.
-    assert_eq!(store.put(b"/c", b"4", None).await.expect("put"), last_rev.next());
+    assert_eq!(
+        store.put(b"/c", b"4", None).await.expect("put"),
+        last_rev.next()
+    );
     // History does not survive: only new revisions can be watched.
     assert!(matches!(
         store.watch(KeyRange::prefix(""), Some(Revision(2))).await,
@@ -51,8 +64,14 @@ async fn leases_of_the_previous_process_are_expired_on_open() {
     let path = common::db_path(&dir);
     let (old_lease, rev) = {
         let store = EmbeddedMetaStore::open(&path).expect("open");
-        let lease = store.grant_lease(Duration::from_secs(3600)).await.expect("grant");
-        store.put(b"/owner/vd1", b"me", Some(lease)).await.expect("put");
+        let lease = store
+            .grant_lease(Duration::from_secs(3600))
+            .await
+            .expect("grant");
+        store
+            .put(b"/owner/vd1", b"me", Some(lease))
+            .await
+            .expect("put");
         let rev = store.put(b"/vdisks/vd1", b"{}", None).await.expect("put");
         (lease, rev)
     };
@@ -61,9 +80,15 @@ async fn leases_of_the_previous_process_are_expired_on_open() {
     assert!(store.get(b"/vdisks/vd1").await.expect("get").is_some());
     // The clean-up is one revision.
     assert_eq!(store.current_revision().await.expect("rev"), rev.next());
-    assert!(matches!(store.keep_alive(old_lease).await, Err(MetaError::LeaseNotFound(_))));
+    assert!(matches!(
+        store.keep_alive(old_lease).await,
+        Err(MetaError::LeaseNotFound(_))
+    ));
     // New lease ids never collide with the previous process's.
-    let new_lease = store.grant_lease(Duration::from_secs(60)).await.expect("grant");
+    let new_lease = store
+        .grant_lease(Duration::from_secs(60))
+        .await
+        .expect("grant");
     assert_ne!(new_lease, old_lease);
 }
 
@@ -110,7 +135,7 @@ async fn acknowledged_puts_survive_sigkill_mid_write() {
     let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
 
     let mut last_acked: Option<u64> = None;
-    while let Some(line) = lines.next() {
+    for line in lines.by_ref() {
         let line = line.expect("child stdout");
         if let Some(n) = line.strip_prefix("acked ") {
             last_acked = Some(n.parse().expect("ack number"));
@@ -147,7 +172,10 @@ async fn acknowledged_puts_survive_sigkill_mid_write() {
     let rev = store.current_revision().await.expect("rev");
     assert!(rev >= Revision(last_acked as i64 + 2));
     // At most the one in-flight write beyond the last ack made it.
-    assert!(rev <= Revision(last_acked as i64 + 3), "rev {rev}, last acked {last_acked}");
+    assert!(
+        rev <= Revision(last_acked as i64 + 3),
+        "rev {rev}, last acked {last_acked}"
+    );
 }
 
 fn child_key(i: u64) -> String {
@@ -160,7 +188,12 @@ fn child_value(i: u64) -> String {
 
 fn spawn_child(mode: &str, path: &Path) -> Child {
     Command::new(std::env::current_exe().expect("current exe"))
-        .args(["child_process", "--exact", "--nocapture", "--test-threads=1"])
+        .args([
+            "child_process",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD_MODE, mode)
         .env(CHILD_PATH, path)
         .stdin(Stdio::piped())
@@ -190,10 +223,16 @@ fn child_process() {
     let mut out = std::io::stdout();
     match mode.as_str() {
         "hold" => {
-            writeln!(out, "holding").and_then(|_| out.flush()).expect("stdout");
+            writeln!(out, "holding")
+                .and_then(|_| out.flush())
+                .expect("stdout");
             // Hold the store open until the parent closes our stdin.
             let mut buf = String::new();
-            while std::io::stdin().read_line(&mut buf).map(|n| n > 0).unwrap_or(false) {}
+            while std::io::stdin()
+                .read_line(&mut buf)
+                .map(|n| n > 0)
+                .unwrap_or(false)
+            {}
         }
         "write" => {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -203,9 +242,15 @@ fn child_process() {
             rt.block_on(async {
                 // Bounded: stops by itself if the parent never kills it.
                 for i in 0..100_000u64 {
-                    store.put(child_key(i), child_value(i), None).await.expect("child put");
+                    store
+                        .put(child_key(i), child_value(i), None)
+                        .await
+                        .expect("child put");
                     // Printed only after put returned: this is the acknowledgement.
-                    if writeln!(out, "acked {i}").and_then(|_| out.flush()).is_err() {
+                    if writeln!(out, "acked {i}")
+                        .and_then(|_| out.flush())
+                        .is_err()
+                    {
                         return;
                     }
                 }

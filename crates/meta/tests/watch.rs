@@ -18,7 +18,10 @@ async fn next(watch: &mut ashlar_meta::Watch) -> ashlar_meta::WatchEvent {
 #[tokio::test]
 async fn puts_and_deletes_arrive_in_order() {
     let (_dir, store) = common::store();
-    let mut watch = store.watch(KeyRange::prefix(""), None).await.expect("watch");
+    let mut watch = store
+        .watch(KeyRange::prefix(""), None)
+        .await
+        .expect("watch");
     let r1 = store.put(b"/a", b"1", None).await.expect("put");
     let r2 = store.put(b"/a", b"2", None).await.expect("put");
     store.delete(KeyRange::key("/a")).await.expect("delete");
@@ -29,39 +32,71 @@ async fn puts_and_deletes_arrive_in_order() {
         .revision;
 
     let e = next(&mut watch).await;
-    assert_eq!((e.kind, e.kv.value.as_slice(), e.revision()), (EventKind::Put, &b"1"[..], r1));
+    assert_eq!(
+        (e.kind, e.kv.value.as_slice(), e.revision()),
+        (EventKind::Put, &b"1"[..], r1)
+    );
     assert_eq!(e.prev, None);
     let e = next(&mut watch).await;
-    assert_eq!((e.kind, e.kv.version, e.revision()), (EventKind::Put, 2, r2));
+    assert_eq!(
+        (e.kind, e.kv.version, e.revision()),
+        (EventKind::Put, 2, r2)
+    );
     assert_eq!(e.prev.map(|p| p.value), Some(b"1".to_vec()));
     let e = next(&mut watch).await;
-    assert_eq!((e.kind, e.kv.key.as_slice()), (EventKind::Delete, &b"/a"[..]));
+    assert_eq!(
+        (e.kind, e.kv.key.as_slice()),
+        (EventKind::Delete, &b"/a"[..])
+    );
     assert_eq!(e.revision(), r2.next());
     assert!(e.kv.value.is_empty());
     assert_eq!(e.prev.map(|p| p.value), Some(b"2".to_vec()));
     // One transaction: one revision, events in op order.
     let ex = next(&mut watch).await;
     let ey = next(&mut watch).await;
-    assert_eq!((ex.kv.key.as_slice(), ey.kv.key.as_slice()), (&b"/x"[..], &b"/y"[..]));
+    assert_eq!(
+        (ex.kv.key.as_slice(), ey.kv.key.as_slice()),
+        (&b"/x"[..], &b"/y"[..])
+    );
     assert_eq!((ex.revision(), ey.revision()), (r4, r4));
 }
 
 #[tokio::test]
 async fn prefix_filtering() {
     let (_dir, store) = common::store();
-    let mut vdisks = store.watch(KeyRange::prefix("/ashlar/v1/vdisks/"), None).await.expect("watch");
-    let mut one = store.watch(KeyRange::key("/ashlar/v1/vdisks/b"), None).await.expect("watch");
-    store.put(b"/ashlar/v1/nodes/n1", b"{}", None).await.expect("put");
-    store.put(b"/ashlar/v1/vdisks/a", b"{}", None).await.expect("put");
-    store.put(b"/ashlar/v1/vdisks/b", b"{}", None).await.expect("put");
-    store.put(b"/ashlar/v1/vdisks/bb", b"{}", None).await.expect("put");
+    let mut vdisks = store
+        .watch(KeyRange::prefix("/ashlar/v1/vdisks/"), None)
+        .await
+        .expect("watch");
+    let mut one = store
+        .watch(KeyRange::key("/ashlar/v1/vdisks/b"), None)
+        .await
+        .expect("watch");
+    store
+        .put(b"/ashlar/v1/nodes/n1", b"{}", None)
+        .await
+        .expect("put");
+    store
+        .put(b"/ashlar/v1/vdisks/a", b"{}", None)
+        .await
+        .expect("put");
+    store
+        .put(b"/ashlar/v1/vdisks/b", b"{}", None)
+        .await
+        .expect("put");
+    store
+        .put(b"/ashlar/v1/vdisks/bb", b"{}", None)
+        .await
+        .expect("put");
 
     assert_eq!(next(&mut vdisks).await.kv.key, b"/ashlar/v1/vdisks/a");
     assert_eq!(next(&mut vdisks).await.kv.key, b"/ashlar/v1/vdisks/b");
     assert_eq!(next(&mut vdisks).await.kv.key, b"/ashlar/v1/vdisks/bb");
     assert_eq!(next(&mut one).await.kv.key, b"/ashlar/v1/vdisks/b");
     // Nothing else is queued for the single-key watch.
-    assert!(tokio::time::timeout(Duration::from_millis(100), one.next()).await.is_err());
+    assert!(tokio::time::timeout(Duration::from_millis(100), one.next())
+        .await
+        .is_err());
 }
 
 #[tokio::test]
@@ -72,23 +107,35 @@ async fn start_revision_replays_history() {
     let r3 = store.put(b"/a", b"2", None).await.expect("put");
 
     // List-then-watch: a read-only txn gives the revision the read saw.
-    let read = store.txn(Txn::new().and_then([TxnOp::get(KeyRange::prefix("/"))])).await.expect("txn");
+    let read = store
+        .txn(Txn::new().and_then([TxnOp::get(KeyRange::prefix("/"))]))
+        .await
+        .expect("txn");
     assert_eq!(read.revision, r3);
 
-    let mut from_start = store.watch(KeyRange::key("/a"), Some(r1)).await.expect("watch");
+    let mut from_start = store
+        .watch(KeyRange::key("/a"), Some(r1))
+        .await
+        .expect("watch");
     assert_eq!(next(&mut from_start).await.revision(), r1);
     assert_eq!(next(&mut from_start).await.revision(), r3);
     // Replay continues seamlessly into live events.
     let r4 = store.put(b"/a", b"3", None).await.expect("put");
     assert_eq!(next(&mut from_start).await.revision(), r4);
 
-    let mut after_read = store.watch(KeyRange::prefix("/"), Some(read.revision.next())).await.expect("watch");
+    let mut after_read = store
+        .watch(KeyRange::prefix("/"), Some(read.revision.next()))
+        .await
+        .expect("watch");
     assert_eq!(next(&mut after_read).await.revision(), r4);
 }
 
 #[tokio::test]
 async fn too_old_start_revision_is_compacted() {
-    let options = EmbeddedOptions { watch_history_events: 5, ..EmbeddedOptions::default() };
+    let options = EmbeddedOptions {
+        watch_history_events: 5,
+        ..EmbeddedOptions::default()
+    };
     let (_dir, store) = common::store_with(options);
     for i in 0..10 {
         store.put(b"/k", format!("{i}"), None).await.expect("put");
@@ -101,7 +148,10 @@ async fn too_old_start_revision_is_compacted() {
         }
         other => panic!("expected Compacted, got {other:?}"),
     }
-    let mut w = store.watch(KeyRange::prefix(""), Some(Revision(7))).await.expect("watch");
+    let mut w = store
+        .watch(KeyRange::prefix(""), Some(Revision(7)))
+        .await
+        .expect("watch");
     assert_eq!(next(&mut w).await.revision(), Revision(7));
     assert!(matches!(
         store.watch(KeyRange::prefix(""), Some(Revision(-1))).await,
@@ -111,16 +161,28 @@ async fn too_old_start_revision_is_compacted() {
 
 #[tokio::test]
 async fn lagging_watcher_is_dropped_without_blocking_writers() {
-    let options = EmbeddedOptions { watch_channel_capacity: 4, ..EmbeddedOptions::default() };
+    let options = EmbeddedOptions {
+        watch_channel_capacity: 4,
+        ..EmbeddedOptions::default()
+    };
     let (_dir, store) = common::store_with(options);
-    let mut slow = store.watch(KeyRange::prefix(""), None).await.expect("watch");
-    let mut fast = store.watch(KeyRange::prefix(""), None).await.expect("watch");
+    let mut slow = store
+        .watch(KeyRange::prefix(""), None)
+        .await
+        .expect("watch");
+    let mut fast = store
+        .watch(KeyRange::prefix(""), None)
+        .await
+        .expect("watch");
     for i in 0..20 {
         // Would hang here if writers waited for the slow watcher.
-        tokio::time::timeout(Duration::from_secs(5), store.put(b"/k", format!("{i}"), None))
-            .await
-            .expect("write not blocked")
-            .expect("put");
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            store.put(b"/k", format!("{i}"), None),
+        )
+        .await
+        .expect("write not blocked")
+        .expect("put");
         if i < 19 {
             // The fast watcher keeps up.
             assert_eq!(next(&mut fast).await.kv.value, format!("{i}").into_bytes());
@@ -130,19 +192,30 @@ async fn lagging_watcher_is_dropped_without_blocking_writers() {
     for i in 0..4 {
         assert_eq!(next(&mut slow).await.kv.value, format!("{i}").into_bytes());
     }
-    assert!(matches!(slow.next_event().await, Err(MetaError::WatchLagged { capacity: 4 })));
+    assert!(matches!(
+        slow.next_event().await,
+        Err(MetaError::WatchLagged { capacity: 4 })
+    ));
     assert_eq!(slow.next().await, None);
-    assert!(matches!(slow.end_reason(), Some(MetaError::WatchLagged { .. })));
+    assert!(matches!(
+        slow.end_reason(),
+        Some(MetaError::WatchLagged { .. })
+    ));
     assert_eq!(next(&mut fast).await.kv.value, b"19");
 }
 
 #[tokio::test]
 async fn watch_ends_with_closed_when_store_is_dropped() {
     let (_dir, store) = common::store();
-    let mut watch = store.watch(KeyRange::prefix(""), None).await.expect("watch");
+    let mut watch = store
+        .watch(KeyRange::prefix(""), None)
+        .await
+        .expect("watch");
     store.put(b"/a", b"1", None).await.expect("put");
     drop(store);
     assert_eq!(next(&mut watch).await.kv.key, b"/a");
-    let end = tokio::time::timeout(Duration::from_secs(5), watch.next_event()).await.expect("ends");
+    let end = tokio::time::timeout(Duration::from_secs(5), watch.next_event())
+        .await
+        .expect("ends");
     assert!(matches!(end, Err(MetaError::Closed)));
 }

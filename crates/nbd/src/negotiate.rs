@@ -46,10 +46,14 @@ pub async fn negotiate<R: ExportRegistry>(
     stream.write_all(&greeting).await?;
     let client_flags = stream.read_u32().await?;
     if client_flags & CLIENT_FIXED_NEWSTYLE == 0 {
-        return Err(NbdError::Protocol("client does not support fixed newstyle negotiation".into()));
+        return Err(NbdError::Protocol(
+            "client does not support fixed newstyle negotiation".into(),
+        ));
     }
     if client_flags & !(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES) != 0 {
-        return Err(NbdError::Protocol(format!("unknown client flags {client_flags:#x}")));
+        return Err(NbdError::Protocol(format!(
+            "unknown client flags {client_flags:#x}"
+        )));
     }
     let mut state = State {
         no_zeroes: client_flags & CLIENT_NO_ZEROES != 0,
@@ -64,7 +68,9 @@ pub async fn negotiate<R: ExportRegistry>(
         let option = stream.read_u32().await?;
         let length = stream.read_u32().await?;
         if length > MAX_OPTION_BYTES {
-            return Err(NbdError::Protocol(format!("option {option} has an oversized payload of {length} bytes")));
+            return Err(NbdError::Protocol(format!(
+                "option {option} has an oversized payload of {length} bytes"
+            )));
         }
         let mut data = vec![0u8; length as usize];
         stream.read_exact(&mut data).await?;
@@ -80,7 +86,9 @@ pub async fn negotiate<R: ExportRegistry>(
             }
         }
     }
-    Err(NbdError::Protocol(format!("more than {MAX_OPTIONS} options without choosing an export")))
+    Err(NbdError::Protocol(format!(
+        "more than {MAX_OPTIONS} options without choosing an export"
+    )))
 }
 
 enum Step<D> {
@@ -89,7 +97,12 @@ enum Step<D> {
     Transmit(D),
 }
 
-async fn reply(stream: &mut TcpStream, option: u32, kind: u32, data: &[u8]) -> Result<(), NbdError> {
+async fn reply(
+    stream: &mut TcpStream,
+    option: u32,
+    kind: u32,
+    data: &[u8],
+) -> Result<(), NbdError> {
     stream.write_all(&option_reply(option, kind, data)).await?;
     Ok(())
 }
@@ -105,9 +118,9 @@ async fn handle_option<R: ExportRegistry>(
     match option {
         OPT_EXPORT_NAME => {
             let name = String::from_utf8_lossy(data).into_owned();
-            let device = registry
-                .open_export(&name)
-                .map_err(|reason| NbdError::Protocol(format!("unknown export '{name}': {reason}")))?;
+            let device = registry.open_export(&name).map_err(|reason| {
+                NbdError::Protocol(format!("unknown export '{name}': {reason}"))
+            })?;
             let mut out = Vec::with_capacity(134);
             out.extend_from_slice(&device.size_bytes().to_be_bytes());
             out.extend_from_slice(&transmission_flags().to_be_bytes());
@@ -123,7 +136,13 @@ async fn handle_option<R: ExportRegistry>(
         }
         OPT_LIST => {
             if !data.is_empty() {
-                reply(stream, option, REP_ERR_INVALID, b"NBD_OPT_LIST takes no data").await?;
+                reply(
+                    stream,
+                    option,
+                    REP_ERR_INVALID,
+                    b"NBD_OPT_LIST takes no data",
+                )
+                .await?;
                 return Ok(Step::Continue);
             }
             for export in registry.list_exports() {
@@ -139,7 +158,13 @@ async fn handle_option<R: ExportRegistry>(
         OPT_INFO | OPT_GO => info_or_go(stream, registry, limits, option, data).await,
         OPT_STRUCTURED_REPLY => {
             if !data.is_empty() {
-                reply(stream, option, REP_ERR_INVALID, b"NBD_OPT_STRUCTURED_REPLY takes no data").await?;
+                reply(
+                    stream,
+                    option,
+                    REP_ERR_INVALID,
+                    b"NBD_OPT_STRUCTURED_REPLY takes no data",
+                )
+                .await?;
             } else {
                 state.structured_replies = true;
                 reply(stream, option, REP_ACK, &[]).await?;
@@ -180,7 +205,13 @@ async fn info_or_go<R: ExportRegistry>(
         (at + 2 + 2 * count == data.len()).then_some((name, requests.to_vec()))
     });
     let Some((name, requests)) = parsed else {
-        reply(stream, option, REP_ERR_INVALID, b"malformed NBD_OPT_INFO/GO payload").await?;
+        reply(
+            stream,
+            option,
+            REP_ERR_INVALID,
+            b"malformed NBD_OPT_INFO/GO payload",
+        )
+        .await?;
         return Ok(Step::Continue);
     };
     let device = match registry.open_export(&name) {
@@ -196,7 +227,11 @@ async fn info_or_go<R: ExportRegistry>(
     export.extend_from_slice(&transmission_flags().to_be_bytes());
     reply(stream, option, REP_INFO, &export).await?;
     let mut block_size = INFO_BLOCK_SIZE.to_be_bytes().to_vec();
-    for value in [limits.min_block_size, limits.preferred_block_size, limits.max_request_bytes] {
+    for value in [
+        limits.min_block_size,
+        limits.preferred_block_size,
+        limits.max_request_bytes,
+    ] {
         block_size.extend_from_slice(&value.to_be_bytes());
     }
     reply(stream, option, REP_INFO, &block_size).await?;
@@ -222,7 +257,11 @@ async fn info_or_go<R: ExportRegistry>(
         }
     }
     reply(stream, option, REP_ACK, &[]).await?;
-    Ok(if option == OPT_GO { Step::Transmit(device) } else { Step::Continue })
+    Ok(if option == OPT_GO {
+        Step::Transmit(device)
+    } else {
+        Step::Continue
+    })
 }
 
 async fn meta_context<R: ExportRegistry>(
@@ -243,10 +282,22 @@ async fn meta_context<R: ExportRegistry>(
         (at == data.len()).then_some((name, queries))
     });
     let Some((name, queries)) = parsed else {
-        return reply(stream, option, REP_ERR_INVALID, b"malformed meta context payload").await;
+        return reply(
+            stream,
+            option,
+            REP_ERR_INVALID,
+            b"malformed meta context payload",
+        )
+        .await;
     };
     if option == OPT_SET_META_CONTEXT && !state.structured_replies {
-        return reply(stream, option, REP_ERR_INVALID, b"negotiate structured replies first").await;
+        return reply(
+            stream,
+            option,
+            REP_ERR_INVALID,
+            b"negotiate structured replies first",
+        )
+        .await;
     }
     if registry.open_export(&name).is_err() {
         return reply(stream, option, REP_ERR_UNKNOWN, b"unknown export").await;
@@ -254,7 +305,9 @@ async fn meta_context<R: ExportRegistry>(
     let wants_allocation = if option == OPT_LIST_META_CONTEXT && queries.is_empty() {
         true
     } else {
-        queries.iter().any(|q| q == BASE_ALLOCATION || (option == OPT_LIST_META_CONTEXT && q == "base:"))
+        queries
+            .iter()
+            .any(|q| q == BASE_ALLOCATION || (option == OPT_LIST_META_CONTEXT && q == "base:"))
     };
     if option == OPT_SET_META_CONTEXT {
         state.base_allocation = wants_allocation;

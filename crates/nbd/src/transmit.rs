@@ -82,11 +82,18 @@ pub async fn transmit<D: BlockDevice + Clone + 'static>(
             if request.length > limits.max_request_bytes {
                 tracing::warn!(%peer, length = request.length, max = limits.max_request_bytes,
                     "write payload larger than the advertised maximum; closing the connection");
-                break Err(NbdError::Protocol(format!("write of {} bytes exceeds the maximum", request.length)));
+                break Err(NbdError::Protocol(format!(
+                    "write of {} bytes exceeds the maximum",
+                    request.length
+                )));
             }
             let mut data = BytesMut::zeroed(request.length as usize);
             if let Err(e) = reader.read_exact(&mut data).await {
-                break if e.kind() == std::io::ErrorKind::UnexpectedEof { Ok(()) } else { Err(NbdError::Io(e)) };
+                break if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                    Ok(())
+                } else {
+                    Err(NbdError::Io(e))
+                };
             }
             Some(data.freeze())
         } else {
@@ -106,7 +113,11 @@ pub async fn transmit<D: BlockDevice + Clone + 'static>(
     outcome
 }
 
-async fn serve<D: BlockDevice>(connection: &Connection<D>, request: Request, payload: Option<Bytes>) -> Vec<u8> {
+async fn serve<D: BlockDevice>(
+    connection: &Connection<D>,
+    request: Request,
+    payload: Option<Bytes>,
+) -> Vec<u8> {
     let device = &connection.device;
     let cookie = request.cookie;
     let simple = |result: Result<(), IoError>| -> Vec<u8> {
@@ -119,22 +130,39 @@ async fn serve<D: BlockDevice>(connection: &Connection<D>, request: Request, pay
         }
     };
     match request.kind {
-        CMD_READ => read_reply(connection, request, device.read(request.offset, request.length).await),
+        CMD_READ => read_reply(
+            connection,
+            request,
+            device.read(request.offset, request.length).await,
+        ),
         CMD_WRITE => {
             let data = payload.unwrap_or_default();
-            simple(device.write(request.offset, data, request.flags & CMD_FLAG_FUA != 0).await)
+            simple(
+                device
+                    .write(request.offset, data, request.flags & CMD_FLAG_FUA != 0)
+                    .await,
+            )
         }
         CMD_FLUSH => simple(device.flush().await),
         CMD_TRIM => simple(device.trim(request.offset, request.length).await),
         CMD_WRITE_ZEROES => {
             let may_punch_hole = request.flags & CMD_FLAG_NO_HOLE == 0;
-            simple(device.write_zeroes(request.offset, request.length, may_punch_hole).await)
+            simple(
+                device
+                    .write_zeroes(request.offset, request.length, may_punch_hole)
+                    .await,
+            )
         }
         CMD_BLOCK_STATUS if connection.structured_replies && connection.base_allocation => {
             let result = device.block_status(request.offset, request.length).await;
             block_status_reply(request, result)
         }
-        CMD_BLOCK_STATUS => error_reply(connection, request, EINVAL, "base:allocation was not negotiated"),
+        CMD_BLOCK_STATUS => error_reply(
+            connection,
+            request,
+            EINVAL,
+            "base:allocation was not negotiated",
+        ),
         other => {
             tracing::warn!(command = other, "unknown NBD command");
             error_reply(connection, request, EINVAL, "unknown command")
@@ -147,11 +175,18 @@ fn log_failure(request: &Request, error: &IoError) {
         IoError::OutOfRange { .. } | IoError::Invalid(_) => {
             tracing::debug!(command = request.kind, offset = request.offset, length = request.length, %error, "request refused")
         }
-        _ => tracing::warn!(command = request.kind, offset = request.offset, length = request.length, %error, "request failed"),
+        _ => {
+            tracing::warn!(command = request.kind, offset = request.offset, length = request.length, %error, "request failed")
+        }
     }
 }
 
-fn error_reply<D>(connection: &Connection<D>, request: Request, code: u32, message: &str) -> Vec<u8> {
+fn error_reply<D>(
+    connection: &Connection<D>,
+    request: Request,
+    code: u32,
+    message: &str,
+) -> Vec<u8> {
     if connection.structured_replies && matches!(request.kind, CMD_READ | CMD_BLOCK_STATUS) {
         error_chunk(code, request.cookie, message)
     } else {
@@ -159,11 +194,20 @@ fn error_reply<D>(connection: &Connection<D>, request: Request, code: u32, messa
     }
 }
 
-fn read_reply<D>(connection: &Connection<D>, request: Request, result: Result<Bytes, IoError>) -> Vec<u8> {
+fn read_reply<D>(
+    connection: &Connection<D>,
+    request: Request,
+    result: Result<Bytes, IoError>,
+) -> Vec<u8> {
     match result {
         Ok(data) if connection.structured_replies => {
             let mut out = Vec::with_capacity(28 + data.len());
-            out.extend_from_slice(&chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, request.cookie, 8 + data.len() as u32));
+            out.extend_from_slice(&chunk_header(
+                REPLY_FLAG_DONE,
+                REPLY_TYPE_OFFSET_DATA,
+                request.cookie,
+                8 + data.len() as u32,
+            ));
             out.extend_from_slice(&request.offset.to_be_bytes());
             out.extend_from_slice(&data);
             out
@@ -176,7 +220,12 @@ fn read_reply<D>(connection: &Connection<D>, request: Request, result: Result<By
         }
         Err(error) => {
             log_failure(&request, &error);
-            error_reply(connection, request, error_code(request.kind, &error), &error.to_string())
+            error_reply(
+                connection,
+                request,
+                error_code(request.kind, &error),
+                &error.to_string(),
+            )
         }
     }
 }
@@ -185,7 +234,13 @@ fn block_status_reply(request: Request, result: Result<Vec<BlockStatusRun>, IoEr
     let runs = match result {
         Ok(runs) if !runs.is_empty() => runs,
         Ok(_) => return error_chunk(EINVAL, request.cookie, "empty block status range"),
-        Err(error) => return error_chunk(error_code(request.kind, &error), request.cookie, &error.to_string()),
+        Err(error) => {
+            return error_chunk(
+                error_code(request.kind, &error),
+                request.cookie,
+                &error.to_string(),
+            )
+        }
     };
     let mut descriptors = Vec::new();
     let mut covered = 0u64;
@@ -202,7 +257,13 @@ fn block_status_reply(request: Request, result: Result<Vec<BlockStatusRun>, IoEr
             break;
         }
     }
-    let mut out = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, request.cookie, 4 + descriptors.len() as u32).to_vec();
+    let mut out = chunk_header(
+        REPLY_FLAG_DONE,
+        REPLY_TYPE_BLOCK_STATUS,
+        request.cookie,
+        4 + descriptors.len() as u32,
+    )
+    .to_vec();
     out.extend_from_slice(&BASE_ALLOCATION_ID.to_be_bytes());
     out.extend_from_slice(&descriptors);
     out

@@ -131,7 +131,13 @@ pub fn chunk_header(flags: u16, kind: u16, cookie: u64, length: u32) -> [u8; 20]
 /// A final structured error chunk with a short message.
 pub fn error_chunk(error: u32, cookie: u64, message: &str) -> Vec<u8> {
     let message = &message.as_bytes()[..message.len().min(4096)];
-    let mut out = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, cookie, 6 + message.len() as u32).to_vec();
+    let mut out = chunk_header(
+        REPLY_FLAG_DONE,
+        REPLY_TYPE_ERROR,
+        cookie,
+        6 + message.len() as u32,
+    )
+    .to_vec();
     out.extend_from_slice(&error.to_be_bytes());
     out.extend_from_slice(&(message.len() as u16).to_be_bytes());
     out.extend_from_slice(message);
@@ -152,7 +158,16 @@ mod tests {
         header[16..24].copy_from_slice(&4096u64.to_be_bytes());
         header[24..28].copy_from_slice(&512u32.to_be_bytes());
         let request = parse_request(&header).unwrap();
-        assert_eq!(request, Request { flags: CMD_FLAG_FUA, kind: CMD_WRITE, cookie: 7, offset: 4096, length: 512 });
+        assert_eq!(
+            request,
+            Request {
+                flags: CMD_FLAG_FUA,
+                kind: CMD_WRITE,
+                cookie: 7,
+                offset: 4096,
+                length: 512
+            }
+        );
         header[0] ^= 1;
         assert!(parse_request(&header).is_none());
     }

@@ -67,7 +67,10 @@ impl StdFile {
             .create(create)
             .mode(0o600)
             .open(path)?;
-        Ok(StdFile { file: Rc::new(file), path: path.to_path_buf() })
+        Ok(StdFile {
+            file: Rc::new(file),
+            path: path.to_path_buf(),
+        })
     }
 }
 

@@ -4,8 +4,8 @@
 //! An `ExtentStore` is single-threaded: one shard controller owns the egroups of its ranges.
 //! No `RefCell` borrow is held across an await, so concurrent local tasks may share it.
 
-use ashlar_core::{VdiskId, BLOCK_SIZE_BYTES, EXTENT_SIZE_BYTES};
 use crate::disk::{Disk, FileIo, FileOpener};
+use ashlar_core::{VdiskId, BLOCK_SIZE_BYTES, EXTENT_SIZE_BYTES};
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
 use std::io;
@@ -38,16 +38,27 @@ pub enum ExtentError {
     #[error("no space left on {path}")]
     NoSpace { path: PathBuf },
     #[error("checksum mismatch in vdisk {vdisk} at offset {offset} in {path}: data crc {actual:08x}, stored {expected:08x?}")]
-    Corrupt { vdisk: VdiskId, offset: u64, path: PathBuf, expected: [u32; 2], actual: u32 },
+    Corrupt {
+        vdisk: VdiskId,
+        offset: u64,
+        path: PathBuf,
+        expected: [u32; 2],
+        actual: u32,
+    },
     #[error("bad extent group header in {path}: {reason}")]
     BadHeader { path: PathBuf, reason: String },
 }
 
 fn io_error(path: &Path, source: io::Error) -> ExtentError {
     if source.raw_os_error() == Some(libc::ENOSPC) {
-        ExtentError::NoSpace { path: path.to_path_buf() }
+        ExtentError::NoSpace {
+            path: path.to_path_buf(),
+        }
     } else {
-        ExtentError::Io { path: path.to_path_buf(), source }
+        ExtentError::Io {
+            path: path.to_path_buf(),
+            source,
+        }
     }
 }
 
@@ -69,8 +80,14 @@ impl Entry {
     }
 
     fn decode(bytes: &[u8]) -> Entry {
-        let word = |at: usize| u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
-        Entry { written: bytes[0] == 1, current_slot: bytes[1] & 1, crc: [word(4), word(8)] }
+        let word = |at: usize| {
+            u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
+        };
+        Entry {
+            written: bytes[0] == 1,
+            current_slot: bytes[1] & 1,
+            crc: [word(4), word(8)],
+        }
     }
 
     fn matches(&self, crc: u32) -> Option<u8> {
@@ -134,7 +151,12 @@ fn header_block(vdisk: VdiskId, egroup: u64) -> Vec<u8> {
 }
 
 fn check_header(block: &[u8], vdisk: VdiskId, egroup: u64, path: &Path) -> Result<(), ExtentError> {
-    let bad = |reason: &str| Err(ExtentError::BadHeader { path: path.to_path_buf(), reason: reason.into() });
+    let bad = |reason: &str| {
+        Err(ExtentError::BadHeader {
+            path: path.to_path_buf(),
+            reason: reason.into(),
+        })
+    };
     if &block[0..8] != MAGIC {
         return bad("wrong magic");
     }
@@ -200,7 +222,10 @@ impl Span {
 
 impl<O: FileOpener> ExtentStore<O> {
     pub fn new(opener: O, config: ExtentStoreConfig) -> Self {
-        assert!(!config.disks.is_empty(), "an extent store needs at least one disk");
+        assert!(
+            !config.disks.is_empty(),
+            "an extent store needs at least one disk"
+        );
         ExtentStore {
             opener,
             config,
@@ -232,7 +257,11 @@ impl<O: FileOpener> ExtentStore<O> {
     }
 
     /// The open egroup, opening (or with `create`, creating) it. `None`: it does not exist.
-    async fn egroup(&self, egroup: u64, create: bool) -> Result<Option<Rc<Egroup<O::File>>>, ExtentError> {
+    async fn egroup(
+        &self,
+        egroup: u64,
+        create: bool,
+    ) -> Result<Option<Rc<Egroup<O::File>>>, ExtentError> {
         if let Some(open) = self.open.borrow().get(&egroup) {
             open.last_use.set(self.tick());
             return Ok(Some(open.clone()));
@@ -257,7 +286,12 @@ impl<O: FileOpener> ExtentStore<O> {
         Ok(Some(state))
     }
 
-    async fn create_file(&self, disk: &Disk, egroup: u64, path: &Path) -> Result<Egroup<O::File>, ExtentError> {
+    async fn create_file(
+        &self,
+        disk: &Disk,
+        egroup: u64,
+        path: &Path,
+    ) -> Result<Egroup<O::File>, ExtentError> {
         let dir = egroup_dir(disk, self.config.vdisk);
         if !dir.exists() {
             std::fs::create_dir_all(&dir).map_err(|e| io_error(&dir, e))?;
@@ -266,10 +300,22 @@ impl<O: FileOpener> ExtentStore<O> {
             }
         }
         self.new_dirs.borrow_mut().insert(dir);
-        let file = self.opener.open(path, true).map_err(|e| io_error(path, e))?;
-        file.write_at(&header_block(self.config.vdisk, egroup), 0).await.map_err(|e| io_error(path, e))?;
-        let entries = vec![vec![Entry::default(); BLOCKS_PER_EXTENT as usize]; EXTENTS_PER_EGROUP as usize];
-        let state = Egroup { file: Rc::new(file), path: path.to_path_buf(), entries: RefCell::new(entries), dirty: Cell::new(true), last_use: Cell::new(0) };
+        let file = self
+            .opener
+            .open(path, true)
+            .map_err(|e| io_error(path, e))?;
+        file.write_at(&header_block(self.config.vdisk, egroup), 0)
+            .await
+            .map_err(|e| io_error(path, e))?;
+        let entries =
+            vec![vec![Entry::default(); BLOCKS_PER_EXTENT as usize]; EXTENTS_PER_EGROUP as usize];
+        let state = Egroup {
+            file: Rc::new(file),
+            path: path.to_path_buf(),
+            entries: RefCell::new(entries),
+            dirty: Cell::new(true),
+            last_use: Cell::new(0),
+        };
         for extent in 0..EXTENTS_PER_EGROUP {
             // A new egroup has no old data: nothing to normalize.
             self.normalized.borrow_mut().insert((egroup, extent));
@@ -278,9 +324,14 @@ impl<O: FileOpener> ExtentStore<O> {
     }
 
     async fn open_file(&self, egroup: u64, path: &Path) -> Result<Egroup<O::File>, ExtentError> {
-        let file = self.opener.open(path, false).map_err(|e| io_error(path, e))?;
+        let file = self
+            .opener
+            .open(path, false)
+            .map_err(|e| io_error(path, e))?;
         let mut head = vec![0u8; (DATA_START_BLOCK * BLOCK) as usize];
-        file.read_at(&mut head, 0).await.map_err(|e| io_error(path, e))?;
+        file.read_at(&mut head, 0)
+            .await
+            .map_err(|e| io_error(path, e))?;
         check_header(&head[..BLOCK as usize], self.config.vdisk, egroup, path)?;
         let entries = (0..EXTENTS_PER_EGROUP as usize)
             .map(|extent| {
@@ -288,18 +339,28 @@ impl<O: FileOpener> ExtentStore<O> {
                 block.chunks(ENTRY_BYTES).map(Entry::decode).collect()
             })
             .collect();
-        Ok(Egroup { file: Rc::new(file), path: path.to_path_buf(), entries: RefCell::new(entries), dirty: Cell::new(false), last_use: Cell::new(0) })
+        Ok(Egroup {
+            file: Rc::new(file),
+            path: path.to_path_buf(),
+            entries: RefCell::new(entries),
+            dirty: Cell::new(false),
+            last_use: Cell::new(0),
+        })
     }
 
     fn choose_disk(&self) -> usize {
         let free = |disk: &Disk| free_bytes(&disk.path).unwrap_or(0);
-        (0..self.config.disks.len()).max_by_key(|&i| free(&self.config.disks[i])).unwrap_or(0)
+        (0..self.config.disks.len())
+            .max_by_key(|&i| free(&self.config.disks[i]))
+            .unwrap_or(0)
     }
 
     fn evict_if_full(&self) {
         let mut open = self.open.borrow_mut();
         while open.len() >= self.config.max_open_egroups.max(1) {
-            let Some((&victim, _)) = open.iter().min_by_key(|(_, e)| e.last_use.get()) else { break };
+            let Some((&victim, _)) = open.iter().min_by_key(|(_, e)| e.last_use.get()) else {
+                break;
+            };
             if let Some(evicted) = open.remove(&victim) {
                 if evicted.dirty.get() {
                     self.pending_sync.borrow_mut().push(evicted.file.clone());
@@ -316,7 +377,9 @@ impl<O: FileOpener> ExtentStore<O> {
             match self.egroup(span.egroup, false).await? {
                 None => out.fill(0),
                 Some(group) => {
-                    let blocks = self.read_blocks(&group, &span, span.first_block(), span.end_block()).await?;
+                    let blocks = self
+                        .read_blocks(&group, &span, span.first_block(), span.end_block())
+                        .await?;
                     let skip = (span.offset % BLOCK) as usize;
                     out.copy_from_slice(&blocks[skip..skip + out.len()]);
                 }
@@ -326,9 +389,16 @@ impl<O: FileOpener> ExtentStore<O> {
     }
 
     /// Reads and verifies whole blocks `[first, end)` of the span's extent.
-    async fn read_blocks(&self, group: &Egroup<O::File>, span: &Span, first: u64, end: u64) -> Result<Vec<u8>, ExtentError> {
+    async fn read_blocks(
+        &self,
+        group: &Egroup<O::File>,
+        span: &Span,
+        first: u64,
+        end: u64,
+    ) -> Result<Vec<u8>, ExtentError> {
         let mut data = vec![0u8; ((end - first) * BLOCK) as usize];
-        let written: Vec<Entry> = group.entries.borrow()[span.extent as usize][first as usize..end as usize].to_vec();
+        let written: Vec<Entry> =
+            group.entries.borrow()[span.extent as usize][first as usize..end as usize].to_vec();
         if written.iter().any(|e| e.written) {
             group
                 .file
@@ -358,20 +428,30 @@ impl<O: FileOpener> ExtentStore<O> {
 
     /// Before the first write to an extent in this process, make each block's current slot
     /// the one its data on disk matches (a crash may have left the persisted slot stale).
-    async fn normalize(&self, group: &Egroup<O::File>, egroup: u64, extent: u64) -> Result<(), ExtentError> {
+    async fn normalize(
+        &self,
+        group: &Egroup<O::File>,
+        egroup: u64,
+        extent: u64,
+    ) -> Result<(), ExtentError> {
         if self.normalized.borrow().contains(&(egroup, extent)) {
             return Ok(());
         }
         let entries: Vec<Entry> = group.entries.borrow()[extent as usize].clone();
         if entries.iter().any(|e| e.written) {
             let mut data = vec![0u8; EXTENT_SIZE_BYTES as usize];
-            group.file.read_at(&mut data, data_file_offset(extent, 0)).await.map_err(|e| io_error(&group.path, e))?;
+            group
+                .file
+                .read_at(&mut data, data_file_offset(extent, 0))
+                .await
+                .map_err(|e| io_error(&group.path, e))?;
             let mut table = group.entries.borrow_mut();
             for (block, entry) in entries.iter().enumerate() {
                 if !entry.written {
                     continue;
                 }
-                let crc = crc32c::crc32c(&data[block * BLOCK as usize..(block + 1) * BLOCK as usize]);
+                let crc =
+                    crc32c::crc32c(&data[block * BLOCK as usize..(block + 1) * BLOCK as usize]);
                 if let Some(slot) = entry.matches(crc) {
                     table[extent as usize][block].current_slot = slot;
                 }
@@ -386,16 +466,19 @@ impl<O: FileOpener> ExtentStore<O> {
         for span in spans(offset, data.len() as u64) {
             let piece = &data[done..done + span.length as usize];
             done += span.length as usize;
-            let group = self.egroup(span.egroup, true).await?.ok_or_else(|| ExtentError::Io {
-                path: PathBuf::from("egroup"),
-                source: io::Error::other("egroup vanished while being created"),
-            })?;
+            let group = self
+                .egroup(span.egroup, true)
+                .await?
+                .ok_or_else(|| ExtentError::Io {
+                    path: PathBuf::from("egroup"),
+                    source: io::Error::other("egroup vanished while being created"),
+                })?;
             self.normalize(&group, span.egroup, span.extent).await?;
             let (first, end) = (span.first_block(), span.end_block());
             let mut blocks = vec![0u8; ((end - first) * BLOCK) as usize];
             let head = span.offset % BLOCK;
             let partial_head = head != 0;
-            let partial_tail = (head + span.length) % BLOCK != 0;
+            let partial_tail = !(head + span.length).is_multiple_of(BLOCK);
             if partial_head || partial_tail {
                 // Read-modify-write of the edge blocks, verified like any read.
                 let edge_first = self.read_blocks(&group, &span, first, first + 1).await?;
@@ -407,14 +490,21 @@ impl<O: FileOpener> ExtentStore<O> {
                 }
             }
             blocks[head as usize..head as usize + piece.len()].copy_from_slice(piece);
-            self.write_blocks(&group, span.extent, first, &blocks).await?;
+            self.write_blocks(&group, span.extent, first, &blocks)
+                .await?;
         }
         Ok(())
     }
 
     /// New CRCs go to each block's non-current slot and reach the file before the data, so a
     /// crash between the two writes leaves data that still matches one slot.
-    async fn write_blocks(&self, group: &Egroup<O::File>, extent: u64, first: u64, blocks: &[u8]) -> Result<(), ExtentError> {
+    async fn write_blocks(
+        &self,
+        group: &Egroup<O::File>,
+        extent: u64,
+        first: u64,
+        blocks: &[u8],
+    ) -> Result<(), ExtentError> {
         let zero_crc = zero_block_crc();
         let mut flips = Vec::new();
         let table_bytes = {
@@ -425,7 +515,11 @@ impl<O: FileOpener> ExtentStore<O> {
                 let crc = crc32c::crc32c(block);
                 if !entry.written {
                     // The old content is a hole (zeros): keep that valid in the other slot.
-                    *entry = Entry { written: true, current_slot: 0, crc: [zero_crc, crc] };
+                    *entry = Entry {
+                        written: true,
+                        current_slot: 0,
+                        crc: [zero_crc, crc],
+                    };
                     flips.push((first as usize + i, 1u8));
                 } else {
                     let next = 1 - entry.current_slot;
@@ -436,8 +530,16 @@ impl<O: FileOpener> ExtentStore<O> {
             encode_table(entries)
         };
         let table_offset = (1 + extent) * BLOCK;
-        group.file.write_at(&table_bytes, table_offset).await.map_err(|e| io_error(&group.path, e))?;
-        group.file.write_at(blocks, data_file_offset(extent, first)).await.map_err(|e| io_error(&group.path, e))?;
+        group
+            .file
+            .write_at(&table_bytes, table_offset)
+            .await
+            .map_err(|e| io_error(&group.path, e))?;
+        group
+            .file
+            .write_at(blocks, data_file_offset(extent, first))
+            .await
+            .map_err(|e| io_error(&group.path, e))?;
         let mut table = group.entries.borrow_mut();
         for (block, slot) in flips {
             table[extent as usize][block].current_slot = slot;
@@ -448,7 +550,9 @@ impl<O: FileOpener> ExtentStore<O> {
 
     pub async fn write_zeroes(&self, offset: u64, length: u64) -> Result<(), ExtentError> {
         for span in spans(offset, length) {
-            let Some(group) = self.egroup(span.egroup, false).await? else { continue };
+            let Some(group) = self.egroup(span.egroup, false).await? else {
+                continue;
+            };
             let start = span.offset % EXTENT_SIZE_BYTES;
             let end = start + span.length;
             let full_start = start.div_ceil(BLOCK) * BLOCK;
@@ -456,26 +560,42 @@ impl<O: FileOpener> ExtentStore<O> {
             let extent_base = span.offset - start;
             if full_start >= full_end {
                 // No whole block: the bytes get real zeros.
-                self.write(span.offset, &vec![0u8; span.length as usize]).await?;
+                self.write(span.offset, &vec![0u8; span.length as usize])
+                    .await?;
                 continue;
             }
             if start < full_start {
-                self.write(span.offset, &vec![0u8; (full_start - start) as usize]).await?;
+                self.write(span.offset, &vec![0u8; (full_start - start) as usize])
+                    .await?;
             }
             if full_end < end {
-                self.write(extent_base + full_end, &vec![0u8; (end - full_end) as usize]).await?;
+                self.write(
+                    extent_base + full_end,
+                    &vec![0u8; (end - full_end) as usize],
+                )
+                .await?;
             }
-            self.unwrite_blocks(&group, span.extent, full_start / BLOCK, full_end / BLOCK).await?;
+            self.unwrite_blocks(&group, span.extent, full_start / BLOCK, full_end / BLOCK)
+                .await?;
         }
         Ok(())
     }
 
     /// Whole blocks become holes: state cleared first, then the space freed.
-    async fn unwrite_blocks(&self, group: &Egroup<O::File>, extent: u64, first: u64, end: u64) -> Result<(), ExtentError> {
+    async fn unwrite_blocks(
+        &self,
+        group: &Egroup<O::File>,
+        extent: u64,
+        first: u64,
+        end: u64,
+    ) -> Result<(), ExtentError> {
         let table_bytes = {
             let mut table = group.entries.borrow_mut();
             let entries = &mut table[extent as usize];
-            if entries[first as usize..end as usize].iter().all(|e| !e.written) {
+            if entries[first as usize..end as usize]
+                .iter()
+                .all(|e| !e.written)
+            {
                 return Ok(());
             }
             for entry in &mut entries[first as usize..end as usize] {
@@ -483,7 +603,11 @@ impl<O: FileOpener> ExtentStore<O> {
             }
             encode_table(entries)
         };
-        group.file.write_at(&table_bytes, (1 + extent) * BLOCK).await.map_err(|e| io_error(&group.path, e))?;
+        group
+            .file
+            .write_at(&table_bytes, (1 + extent) * BLOCK)
+            .await
+            .map_err(|e| io_error(&group.path, e))?;
         group
             .file
             .punch_hole(data_file_offset(extent, first), (end - first) * BLOCK)
@@ -496,7 +620,13 @@ impl<O: FileOpener> ExtentStore<O> {
     /// Makes every write since the last sync durable: data and checksum blocks of each
     /// touched egroup, and the directory entries of new egroup files.
     pub async fn sync(&self) -> Result<(), ExtentError> {
-        let dirty: Vec<Rc<Egroup<O::File>>> = self.open.borrow().values().filter(|e| e.dirty.get()).cloned().collect();
+        let dirty: Vec<Rc<Egroup<O::File>>> = self
+            .open
+            .borrow()
+            .values()
+            .filter(|e| e.dirty.get())
+            .cloned()
+            .collect();
         let evicted: Vec<Rc<O::File>> = self.pending_sync.borrow_mut().drain(..).collect();
         for group in &dirty {
             group.dirty.set(false);
@@ -506,7 +636,9 @@ impl<O: FileOpener> ExtentStore<O> {
             }
         }
         for file in evicted {
-            file.sync_data().await.map_err(|e| io_error(file.path(), e))?;
+            file.sync_data()
+                .await
+                .map_err(|e| io_error(file.path(), e))?;
         }
         let dirs: Vec<PathBuf> = self.new_dirs.borrow_mut().drain().collect();
         for dir in dirs {
@@ -515,7 +647,11 @@ impl<O: FileOpener> ExtentStore<O> {
         Ok(())
     }
 
-    pub async fn allocation(&self, offset: u64, length: u64) -> Result<Vec<(u64, bool)>, ExtentError> {
+    pub async fn allocation(
+        &self,
+        offset: u64,
+        length: u64,
+    ) -> Result<Vec<(u64, bool)>, ExtentError> {
         let mut runs: Vec<(u64, bool)> = Vec::new();
         let mut push = |len: u64, allocated: bool| {
             if len == 0 {
@@ -596,7 +732,9 @@ pub fn vdisk_bytes_used(disks: &[Disk], vdisk: VdiskId) -> io::Result<u64> {
     use std::os::unix::fs::MetadataExt;
     let mut total = 0;
     for disk in disks {
-        let Ok(entries) = std::fs::read_dir(egroup_dir(disk, vdisk)) else { continue };
+        let Ok(entries) = std::fs::read_dir(egroup_dir(disk, vdisk)) else {
+            continue;
+        };
         for entry in entries.flatten() {
             total += entry.metadata()?.blocks() * 512;
         }

@@ -1,0 +1,97 @@
+//! Per-connection limits and the protocol-valid values derived from them.
+
+use std::time::Duration;
+
+/// Limits of one NBD connection. Each bounds memory or time a client can make the server
+/// spend; see `docs/nbd.md`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NbdLimits {
+    /// Largest READ or WRITE payload accepted, advertised as the maximum block size.
+    pub max_request_bytes: u32,
+    /// Requests read but not yet answered, per connection; at the limit the server stops
+    /// reading (backpressure). Worst-case buffered payload is this times `max_request_bytes`.
+    pub max_in_flight_requests: usize,
+    /// Time a client has from connecting until it enters transmission.
+    pub handshake_timeout: Duration,
+    /// Advertised minimum block size; requests not aligned to it fail with EINVAL.
+    pub min_block_size: u32,
+    /// Advertised preferred block size.
+    pub preferred_block_size: u32,
+}
+
+impl Default for NbdLimits {
+    fn default() -> Self {
+        Self {
+            max_request_bytes: 32 << 20,
+            max_in_flight_requests: 64,
+            handshake_timeout: Duration::from_secs(10),
+            min_block_size: 1,
+            preferred_block_size: 4096,
+        }
+    }
+}
+
+/// Largest minimum block size the protocol allows.
+const MAX_MIN_BLOCK: u32 = 1 << 16;
+/// Keeps the semaphore and channel sizes far from their implementation maxima.
+const MAX_IN_FLIGHT_CAP: usize = 1 << 16;
+
+/// [`NbdLimits`] coerced into values the protocol permits (powers of two, minimum below
+/// preferred below maximum), so a misconfiguration cannot make the server advertise sizes
+/// a client would reject.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Effective {
+    pub min_block: u32,
+    pub preferred_block: u32,
+    pub max_request: u32,
+    pub max_in_flight: usize,
+    pub handshake_timeout: Duration,
+}
+
+impl From<&NbdLimits> for Effective {
+    fn from(limits: &NbdLimits) -> Self {
+        let min_block = limits.min_block_size.clamp(1, MAX_MIN_BLOCK).next_power_of_two();
+        let preferred_block = limits
+            .preferred_block_size
+            .max(min_block)
+            .max(512)
+            .min(1 << 30)
+            .next_power_of_two();
+        Self {
+            min_block,
+            preferred_block,
+            max_request: limits.max_request_bytes.max(preferred_block),
+            max_in_flight: limits.max_in_flight_requests.clamp(1, MAX_IN_FLIGHT_CAP),
+            handshake_timeout: limits.handshake_timeout,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_pass_through() {
+        let e = Effective::from(&NbdLimits::default());
+        assert_eq!((e.min_block, e.preferred_block, e.max_request), (1, 4096, 32 << 20));
+        assert_eq!(e.max_in_flight, 64);
+    }
+
+    #[test]
+    fn nonsense_is_coerced() {
+        let e = Effective::from(&NbdLimits {
+            max_request_bytes: 100,
+            max_in_flight_requests: 0,
+            handshake_timeout: Duration::from_secs(1),
+            min_block_size: 1000,
+            preferred_block_size: 0,
+        });
+        assert_eq!(e.min_block, 1024);
+        assert_eq!(e.preferred_block, 1024);
+        assert_eq!(e.max_request, 1024);
+        assert_eq!(e.max_in_flight, 1);
+        let big = Effective::from(&NbdLimits { min_block_size: u32::MAX, ..NbdLimits::default() });
+        assert_eq!(big.min_block, 1 << 16);
+    }
+}
