@@ -1,321 +1,248 @@
-//! The handshake and option haggling (fixed newstyle only).
+//! Answers to handshake options. No I/O here: each handler appends its reply bytes to a
+//! buffer and says what the handshake loop does next, which keeps the option logic testable
+//! and lets the loop write every reply to one option with a single `write_all`.
 
-use crate::wire::*;
-use crate::{ExportRegistry, NbdError, NbdLimits};
+use crate::limits::Effective;
+use crate::options::{self, MetaMode};
+use crate::proto::*;
+use crate::violation::{Violation, ViolationLog};
+use crate::{ExportRegistry, NbdError};
 use ashlar_core::BlockDevice;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
-/// Largest option payload we read; export names and queries are far smaller.
-const MAX_OPTION_BYTES: u32 = 64 * 1024;
-/// Options one client may send before it must pick an export.
-const MAX_OPTIONS: usize = 256;
+/// Context id this server gives `base:allocation` (ids are opaque to clients).
+pub(crate) const ALLOCATION_CONTEXT_ID: u32 = 1;
 
-/// What the client chose, ready for the transmission phase.
-pub struct Negotiated<D> {
+/// What was agreed for the transmission phase.
+pub(crate) struct Session<D> {
     pub device: D,
-    pub structured_replies: bool,
-    pub base_allocation: bool,
+    pub export: String,
+    pub structured: bool,
+    /// Context id to use in block status replies, if `base:allocation` was selected for
+    /// this export.
+    pub allocation_context: Option<u32>,
 }
 
-struct State {
-    no_zeroes: bool,
-    structured_replies: bool,
-    base_allocation: bool,
-}
-
-pub fn transmission_flags() -> u16 {
-    TRANSMIT_HAS_FLAGS
-        | TRANSMIT_SEND_FLUSH
-        | TRANSMIT_SEND_FUA
-        | TRANSMIT_SEND_TRIM
-        | TRANSMIT_SEND_WRITE_ZEROES
-        | TRANSMIT_CAN_MULTI_CONN
-}
-
-/// Runs the handshake. `Ok(None)`: the client ended it (abort or disconnect) cleanly.
-pub async fn negotiate<R: ExportRegistry>(
-    stream: &mut TcpStream,
-    registry: &R,
-    limits: &NbdLimits,
-) -> Result<Option<Negotiated<R::Device>>, NbdError> {
-    let mut greeting = Vec::with_capacity(18);
-    greeting.extend_from_slice(&NBDMAGIC.to_be_bytes());
-    greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
-    greeting.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
-    stream.write_all(&greeting).await?;
-    let client_flags = stream.read_u32().await?;
-    if client_flags & CLIENT_FIXED_NEWSTYLE == 0 {
-        return Err(NbdError::Protocol(
-            "client does not support fixed newstyle negotiation".into(),
-        ));
-    }
-    if client_flags & !(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES) != 0 {
-        return Err(NbdError::Protocol(format!(
-            "unknown client flags {client_flags:#x}"
-        )));
-    }
-    let mut state = State {
-        no_zeroes: client_flags & CLIENT_NO_ZEROES != 0,
-        structured_replies: false,
-        base_allocation: false,
-    };
-    for _ in 0..MAX_OPTIONS {
-        let magic = stream.read_u64().await?;
-        if magic != IHAVEOPT {
-            return Err(NbdError::Protocol(format!("bad option magic {magic:#x}")));
-        }
-        let option = stream.read_u32().await?;
-        let length = stream.read_u32().await?;
-        if length > MAX_OPTION_BYTES {
-            return Err(NbdError::Protocol(format!(
-                "option {option} has an oversized payload of {length} bytes"
-            )));
-        }
-        let mut data = vec![0u8; length as usize];
-        stream.read_exact(&mut data).await?;
-        match handle_option(stream, registry, limits, &mut state, option, &data).await? {
-            Step::Continue => {}
-            Step::Abort => return Ok(None),
-            Step::Transmit(device) => {
-                return Ok(Some(Negotiated {
-                    device,
-                    structured_replies: state.structured_replies,
-                    base_allocation: state.base_allocation,
-                }))
-            }
-        }
-    }
-    Err(NbdError::Protocol(format!(
-        "more than {MAX_OPTIONS} options without choosing an export"
-    )))
-}
-
-enum Step<D> {
+/// What the handshake loop does after an option was answered.
+pub(crate) enum Step<D> {
     Continue,
-    Abort,
-    Transmit(D),
+    /// The client aborted (or must be dropped without an error, e.g. during shutdown).
+    Close,
+    Enter(Session<D>),
+    Fail(NbdError),
 }
 
-async fn reply(
-    stream: &mut TcpStream,
-    option: u32,
-    kind: u32,
-    data: &[u8],
-) -> Result<(), NbdError> {
-    stream.write_all(&option_reply(option, kind, data)).await?;
-    Ok(())
+/// The last `NBD_OPT_SET_META_CONTEXT`: it only counts for the export it named.
+struct MetaSelection {
+    export: String,
+    allocation: bool,
 }
 
-async fn handle_option<R: ExportRegistry>(
-    stream: &mut TcpStream,
-    registry: &R,
-    limits: &NbdLimits,
-    state: &mut State,
-    option: u32,
-    data: &[u8],
-) -> Result<Step<R::Device>, NbdError> {
-    match option {
-        OPT_EXPORT_NAME => {
-            let name = String::from_utf8_lossy(data).into_owned();
-            let device = registry.open_export(&name).map_err(|reason| {
-                NbdError::Protocol(format!("unknown export '{name}': {reason}"))
-            })?;
-            let mut out = Vec::with_capacity(134);
-            out.extend_from_slice(&device.size_bytes().to_be_bytes());
-            out.extend_from_slice(&transmission_flags().to_be_bytes());
-            if !state.no_zeroes {
-                out.extend_from_slice(&[0u8; 124]);
-            }
-            stream.write_all(&out).await?;
-            Ok(Step::Transmit(device))
-        }
-        OPT_ABORT => {
-            let _ = reply(stream, option, REP_ACK, &[]).await;
-            Ok(Step::Abort)
-        }
-        OPT_LIST => {
-            if !data.is_empty() {
-                reply(
-                    stream,
-                    option,
-                    REP_ERR_INVALID,
-                    b"NBD_OPT_LIST takes no data",
-                )
-                .await?;
-                return Ok(Step::Continue);
-            }
-            for export in registry.list_exports() {
-                let mut entry = Vec::new();
-                entry.extend_from_slice(&(export.name.len() as u32).to_be_bytes());
-                entry.extend_from_slice(export.name.as_bytes());
-                entry.extend_from_slice(export.description.as_bytes());
-                reply(stream, option, REP_SERVER, &entry).await?;
-            }
-            reply(stream, option, REP_ACK, &[]).await?;
-            Ok(Step::Continue)
-        }
-        OPT_INFO | OPT_GO => info_or_go(stream, registry, limits, option, data).await,
-        OPT_STRUCTURED_REPLY => {
-            if !data.is_empty() {
-                reply(
-                    stream,
-                    option,
-                    REP_ERR_INVALID,
-                    b"NBD_OPT_STRUCTURED_REPLY takes no data",
-                )
-                .await?;
-            } else {
-                state.structured_replies = true;
-                reply(stream, option, REP_ACK, &[]).await?;
-            }
-            Ok(Step::Continue)
-        }
-        OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
-            meta_context(stream, registry, state, option, data).await?;
-            Ok(Step::Continue)
-        }
-        _ => {
-            reply(stream, option, REP_ERR_UNSUP, b"option not supported").await?;
-            Ok(Step::Continue)
+/// Handshake state carried between options.
+pub(crate) struct Negotiation {
+    structured: bool,
+    no_zeroes: bool,
+    meta: Option<MetaSelection>,
+}
+
+impl Negotiation {
+    pub fn new(no_zeroes: bool) -> Self {
+        Self { structured: false, no_zeroes, meta: None }
+    }
+
+    fn allocation_context_for(&self, export: &str) -> Option<u32> {
+        match &self.meta {
+            Some(m) if m.allocation && m.export == export => Some(ALLOCATION_CONTEXT_ID),
+            _ => None,
         }
     }
 }
 
-/// Reads `u32 length + bytes` at `*at`, advancing it.
-fn take_string(data: &[u8], at: &mut usize) -> Option<String> {
-    let length = u32::from_be_bytes(data.get(*at..*at + 4)?.try_into().ok()?) as usize;
-    *at += 4;
-    let bytes = data.get(*at..at.checked_add(length)?)?;
-    *at += length;
-    Some(String::from_utf8_lossy(bytes).into_owned())
+/// Checks the client flags word; returns whether the client asked for no zero padding.
+pub(crate) fn accept_client_flags(flags: u32, log: &mut ViolationLog) -> Result<bool, NbdError> {
+    let known = FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES;
+    if flags & !known != 0 || flags & FLAG_C_FIXED_NEWSTYLE == 0 {
+        log.report(Violation::ClientFlags, &format_args!("client flags {flags:#x}"));
+        return Err(NbdError::ClientFlags(flags));
+    }
+    Ok(flags & FLAG_C_NO_ZEROES != 0)
 }
 
-async fn info_or_go<R: ExportRegistry>(
-    stream: &mut TcpStream,
-    registry: &R,
-    limits: &NbdLimits,
+/// Answers one option while the server is shutting down: only a clean way out is offered.
+pub(crate) fn answer_during_shutdown<D>(option: u32, out: &mut Vec<u8>) -> Step<D> {
+    match option {
+        OPT_ABORT => {
+            put_option_reply(out, option, REP_ACK, &[]);
+            Step::Close
+        }
+        // EXPORT_NAME cannot be answered with an error: drop the connection.
+        OPT_EXPORT_NAME => Step::Close,
+        _ => {
+            put_option_reply(out, option, REP_ERR_SHUTDOWN, b"server is shutting down");
+            Step::Continue
+        }
+    }
+}
+
+/// Answers one option.
+pub(crate) fn answer<R: ExportRegistry>(
     option: u32,
     data: &[u8],
-) -> Result<Step<R::Device>, NbdError> {
-    let mut at = 0;
-    let parsed = take_string(data, &mut at).and_then(|name| {
-        let count = u16::from_be_bytes(data.get(at..at + 2)?.try_into().ok()?) as usize;
-        let requests = data.get(at + 2..at + 2 + 2 * count)?;
-        (at + 2 + 2 * count == data.len()).then_some((name, requests.to_vec()))
-    });
-    let Some((name, requests)) = parsed else {
-        reply(
-            stream,
-            option,
-            REP_ERR_INVALID,
-            b"malformed NBD_OPT_INFO/GO payload",
-        )
-        .await?;
-        return Ok(Step::Continue);
+    state: &mut Negotiation,
+    registry: &R,
+    limits: &Effective,
+    out: &mut Vec<u8>,
+    log: &mut ViolationLog,
+) -> Step<R::Device> {
+    match option {
+        OPT_EXPORT_NAME => export_name(data, state, registry),
+        OPT_ABORT => {
+            put_option_reply(out, option, REP_ACK, &[]);
+            Step::Close
+        }
+        OPT_LIST => list(data, registry, out, log),
+        OPT_INFO | OPT_GO => info_or_go(option, data, state, registry, limits, out, log),
+        OPT_STRUCTURED_REPLY => structured_reply(data, state, out, log),
+        OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => meta_context(option, data, state, registry, out, log),
+        _ => {
+            // Not a violation: clients probe for options (STARTTLS, extended headers, ...).
+            tracing::debug!(peer = log.peer(), option, "unsupported NBD option");
+            let message = format!("option {option} is not supported");
+            put_option_reply(out, option, REP_ERR_UNSUP, message.as_bytes());
+            Step::Continue
+        }
+    }
+}
+
+fn invalid<D>(option: u32, error: &dyn std::fmt::Display, out: &mut Vec<u8>, log: &mut ViolationLog) -> Step<D> {
+    log.report(Violation::MalformedOption, &format_args!("option {option}: {error}"));
+    put_option_reply(out, option, REP_ERR_INVALID, error.to_string().as_bytes());
+    Step::Continue
+}
+
+fn export_name<R: ExportRegistry>(data: &[u8], state: &Negotiation, registry: &R) -> Step<R::Device> {
+    // This option cannot be answered with an error, so any failure ends the session.
+    let name = match options::parse_export_name(data) {
+        Ok(name) => name,
+        Err(error) => {
+            let name = String::from_utf8_lossy(data).into_owned();
+            return Step::Fail(NbdError::UnknownExport { name, reason: error.to_string() });
+        }
     };
-    let device = match registry.open_export(&name) {
+    match registry.open_export(&name) {
+        Ok(device) => {
+            let allocation_context = state.allocation_context_for(&name);
+            Step::Enter(Session { device, export: name, structured: state.structured, allocation_context })
+        }
+        Err(reason) => Step::Fail(NbdError::UnknownExport { name, reason }),
+    }
+}
+
+/// The reply `NBD_OPT_EXPORT_NAME` needs once `answer` returned `Enter` for it.
+pub(crate) fn export_name_reply<D: BlockDevice>(session: &Session<D>, no_zeroes: bool) -> Vec<u8> {
+    encode_export_name_reply(session.device.size_bytes(), TRANSMISSION_FLAGS, no_zeroes)
+}
+
+impl Negotiation {
+    pub fn no_zeroes(&self) -> bool {
+        self.no_zeroes
+    }
+}
+
+fn list<R: ExportRegistry>(data: &[u8], registry: &R, out: &mut Vec<u8>, log: &mut ViolationLog) -> Step<R::Device> {
+    if let Err(error) = options::expect_empty(data) {
+        return invalid(OPT_LIST, &error, out, log);
+    }
+    for export in registry.list_exports() {
+        put_option_reply(out, OPT_LIST, REP_SERVER, &rep_server_payload(&export.name, &export.description));
+    }
+    put_option_reply(out, OPT_LIST, REP_ACK, &[]);
+    Step::Continue
+}
+
+fn structured_reply<D>(data: &[u8], state: &mut Negotiation, out: &mut Vec<u8>, log: &mut ViolationLog) -> Step<D> {
+    if let Err(error) = options::expect_empty(data) {
+        return invalid(OPT_STRUCTURED_REPLY, &error, out, log);
+    }
+    state.structured = true;
+    put_option_reply(out, OPT_STRUCTURED_REPLY, REP_ACK, &[]);
+    Step::Continue
+}
+
+fn info_or_go<R: ExportRegistry>(
+    option: u32,
+    data: &[u8],
+    state: &Negotiation,
+    registry: &R,
+    limits: &Effective,
+    out: &mut Vec<u8>,
+    log: &mut ViolationLog,
+) -> Step<R::Device> {
+    let request = match options::parse_go(data) {
+        Ok(request) => request,
+        Err(error) => return invalid(option, &error, out, log),
+    };
+    let device = match registry.open_export(&request.name) {
         Ok(device) => device,
         Err(reason) => {
-            tracing::info!(export = %name, %reason, "client asked for an unknown export");
-            reply(stream, option, REP_ERR_UNKNOWN, reason.as_bytes()).await?;
-            return Ok(Step::Continue);
+            put_option_reply(out, option, REP_ERR_UNKNOWN, clamp_str(&reason).as_bytes());
+            return Step::Continue;
         }
     };
-    let mut export = INFO_EXPORT.to_be_bytes().to_vec();
-    export.extend_from_slice(&device.size_bytes().to_be_bytes());
-    export.extend_from_slice(&transmission_flags().to_be_bytes());
-    reply(stream, option, REP_INFO, &export).await?;
-    let mut block_size = INFO_BLOCK_SIZE.to_be_bytes().to_vec();
-    for value in [
-        limits.min_block_size,
-        limits.preferred_block_size,
-        limits.max_request_bytes,
-    ] {
-        block_size.extend_from_slice(&value.to_be_bytes());
+    put_option_reply(out, option, REP_INFO, &info_export(device.size_bytes(), TRANSMISSION_FLAGS));
+    if request.info_requests.contains(&INFO_NAME) {
+        put_option_reply(out, option, REP_INFO, &info_string(INFO_NAME, &request.name));
     }
-    reply(stream, option, REP_INFO, &block_size).await?;
-    for pair in requests.chunks(2) {
-        match u16::from_be_bytes([pair[0], pair[1]]) {
-            INFO_NAME => {
-                let mut info = INFO_NAME.to_be_bytes().to_vec();
-                info.extend_from_slice(name.as_bytes());
-                reply(stream, option, REP_INFO, &info).await?;
-            }
-            INFO_DESCRIPTION => {
-                let description = registry
-                    .list_exports()
-                    .into_iter()
-                    .find(|e| e.name == name)
-                    .map(|e| e.description)
-                    .unwrap_or_default();
-                let mut info = INFO_DESCRIPTION.to_be_bytes().to_vec();
-                info.extend_from_slice(&description.as_bytes()[..description.len().min(4096)]);
-                reply(stream, option, REP_INFO, &info).await?;
-            }
-            _ => {}
+    if request.info_requests.contains(&INFO_DESCRIPTION) {
+        if let Some(export) = registry.list_exports().into_iter().find(|e| e.name == request.name) {
+            put_option_reply(out, option, REP_INFO, &info_string(INFO_DESCRIPTION, &export.description));
         }
     }
-    reply(stream, option, REP_ACK, &[]).await?;
-    Ok(if option == OPT_GO {
-        Step::Transmit(device)
-    } else {
-        Step::Continue
-    })
+    // Sent even when not requested: the maximum may be below the protocol's default, and
+    // clients ignore information they did not ask for.
+    let sizes = info_block_size(limits.min_block, limits.preferred_block, limits.max_request);
+    put_option_reply(out, option, REP_INFO, &sizes);
+    put_option_reply(out, option, REP_ACK, &[]);
+    if option != OPT_GO {
+        return Step::Continue;
+    }
+    let allocation_context = state.allocation_context_for(&request.name);
+    Step::Enter(Session { device, export: request.name, structured: state.structured, allocation_context })
 }
 
-async fn meta_context<R: ExportRegistry>(
-    stream: &mut TcpStream,
-    registry: &R,
-    state: &mut State,
+fn meta_context<R: ExportRegistry>(
     option: u32,
     data: &[u8],
-) -> Result<(), NbdError> {
-    let mut at = 0;
-    let parsed = take_string(data, &mut at).and_then(|name| {
-        let count = u32::from_be_bytes(data.get(at..at + 4)?.try_into().ok()?);
-        at += 4;
-        let mut queries = Vec::new();
-        for _ in 0..count {
-            queries.push(take_string(data, &mut at)?);
-        }
-        (at == data.len()).then_some((name, queries))
-    });
-    let Some((name, queries)) = parsed else {
-        return reply(
-            stream,
-            option,
-            REP_ERR_INVALID,
-            b"malformed meta context payload",
-        )
-        .await;
+    state: &mut Negotiation,
+    registry: &R,
+    out: &mut Vec<u8>,
+    log: &mut ViolationLog,
+) -> Step<R::Device> {
+    let mode = if option == OPT_SET_META_CONTEXT { MetaMode::Set } else { MetaMode::List };
+    if mode == MetaMode::Set {
+        // A SET replaces the previous selection even when it fails.
+        state.meta = None;
+    }
+    if !state.structured {
+        let error = "structured replies must be negotiated first";
+        return invalid(option, &error, out, log);
+    }
+    let request = match options::parse_meta(data) {
+        Ok(request) => request,
+        Err(error) => return invalid(option, &error, out, log),
     };
-    if option == OPT_SET_META_CONTEXT && !state.structured_replies {
-        return reply(
-            stream,
-            option,
-            REP_ERR_INVALID,
-            b"negotiate structured replies first",
-        )
-        .await;
+    if let Err(reason) = registry.open_export(&request.export) {
+        put_option_reply(out, option, REP_ERR_UNKNOWN, clamp_str(&reason).as_bytes());
+        return Step::Continue;
     }
-    if registry.open_export(&name).is_err() {
-        return reply(stream, option, REP_ERR_UNKNOWN, b"unknown export").await;
+    let allocation = options::selects_allocation(&request.queries, mode);
+    if allocation {
+        // Listing carries no usable id; the protocol asks for zero there.
+        let id = if mode == MetaMode::Set { ALLOCATION_CONTEXT_ID } else { 0 };
+        put_option_reply(out, option, REP_META_CONTEXT, &meta_context_payload(id, BASE_ALLOCATION));
     }
-    let wants_allocation = if option == OPT_LIST_META_CONTEXT && queries.is_empty() {
-        true
-    } else {
-        queries
-            .iter()
-            .any(|q| q == BASE_ALLOCATION || (option == OPT_LIST_META_CONTEXT && q == "base:"))
-    };
-    if option == OPT_SET_META_CONTEXT {
-        state.base_allocation = wants_allocation;
+    if mode == MetaMode::Set {
+        state.meta = Some(MetaSelection { export: request.export, allocation });
     }
-    if wants_allocation {
-        let mut context = BASE_ALLOCATION_ID.to_be_bytes().to_vec();
-        context.extend_from_slice(BASE_ALLOCATION.as_bytes());
-        reply(stream, option, REP_META_CONTEXT, &context).await?;
-    }
-    reply(stream, option, REP_ACK, &[]).await
+    put_option_reply(out, option, REP_ACK, &[]);
+    Step::Continue
 }
