@@ -9,15 +9,20 @@ set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 PEERS=$(cd "$HERE/../../shared/bench/peers" && pwd)
 export RUNTIME=${RUNTIME:-15} SIZE=${SIZE:-2G}
-(cd "$HERE/.." && cargo build --release -p ashlar -p ashlar-engine --examples --bins)
+if [ -z "${ASHLAR_BIN:-}" ]; then
+    (cd "$HERE/.." && cargo build --release -p ashlar -p ashlar-engine --examples --bins)
+    export ASHLAR_BIN=$HERE/../target/release/ashlar
+fi
+SHARD_BENCH=${SHARD_BENCH:-$HERE/../target/release/examples/shard_bench}
 STAMP=$(date +%Y%m%d-%H%M%S)
 OUT_DIR=$HERE/results/$STAMP-$(hostname -s)
 mkdir -p "$OUT_DIR"
 export RESULTS_DIR=$OUT_DIR/raw
 ONLY="raw nbdkit" EXTRA_SCRIPTS="$HERE/raw-dsync.sh $HERE/ashlar.sh" OUT=$OUT_DIR/RESULTS.md \
     "$PEERS/run-all.sh"
-python3 "$HERE/ratios.py" "$RESULTS_DIR/results.tsv" > "$OUT_DIR/ratios.md"
-"$HERE/../target/release/examples/shard_bench" >> "$OUT_DIR/ratios.md" 2>"$OUT_DIR/shard_bench.log" || echo "shard_bench failed (see shard_bench.log)" >> "$OUT_DIR/ratios.md"
+{ echo "# Ashlar benchmark $(date -u +%Y-%m-%dT%H:%MZ) on $(hostname -s): $(nproc) CPUs, $(awk '/MemTotal/{printf "%.0f GiB", $2/1048576}' /proc/meminfo), RUNTIME=${RUNTIME}s SIZE=$SIZE"; echo;
+  python3 "$HERE/ratios.py" "$RESULTS_DIR/results.tsv"; } > "$OUT_DIR/ratios.md"
+"$SHARD_BENCH" >> "$OUT_DIR/ratios.md" 2>"$OUT_DIR/shard_bench.log" || echo "shard_bench failed (see shard_bench.log)" >> "$OUT_DIR/ratios.md"
 rm -rf "$RESULTS_DIR/json"   # large; RESULTS.md, ratios.md and the TSV keep the figures
 cat "$OUT_DIR/ratios.md"
 echo "results in $OUT_DIR"

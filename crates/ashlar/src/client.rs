@@ -134,18 +134,15 @@ fn size_of(vdisk: &Value) -> String {
 }
 
 fn print_table(vdisks: &Value) {
-    println!(
-        "{:<24} {:>10} {:>6} {:>3} {:>11}",
-        "NAME", "SIZE", "SHARDS", "RF", "CONNECTIONS"
-    );
+    println!("{:<24} {:>10} {:>6} {:>3} {:>11}", "NAME", "SIZE", "SHARDS", "RF", "CONNECTIONS");
     for vdisk in vdisks.as_array().into_iter().flatten() {
         println!(
             "{:<24} {:>10} {:>6} {:>3} {:>11}",
             vdisk["name"].as_str().unwrap_or(""),
             size_of(vdisk),
-            vdisk["shards"],
-            vdisk["replication_factor"],
-            vdisk["connections"]
+            vdisk["shards"].to_string(),
+            vdisk["replication_factor"].to_string(),
+            vdisk["connections"].to_string()
         );
     }
 }
