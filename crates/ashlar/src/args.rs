@@ -72,7 +72,7 @@ pub struct NodeArgs {
     #[arg(long, default_value = "32M", value_name = "SIZE")]
     pub nbd_max_request: String,
     /// Requests in flight per NBD connection before the server stops reading more.
-    #[arg(long, default_value_t = 128, value_name = "N")]
+    #[arg(long, default_value_t = 64, value_name = "N")]
     pub nbd_max_in_flight: usize,
     /// Create this vdisk at startup if it does not exist yet (e.g. demo:8G). Repeatable.
     #[arg(long = "ensure-vdisk", value_name = "NAME:SIZE")]

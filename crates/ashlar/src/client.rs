@@ -134,7 +134,10 @@ fn size_of(vdisk: &Value) -> String {
 }
 
 fn print_table(vdisks: &Value) {
-    println!("{:<24} {:>10} {:>6} {:>3} {:>11}", "NAME", "SIZE", "SHARDS", "RF", "CONNECTIONS");
+    println!(
+        "{:<24} {:>10} {:>6} {:>3} {:>11}",
+        "NAME", "SIZE", "SHARDS", "RF", "CONNECTIONS"
+    );
     for vdisk in vdisks.as_array().into_iter().flatten() {
         println!(
             "{:<24} {:>10} {:>6} {:>3} {:>11}",

@@ -16,7 +16,13 @@ pub enum NbdError {
     #[error("bad option magic {0:#018x}")]
     BadOptionMagic(u64),
     #[error("option {option} carries {length} bytes, more than the {limit}-byte limit")]
-    OptionTooLarge { option: u32, length: u32, limit: u32 },
+    OptionTooLarge {
+        option: u32,
+        length: u32,
+        limit: u32,
+    },
+    #[error("more than {0} options in one handshake")]
+    TooManyOptions(usize),
     #[error("export {name:?} is not available: {reason}")]
     UnknownExport { name: String, reason: String },
     #[error("bad request magic {0:#010x}")]

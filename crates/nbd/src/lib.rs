@@ -1,18 +1,39 @@
-//! NBD server front-end (fixed newstyle handshake, structured replies, `base:allocation`),
-//! generic over the vdisk [`BlockDevice`] interface. See docs/nbd.md.
+//! NBD server front-end of Ashlar: fixed newstyle handshake, simple and structured replies,
+//! the `base:allocation` metadata context, and pipelined transmission, generic over the
+//! vdisk [`BlockDevice`] interface. See `docs/nbd.md` for what is supported.
 //!
-//! A connection runs on one reactor (a current-thread runtime inside a `LocalSet`): device
-//! futures need not be `Send`.
+//! A connection runs inside a tokio current-thread runtime and a `LocalSet` (with the time
+//! driver enabled): device futures need not be `Send`, and each request runs as a
+//! `spawn_local` task.
 
+mod error;
+mod execute;
+mod handshake;
+mod limits;
 mod negotiate;
-mod transmit;
-pub mod wire;
+mod options;
+mod proto;
+mod reply;
+mod request;
+mod signal;
+mod transmission;
+mod violation;
+mod writer;
+
+pub use error::NbdError;
+pub use limits::NbdLimits;
 
 use ashlar_core::BlockDevice;
+use handshake::HandshakeEnd;
+use limits::Effective;
 use std::rc::Rc;
-use std::time::Duration;
+use tokio::io::{AsyncReadExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
+use violation::{Violation, ViolationLog};
+
+/// Socket read buffer: large enough that small requests arrive in few syscalls.
+const READ_BUFFER_BYTES: usize = 128 * 1024;
 
 /// One export as listed to clients.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -21,74 +42,70 @@ pub struct ExportInfo {
     pub description: String,
 }
 
-/// Where the server finds exports. `open_export` is called once per connection (and for
-/// NBD_OPT_INFO); the device it returns serves that connection.
+/// Where the server finds exports. The export size is the device's `size_bytes()`.
 pub trait ExportRegistry: 'static {
     type Device: BlockDevice + Clone + 'static;
     fn list_exports(&self) -> Vec<ExportInfo>;
-    /// `Err(reason)` for an unknown export; the reason is sent to the client.
+    /// Opens an export for one connection (also called to answer NBD_OPT_INFO and the
+    /// meta-context options). `Err(reason)` for an unknown export; the reason is sent to
+    /// the client.
     fn open_export(&self, name: &str) -> Result<Self::Device, String>;
 }
 
-/// Per-connection limits.
-#[derive(Clone, Debug)]
-pub struct NbdLimits {
-    /// Largest READ/WRITE payload (also advertised as the maximum block size).
-    pub max_request_bytes: u32,
-    /// Requests served at once; the server stops reading the socket at this limit.
-    pub max_in_flight_requests: usize,
-    /// Time a client has to finish the handshake.
-    pub handshake_timeout: Duration,
-    pub min_block_size: u32,
-    pub preferred_block_size: u32,
-}
-
-impl Default for NbdLimits {
-    fn default() -> Self {
-        NbdLimits {
-            max_request_bytes: 32 << 20,
-            max_in_flight_requests: 128,
-            handshake_timeout: Duration::from_secs(10),
-            min_block_size: 1,
-            preferred_block_size: 4096,
-        }
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum NbdError {
-    #[error("connection error: {0}")]
-    Io(#[from] std::io::Error),
-    #[error("protocol violation: {0}")]
-    Protocol(String),
-    #[error("handshake not finished within {0:?}")]
-    HandshakeTimeout(Duration),
-}
-
-/// Serves one client connection until it disconnects, violates the protocol, or `shutdown`
-/// becomes true (then in-flight requests finish and are answered first).
+/// Serves one client connection until it disconnects, breaks the protocol, or `shutdown`
+/// becomes true; then requests already read are answered before the connection closes.
+///
+/// Returns `Ok` for orderly ends (NBD_OPT_ABORT, NBD_CMD_DISC, the client closing between
+/// messages, shutdown) and `Err` for protocol violations, timeouts and socket errors.
 pub async fn serve_connection<R: ExportRegistry>(
-    mut stream: TcpStream,
+    stream: TcpStream,
     registry: Rc<R>,
     limits: NbdLimits,
-    shutdown: watch::Receiver<bool>,
+    mut shutdown: watch::Receiver<bool>,
 ) -> Result<(), NbdError> {
-    let peer = stream.peer_addr()?;
+    let peer = match stream.peer_addr() {
+        Ok(addr) => addr.to_string(),
+        Err(_) => "unknown peer".to_string(),
+    };
+    // Requests and replies are small and latency-bound; never wait to coalesce them.
     stream.set_nodelay(true)?;
-    let negotiated = tokio::time::timeout(
-        limits.handshake_timeout,
-        negotiate::negotiate(&mut stream, registry.as_ref(), &limits),
-    )
-    .await
-    .map_err(|_| NbdError::HandshakeTimeout(limits.handshake_timeout))?;
-    let negotiated = match negotiated {
-        Ok(Some(negotiated)) => negotiated,
-        Ok(None) => return Ok(()),
-        Err(NbdError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-        Err(error) => {
-            tracing::warn!(%peer, %error, "NBD handshake failed");
-            return Err(error);
+    let limits = Effective::from(&limits);
+    let mut log = ViolationLog::new(peer);
+    let mut stream = BufReader::with_capacity(READ_BUFFER_BYTES, stream);
+    let handshake = handshake::handshake(
+        &mut stream,
+        registry.as_ref(),
+        &limits,
+        &mut shutdown,
+        &mut log,
+    );
+    let session = match tokio::time::timeout(limits.handshake_timeout, handshake).await {
+        Ok(Ok(HandshakeEnd::Transmission(session))) => session,
+        Ok(Ok(HandshakeEnd::Closed)) => return Ok(()),
+        Ok(Err(error)) => return Err(error),
+        Err(_) => {
+            log.report(
+                Violation::HandshakeTimeout,
+                &"handshake did not finish in time",
+            );
+            return Err(NbdError::HandshakeTimeout(limits.handshake_timeout));
         }
     };
-    transmit::transmit(stream, negotiated, limits, shutdown, peer).await
+    tracing::debug!(peer = log.peer(), export = %session.export, "NBD transmission started");
+    // Bytes the client sent right behind its final option are already buffered: keep them.
+    let early = stream.buffer().to_vec();
+    let (read_half, write_half) = stream.into_inner().into_split();
+    let reader = BufReader::with_capacity(
+        READ_BUFFER_BYTES,
+        std::io::Cursor::new(early).chain(read_half),
+    );
+    transmission::serve(
+        reader,
+        write_half,
+        session,
+        &limits,
+        &mut shutdown,
+        &mut log,
+    )
+    .await
 }

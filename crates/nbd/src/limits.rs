@@ -50,12 +50,14 @@ pub(crate) struct Effective {
 
 impl From<&NbdLimits> for Effective {
     fn from(limits: &NbdLimits) -> Self {
-        let min_block = limits.min_block_size.clamp(1, MAX_MIN_BLOCK).next_power_of_two();
+        let min_block = limits
+            .min_block_size
+            .clamp(1, MAX_MIN_BLOCK)
+            .next_power_of_two();
+        // min_block is at most 64 KiB, so the clamp bounds are ordered.
         let preferred_block = limits
             .preferred_block_size
-            .max(min_block)
-            .max(512)
-            .min(1 << 30)
+            .clamp(min_block.max(512), 1 << 30)
             .next_power_of_two();
         Self {
             min_block,
@@ -74,7 +76,10 @@ mod tests {
     #[test]
     fn defaults_pass_through() {
         let e = Effective::from(&NbdLimits::default());
-        assert_eq!((e.min_block, e.preferred_block, e.max_request), (1, 4096, 32 << 20));
+        assert_eq!(
+            (e.min_block, e.preferred_block, e.max_request),
+            (1, 4096, 32 << 20)
+        );
         assert_eq!(e.max_in_flight, 64);
     }
 
@@ -91,7 +96,10 @@ mod tests {
         assert_eq!(e.preferred_block, 1024);
         assert_eq!(e.max_request, 1024);
         assert_eq!(e.max_in_flight, 1);
-        let big = Effective::from(&NbdLimits { min_block_size: u32::MAX, ..NbdLimits::default() });
+        let big = Effective::from(&NbdLimits {
+            min_block_size: u32::MAX,
+            ..NbdLimits::default()
+        });
         assert_eq!(big.min_block, 1 << 16);
     }
 }

@@ -46,7 +46,11 @@ pub(crate) struct Negotiation {
 
 impl Negotiation {
     pub fn new(no_zeroes: bool) -> Self {
-        Self { structured: false, no_zeroes, meta: None }
+        Self {
+            structured: false,
+            no_zeroes,
+            meta: None,
+        }
     }
 
     fn allocation_context_for(&self, export: &str) -> Option<u32> {
@@ -61,7 +65,10 @@ impl Negotiation {
 pub(crate) fn accept_client_flags(flags: u32, log: &mut ViolationLog) -> Result<bool, NbdError> {
     let known = FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES;
     if flags & !known != 0 || flags & FLAG_C_FIXED_NEWSTYLE == 0 {
-        log.report(Violation::ClientFlags, &format_args!("client flags {flags:#x}"));
+        log.report(
+            Violation::ClientFlags,
+            &format_args!("client flags {flags:#x}"),
+        );
         return Err(NbdError::ClientFlags(flags));
     }
     Ok(flags & FLAG_C_NO_ZEROES != 0)
@@ -94,7 +101,7 @@ pub(crate) fn answer<R: ExportRegistry>(
     log: &mut ViolationLog,
 ) -> Step<R::Device> {
     match option {
-        OPT_EXPORT_NAME => export_name(data, state, registry),
+        OPT_EXPORT_NAME => export_name(data, state, registry, out),
         OPT_ABORT => {
             put_option_reply(out, option, REP_ACK, &[]);
             Step::Close
@@ -102,7 +109,9 @@ pub(crate) fn answer<R: ExportRegistry>(
         OPT_LIST => list(data, registry, out, log),
         OPT_INFO | OPT_GO => info_or_go(option, data, state, registry, limits, out, log),
         OPT_STRUCTURED_REPLY => structured_reply(data, state, out, log),
-        OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => meta_context(option, data, state, registry, out, log),
+        OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
+            meta_context(option, data, state, registry, out, log)
+        }
         _ => {
             // Not a violation: clients probe for options (STARTTLS, extended headers, ...).
             tracing::debug!(peer = log.peer(), option, "unsupported NBD option");
@@ -113,53 +122,82 @@ pub(crate) fn answer<R: ExportRegistry>(
     }
 }
 
-fn invalid<D>(option: u32, error: &dyn std::fmt::Display, out: &mut Vec<u8>, log: &mut ViolationLog) -> Step<D> {
-    log.report(Violation::MalformedOption, &format_args!("option {option}: {error}"));
+fn invalid<D>(
+    option: u32,
+    error: &dyn std::fmt::Display,
+    out: &mut Vec<u8>,
+    log: &mut ViolationLog,
+) -> Step<D> {
+    log.report(
+        Violation::MalformedOption,
+        &format_args!("option {option}: {error}"),
+    );
     put_option_reply(out, option, REP_ERR_INVALID, error.to_string().as_bytes());
     Step::Continue
 }
 
-fn export_name<R: ExportRegistry>(data: &[u8], state: &Negotiation, registry: &R) -> Step<R::Device> {
+fn export_name<R: ExportRegistry>(
+    data: &[u8],
+    state: &Negotiation,
+    registry: &R,
+    out: &mut Vec<u8>,
+) -> Step<R::Device> {
     // This option cannot be answered with an error, so any failure ends the session.
     let name = match options::parse_export_name(data) {
         Ok(name) => name,
         Err(error) => {
             let name = String::from_utf8_lossy(data).into_owned();
-            return Step::Fail(NbdError::UnknownExport { name, reason: error.to_string() });
+            return Step::Fail(NbdError::UnknownExport {
+                name,
+                reason: error.to_string(),
+            });
         }
     };
-    match registry.open_export(&name) {
-        Ok(device) => {
-            let allocation_context = state.allocation_context_for(&name);
-            Step::Enter(Session { device, export: name, structured: state.structured, allocation_context })
-        }
-        Err(reason) => Step::Fail(NbdError::UnknownExport { name, reason }),
-    }
+    let device = match registry.open_export(&name) {
+        Ok(device) => device,
+        Err(reason) => return Step::Fail(NbdError::UnknownExport { name, reason }),
+    };
+    out.extend_from_slice(&encode_export_name_reply(
+        device.size_bytes(),
+        TRANSMISSION_FLAGS,
+        state.no_zeroes,
+    ));
+    let allocation_context = state.allocation_context_for(&name);
+    Step::Enter(Session {
+        device,
+        export: name,
+        structured: state.structured,
+        allocation_context,
+    })
 }
 
-/// The reply `NBD_OPT_EXPORT_NAME` needs once `answer` returned `Enter` for it.
-pub(crate) fn export_name_reply<D: BlockDevice>(session: &Session<D>, no_zeroes: bool) -> Vec<u8> {
-    encode_export_name_reply(session.device.size_bytes(), TRANSMISSION_FLAGS, no_zeroes)
-}
-
-impl Negotiation {
-    pub fn no_zeroes(&self) -> bool {
-        self.no_zeroes
-    }
-}
-
-fn list<R: ExportRegistry>(data: &[u8], registry: &R, out: &mut Vec<u8>, log: &mut ViolationLog) -> Step<R::Device> {
+fn list<R: ExportRegistry>(
+    data: &[u8],
+    registry: &R,
+    out: &mut Vec<u8>,
+    log: &mut ViolationLog,
+) -> Step<R::Device> {
     if let Err(error) = options::expect_empty(data) {
         return invalid(OPT_LIST, &error, out, log);
     }
     for export in registry.list_exports() {
-        put_option_reply(out, OPT_LIST, REP_SERVER, &rep_server_payload(&export.name, &export.description));
+        put_option_reply(
+            out,
+            OPT_LIST,
+            REP_SERVER,
+            &rep_server_payload(&export.name, &export.description),
+        );
     }
     put_option_reply(out, OPT_LIST, REP_ACK, &[]);
     Step::Continue
 }
 
-fn structured_reply<D>(data: &[u8], state: &mut Negotiation, out: &mut Vec<u8>, log: &mut ViolationLog) -> Step<D> {
+fn structured_reply<D>(
+    data: &[u8],
+    state: &mut Negotiation,
+    out: &mut Vec<u8>,
+    log: &mut ViolationLog,
+) -> Step<D> {
     if let Err(error) = options::expect_empty(data) {
         return invalid(OPT_STRUCTURED_REPLY, &error, out, log);
     }
@@ -188,13 +226,32 @@ fn info_or_go<R: ExportRegistry>(
             return Step::Continue;
         }
     };
-    put_option_reply(out, option, REP_INFO, &info_export(device.size_bytes(), TRANSMISSION_FLAGS));
+    put_option_reply(
+        out,
+        option,
+        REP_INFO,
+        &info_export(device.size_bytes(), TRANSMISSION_FLAGS),
+    );
     if request.info_requests.contains(&INFO_NAME) {
-        put_option_reply(out, option, REP_INFO, &info_string(INFO_NAME, &request.name));
+        put_option_reply(
+            out,
+            option,
+            REP_INFO,
+            &info_string(INFO_NAME, &request.name),
+        );
     }
     if request.info_requests.contains(&INFO_DESCRIPTION) {
-        if let Some(export) = registry.list_exports().into_iter().find(|e| e.name == request.name) {
-            put_option_reply(out, option, REP_INFO, &info_string(INFO_DESCRIPTION, &export.description));
+        if let Some(export) = registry
+            .list_exports()
+            .into_iter()
+            .find(|e| e.name == request.name)
+        {
+            put_option_reply(
+                out,
+                option,
+                REP_INFO,
+                &info_string(INFO_DESCRIPTION, &export.description),
+            );
         }
     }
     // Sent even when not requested: the maximum may be below the protocol's default, and
@@ -206,7 +263,12 @@ fn info_or_go<R: ExportRegistry>(
         return Step::Continue;
     }
     let allocation_context = state.allocation_context_for(&request.name);
-    Step::Enter(Session { device, export: request.name, structured: state.structured, allocation_context })
+    Step::Enter(Session {
+        device,
+        export: request.name,
+        structured: state.structured,
+        allocation_context,
+    })
 }
 
 fn meta_context<R: ExportRegistry>(
@@ -217,7 +279,11 @@ fn meta_context<R: ExportRegistry>(
     out: &mut Vec<u8>,
     log: &mut ViolationLog,
 ) -> Step<R::Device> {
-    let mode = if option == OPT_SET_META_CONTEXT { MetaMode::Set } else { MetaMode::List };
+    let mode = if option == OPT_SET_META_CONTEXT {
+        MetaMode::Set
+    } else {
+        MetaMode::List
+    };
     if mode == MetaMode::Set {
         // A SET replaces the previous selection even when it fails.
         state.meta = None;
@@ -237,12 +303,66 @@ fn meta_context<R: ExportRegistry>(
     let allocation = options::selects_allocation(&request.queries, mode);
     if allocation {
         // Listing carries no usable id; the protocol asks for zero there.
-        let id = if mode == MetaMode::Set { ALLOCATION_CONTEXT_ID } else { 0 };
-        put_option_reply(out, option, REP_META_CONTEXT, &meta_context_payload(id, BASE_ALLOCATION));
+        let id = if mode == MetaMode::Set {
+            ALLOCATION_CONTEXT_ID
+        } else {
+            0
+        };
+        put_option_reply(
+            out,
+            option,
+            REP_META_CONTEXT,
+            &meta_context_payload(id, BASE_ALLOCATION),
+        );
     }
     if mode == MetaMode::Set {
-        state.meta = Some(MetaSelection { export: request.export, allocation });
+        state.meta = Some(MetaSelection {
+            export: request.export,
+            allocation,
+        });
     }
     put_option_reply(out, option, REP_ACK, &[]);
     Step::Continue
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn log() -> ViolationLog {
+        ViolationLog::new("test".into())
+    }
+
+    #[test]
+    fn client_flags_must_be_fixed_newstyle_and_known() {
+        assert_eq!(accept_client_flags(1, &mut log()).ok(), Some(false));
+        assert_eq!(accept_client_flags(3, &mut log()).ok(), Some(true));
+        for bad in [0, 2, 4 | 1, 1 << 31] {
+            assert!(
+                matches!(accept_client_flags(bad, &mut log()), Err(NbdError::ClientFlags(f)) if f == bad)
+            );
+        }
+    }
+
+    #[test]
+    fn shutdown_offers_only_a_way_out() {
+        let mut out = Vec::new();
+        assert!(matches!(
+            answer_during_shutdown::<()>(OPT_GO, &mut out),
+            Step::Continue
+        ));
+        assert_eq!(&out[12..16], &REP_ERR_SHUTDOWN.to_be_bytes());
+        out.clear();
+        assert!(matches!(
+            answer_during_shutdown::<()>(OPT_ABORT, &mut out),
+            Step::Close
+        ));
+        assert_eq!(&out[12..16], &REP_ACK.to_be_bytes());
+        out.clear();
+        assert!(matches!(
+            answer_during_shutdown::<()>(OPT_EXPORT_NAME, &mut out),
+            Step::Close
+        ));
+        assert!(out.is_empty());
+    }
 }

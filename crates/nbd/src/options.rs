@@ -40,7 +40,10 @@ pub fn parse_go(data: &[u8]) -> Result<GoRequest, OptionParseError> {
     if cur.remaining() != 0 {
         return Err(OptionParseError::BadLength);
     }
-    Ok(GoRequest { name, info_requests })
+    Ok(GoRequest {
+        name,
+        info_requests,
+    })
 }
 
 pub fn parse_meta(data: &[u8]) -> Result<MetaRequest, OptionParseError> {
@@ -102,7 +105,9 @@ pub enum MetaMode {
 pub fn selects_allocation(queries: &[String], mode: MetaMode) -> bool {
     match mode {
         // No query lists everything; `base:` is a wildcard for listing only.
-        MetaMode::List => queries.is_empty() || queries.iter().any(|q| q == "base:" || q == BASE_ALLOCATION),
+        MetaMode::List => {
+            queries.is_empty() || queries.iter().any(|q| q == "base:" || q == BASE_ALLOCATION)
+        }
         // No query selects nothing; `base:` must be ignored when selecting.
         MetaMode::Set => queries.iter().any(|q| q == BASE_ALLOCATION),
     }
@@ -133,9 +138,17 @@ mod tests {
     fn go_payload_rejects_bad_lengths() {
         let mut raw = string("disk");
         raw.extend_from_slice(&1u16.to_be_bytes());
-        assert_eq!(parse_go(&raw), Err(OptionParseError::BadLength), "missing info");
+        assert_eq!(
+            parse_go(&raw),
+            Err(OptionParseError::BadLength),
+            "missing info"
+        );
         raw.extend_from_slice(&[0, 3, 9]);
-        assert_eq!(parse_go(&raw), Err(OptionParseError::BadLength), "trailing byte");
+        assert_eq!(
+            parse_go(&raw),
+            Err(OptionParseError::BadLength),
+            "trailing byte"
+        );
         let mut lying = 0xffff_fff0u32.to_be_bytes().to_vec();
         lying.extend_from_slice(&[0, 0]);
         assert_eq!(parse_go(&lying), Err(OptionParseError::StringTooLong));
@@ -170,8 +183,14 @@ mod tests {
         assert!(!selects_allocation(&[], MetaMode::Set));
         assert!(selects_allocation(&q(&["base:"]), MetaMode::List));
         assert!(!selects_allocation(&q(&["base:"]), MetaMode::Set));
-        assert!(selects_allocation(&q(&["x-a:b", "base:allocation"]), MetaMode::Set));
-        assert!(!selects_allocation(&q(&["base:other", "nocolon"]), MetaMode::List));
+        assert!(selects_allocation(
+            &q(&["x-a:b", "base:allocation"]),
+            MetaMode::Set
+        ));
+        assert!(!selects_allocation(
+            &q(&["base:other", "nocolon"]),
+            MetaMode::List
+        ));
     }
 
     #[test]

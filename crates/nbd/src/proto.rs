@@ -208,7 +208,10 @@ pub fn decode_option_header(bytes: &[u8]) -> Result<OptionHeader, DecodeError> {
     if magic != IHAVEOPT {
         return Err(DecodeError::BadMagic(magic));
     }
-    Ok(OptionHeader { option: cur.u32()?, length: cur.u32()? })
+    Ok(OptionHeader {
+        option: cur.u32()?,
+        length: cur.u32()?,
+    })
 }
 
 /// Appends one option reply (header plus `data`) to `out`.
@@ -321,7 +324,13 @@ pub fn encode_none_chunk(cookie: u64) -> Vec<u8> {
 pub fn encode_offset_data_head(cookie: u64, offset: u64, data_len: usize) -> Option<Vec<u8>> {
     let length = u32::try_from(data_len.checked_add(8)?).ok()?;
     let mut out = Vec::with_capacity(CHUNK_HEADER_LEN + 8);
-    put_chunk_header(&mut out, REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, cookie, length);
+    put_chunk_header(
+        &mut out,
+        REPLY_FLAG_DONE,
+        REPLY_TYPE_OFFSET_DATA,
+        cookie,
+        length,
+    );
     out.extend_from_slice(&offset.to_be_bytes());
     Some(out)
 }
@@ -329,7 +338,13 @@ pub fn encode_offset_data_head(cookie: u64, offset: u64, data_len: usize) -> Opt
 /// Final `NBD_REPLY_TYPE_OFFSET_HOLE` chunk: `hole_len` bytes at `offset` read as zeroes.
 pub fn encode_offset_hole(cookie: u64, offset: u64, hole_len: u32) -> Vec<u8> {
     let mut out = Vec::with_capacity(CHUNK_HEADER_LEN + 12);
-    put_chunk_header(&mut out, REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_HOLE, cookie, 12);
+    put_chunk_header(
+        &mut out,
+        REPLY_FLAG_DONE,
+        REPLY_TYPE_OFFSET_HOLE,
+        cookie,
+        12,
+    );
     out.extend_from_slice(&offset.to_be_bytes());
     out.extend_from_slice(&hole_len.to_be_bytes());
     out
@@ -339,7 +354,13 @@ pub fn encode_offset_hole(cookie: u64, offset: u64, hole_len: u32) -> Vec<u8> {
 pub fn encode_error_chunk(cookie: u64, error: u32, message: &str) -> Vec<u8> {
     let message = clamp_str(message);
     let mut out = Vec::with_capacity(CHUNK_HEADER_LEN + 6 + message.len());
-    put_chunk_header(&mut out, REPLY_FLAG_DONE, REPLY_TYPE_ERROR, cookie, wire_len(6 + message.len()));
+    put_chunk_header(
+        &mut out,
+        REPLY_FLAG_DONE,
+        REPLY_TYPE_ERROR,
+        cookie,
+        wire_len(6 + message.len()),
+    );
     out.extend_from_slice(&error.to_be_bytes());
     // clamp_str keeps the message within MAX_STRING_BYTES, so it fits 16 bits.
     out.extend_from_slice(&(message.len() as u16).to_be_bytes());
@@ -351,7 +372,13 @@ pub fn encode_error_chunk(cookie: u64, error: u32, message: &str) -> Vec<u8> {
 pub fn encode_block_status_chunk(cookie: u64, context_id: u32, extents: &[(u32, u32)]) -> Vec<u8> {
     let payload_len = 4 + 8 * extents.len();
     let mut out = Vec::with_capacity(CHUNK_HEADER_LEN + payload_len);
-    put_chunk_header(&mut out, REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, cookie, wire_len(payload_len));
+    put_chunk_header(
+        &mut out,
+        REPLY_FLAG_DONE,
+        REPLY_TYPE_BLOCK_STATUS,
+        cookie,
+        wire_len(payload_len),
+    );
     out.extend_from_slice(&context_id.to_be_bytes());
     for (length, flags) in extents {
         out.extend_from_slice(&length.to_be_bytes());
@@ -395,10 +422,19 @@ mod tests {
         let mut raw = IHAVEOPT.to_be_bytes().to_vec();
         raw.extend_from_slice(&7u32.to_be_bytes());
         raw.extend_from_slice(&300u32.to_be_bytes());
-        assert_eq!(decode_option_header(&raw), Ok(OptionHeader { option: 7, length: 300 }));
-        raw[0] ^= 1;
-        assert!(matches!(decode_option_header(&raw), Err(DecodeError::BadMagic(_))));
+        assert_eq!(
+            decode_option_header(&raw),
+            Ok(OptionHeader {
+                option: 7,
+                length: 300
+            })
+        );
         assert_eq!(decode_option_header(&raw[..10]), Err(DecodeError::Short));
+        raw[0] ^= 1;
+        assert!(matches!(
+            decode_option_header(&raw),
+            Err(DecodeError::BadMagic(_))
+        ));
     }
 
     #[test]
@@ -424,13 +460,19 @@ mod tests {
         assert_eq!(h.cookie, 0x0102_0304_0506_0708);
         assert_eq!((h.offset, h.length), (4096, 512));
         raw[3] = 0x14;
-        assert_eq!(decode_request_header(&raw), Err(DecodeError::BadMagic(0x2560_9514)));
+        assert_eq!(
+            decode_request_header(&raw),
+            Err(DecodeError::BadMagic(0x2560_9514))
+        );
         assert_eq!(Command::from_wire(99), Command::Unknown(99));
     }
 
     #[test]
     fn export_name_reply_honours_no_zeroes() {
-        assert_eq!(encode_export_name_reply(1 << 20, TRANSMISSION_FLAGS, false).len(), 134);
+        assert_eq!(
+            encode_export_name_reply(1 << 20, TRANSMISSION_FLAGS, false).len(),
+            134
+        );
         let short = encode_export_name_reply(1 << 20, TRANSMISSION_FLAGS, true);
         assert_eq!(short.len(), 10);
         assert_eq!(&short[..8], &(1u64 << 20).to_be_bytes());
@@ -492,6 +534,9 @@ mod tests {
         assert_eq!(info_string(INFO_NAME, "mem"), vec![0, 1, b'm', b'e', b'm']);
         let s = rep_server_payload("a", "desc");
         assert_eq!(s, vec![0, 0, 0, 1, b'a', b'd', b'e', b's', b'c']);
-        assert_eq!(meta_context_payload(1, "x:y"), vec![0, 0, 0, 1, b'x', b':', b'y']);
+        assert_eq!(
+            meta_context_payload(1, "x:y"),
+            vec![0, 0, 0, 1, b'x', b':', b'y']
+        );
     }
 }

@@ -7,8 +7,10 @@ use std::fmt::Display;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Violation {
     ClientFlags,
+    HandshakeTimeout,
     OptionMagic,
     OptionTooLarge,
+    TooManyOptions,
     MalformedOption,
     Truncated,
     RequestMagic,

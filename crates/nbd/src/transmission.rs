@@ -1,0 +1,323 @@
+//! The transmission phase. The reader (this task) reads requests continuously, validates
+//! each, and spawns one local task per request; replies go through the writer task and may
+//! complete out of order. A semaphore of `max_in_flight` permits, taken before a request is
+//! read and released when its reply is written, stops reading at the limit (backpressure).
+
+use crate::execute::{execute, Outcome};
+use crate::limits::Effective;
+use crate::negotiate::Session;
+use crate::proto::{self, Command, DecodeError, RequestHeader, REQUEST_HEADER_LEN};
+use crate::reply::{self, Encoded};
+use crate::request::{validate, Params};
+use crate::signal::{wait_readable, wait_shutdown, Readiness};
+use crate::violation::{Violation, ViolationLog};
+use crate::writer::{write_replies, Outgoing};
+use crate::NbdError;
+use ashlar_core::BlockDevice;
+use bytes::{BufMut, Bytes, BytesMut};
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncBufRead, AsyncReadExt, AsyncWrite};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinHandle;
+
+/// A write larger than the advertised maximum but at most this big is read and thrown away
+/// so the client gets an error and the connection survives; the protocol says payloads up to
+/// 32 MiB should not be treated as an attack. Anything larger closes the connection.
+const MAX_SKIPPED_PAYLOAD: u32 = 32 << 20;
+
+/// On shutdown, how long replies to in-flight requests may take to go out before the
+/// connection is dropped anyway (a client that stopped reading must not stall shutdown).
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
+/// Why the reader stopped.
+enum End {
+    /// NBD_CMD_DISC, or the client closed its side between requests.
+    ClientDone,
+    Shutdown,
+    /// The writer failed (the client is gone); nothing more can be answered.
+    WriterGone,
+}
+
+/// One request as read off the wire.
+enum Incoming {
+    Disc,
+    Request {
+        header: RequestHeader,
+        payload: Bytes,
+    },
+}
+
+/// What every request task needs, shared by `Rc` (tasks stay on this thread).
+struct Connection<D> {
+    device: D,
+    params: Params,
+    context_id: u32,
+    replies: mpsc::Sender<Outgoing>,
+}
+
+/// Serves requests until the client disconnects, breaks the protocol, or the server shuts
+/// down; in-flight requests are answered before a clean return.
+pub(crate) async fn serve<D, Rd, Wr>(
+    mut reader: Rd,
+    writer: Wr,
+    session: Session<D>,
+    limits: &Effective,
+    shutdown: &mut watch::Receiver<bool>,
+    log: &mut ViolationLog,
+) -> Result<(), NbdError>
+where
+    D: BlockDevice + 'static,
+    Rd: AsyncBufRead + Unpin,
+    Wr: AsyncWrite + Unpin + 'static,
+{
+    let (replies, queue) = mpsc::channel(limits.max_in_flight);
+    let writer = tokio::task::spawn_local(write_replies(queue, writer));
+    let params = Params {
+        structured: session.structured,
+        allocation: session.allocation_context.is_some(),
+        min_block: limits.min_block,
+        max_request: limits.max_request,
+    };
+    let connection = Rc::new(Connection {
+        device: session.device,
+        params,
+        context_id: session.allocation_context.unwrap_or(0),
+        replies,
+    });
+    let permits = Arc::new(Semaphore::new(limits.max_in_flight));
+    let ended = read_requests(&mut reader, &connection, &permits, shutdown, log).await;
+    // Request tasks hold their own clones; the writer ends once the last one has replied.
+    drop(connection);
+    finish(writer, ended).await
+}
+
+async fn read_requests<D, Rd>(
+    reader: &mut Rd,
+    connection: &Rc<Connection<D>>,
+    permits: &Arc<Semaphore>,
+    shutdown: &mut watch::Receiver<bool>,
+    log: &mut ViolationLog,
+) -> Result<End, NbdError>
+where
+    D: BlockDevice + 'static,
+    Rd: AsyncBufRead + Unpin,
+{
+    let replies = &connection.replies;
+    loop {
+        if *shutdown.borrow() {
+            return Ok(End::Shutdown);
+        }
+        let permit = tokio::select! {
+            biased;
+            _ = replies.closed() => return Ok(End::WriterGone),
+            _ = wait_shutdown(shutdown) => return Ok(End::Shutdown),
+            permit = permits.clone().acquire_owned() => match permit {
+                Ok(permit) => permit,
+                Err(_) => return Ok(End::WriterGone), // never closed; be safe anyway
+            },
+        };
+        let ready = tokio::select! {
+            biased;
+            _ = replies.closed() => return Ok(End::WriterGone),
+            ready = wait_readable(reader, shutdown) => ready?,
+        };
+        match ready {
+            Readiness::Data => {}
+            Readiness::Eof => return Ok(End::ClientDone),
+            Readiness::Shutdown => return Ok(End::Shutdown),
+        }
+        // A request has started; only shutdown cuts it short (it is then dropped unanswered).
+        let incoming = tokio::select! {
+            biased;
+            _ = wait_shutdown(shutdown) => return Ok(End::Shutdown),
+            incoming = read_request(reader, connection.params.max_request, log) => incoming?,
+        };
+        match incoming {
+            Incoming::Disc => return Ok(End::ClientDone),
+            Incoming::Request { header, payload } => {
+                dispatch(connection, header, payload, permit, log)
+            }
+        }
+    }
+}
+
+async fn read_request<Rd: AsyncBufRead + Unpin>(
+    reader: &mut Rd,
+    max_request: u32,
+    log: &mut ViolationLog,
+) -> Result<Incoming, NbdError> {
+    let mut raw = [0u8; REQUEST_HEADER_LEN];
+    if let Err(error) = reader.read_exact(&mut raw).await {
+        return Err(truncated(error, "a request header", log));
+    }
+    let header = match proto::decode_request_header(&raw) {
+        Ok(header) => header,
+        Err(DecodeError::BadMagic(magic)) => {
+            log.report(
+                Violation::RequestMagic,
+                &format_args!("request magic {magic:#x}"),
+            );
+            return Err(NbdError::BadRequestMagic(magic as u32));
+        }
+        Err(DecodeError::Short) => return Err(NbdError::Truncated("a request header")),
+    };
+    match header.command {
+        Command::Disc => Ok(Incoming::Disc),
+        Command::Write => read_write_payload(reader, header, max_request, log).await,
+        _ => Ok(Incoming::Request {
+            header,
+            payload: Bytes::new(),
+        }),
+    }
+}
+
+/// Reads a write's payload, or skips it when it is too large to accept but small enough to
+/// skip (validation then refuses the request); closes the connection for anything larger,
+/// since reading it would let one request hold the connection for gigabytes.
+async fn read_write_payload<Rd: AsyncBufRead + Unpin>(
+    reader: &mut Rd,
+    header: RequestHeader,
+    max_request: u32,
+    log: &mut ViolationLog,
+) -> Result<Incoming, NbdError> {
+    let length = header.length;
+    let read = if length <= max_request {
+        read_payload(reader, length as usize).await
+    } else if length <= MAX_SKIPPED_PAYLOAD {
+        skip_payload(reader, u64::from(length))
+            .await
+            .map(|()| Bytes::new())
+    } else {
+        log.report(
+            Violation::PayloadTooLarge,
+            &format_args!("write of {length} bytes"),
+        );
+        return Err(NbdError::PayloadTooLarge {
+            length,
+            limit: max_request,
+        });
+    };
+    match read {
+        Ok(payload) => Ok(Incoming::Request { header, payload }),
+        Err(error) => Err(truncated(error, "a write payload", log)),
+    }
+}
+
+/// Reads exactly `length` bytes without zero-filling the buffer first.
+async fn read_payload<Rd: AsyncBufRead + Unpin>(
+    reader: &mut Rd,
+    length: usize,
+) -> std::io::Result<Bytes> {
+    let mut buf = BytesMut::with_capacity(length);
+    while buf.len() < length {
+        let want = length - buf.len();
+        if reader.read_buf(&mut (&mut buf).limit(want)).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(buf.freeze())
+}
+
+async fn skip_payload<Rd: AsyncBufRead + Unpin>(
+    reader: &mut Rd,
+    length: u64,
+) -> std::io::Result<()> {
+    let skipped = tokio::io::copy(&mut reader.take(length), &mut tokio::io::sink()).await?;
+    if skipped < length {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
+    Ok(())
+}
+
+fn truncated(error: std::io::Error, what: &'static str, log: &mut ViolationLog) -> NbdError {
+    let error = NbdError::reading(what)(error);
+    if matches!(error, NbdError::Truncated(_)) {
+        log.report(
+            Violation::Truncated,
+            &format_args!("client left in the middle of {what}"),
+        );
+    }
+    error
+}
+
+/// Validates a request and starts its task; a refused request is answered without calling
+/// the device.
+fn dispatch<D: BlockDevice + 'static>(
+    connection: &Rc<Connection<D>>,
+    header: RequestHeader,
+    payload: Bytes,
+    permit: OwnedSemaphorePermit,
+    log: &mut ViolationLog,
+) {
+    let refused = validate(&header, &connection.params, connection.device.size_bytes()).err();
+    let refused = refused.map(|rejection| {
+        let (command, offset, length) = (header.command, header.offset, header.length);
+        let message = &rejection.message;
+        log.report(
+            rejection.violation,
+            &format_args!("{command:?} [{offset}, +{length}): {message}"),
+        );
+        Outcome::Failed {
+            errno: rejection.errno,
+            message: rejection.message,
+        }
+    });
+    let connection = connection.clone();
+    tokio::task::spawn_local(async move {
+        let outcome = match refused {
+            Some(outcome) => outcome,
+            None => execute(&connection.device, &header, payload).await,
+        };
+        let reply = encode(&connection, &header, outcome);
+        // Fails only when the writer is gone (client left); the permit is released either way.
+        let _ = connection.replies.send(Outgoing { reply, permit }).await;
+    });
+}
+
+fn encode<D>(connection: &Connection<D>, header: &RequestHeader, outcome: Outcome) -> Encoded {
+    reply::encode(
+        header,
+        outcome,
+        connection.params.structured,
+        connection.context_id,
+    )
+}
+
+/// Waits for the writer as the way the reader stopped calls for.
+async fn finish(
+    mut writer: JoinHandle<std::io::Result<()>>,
+    ended: Result<End, NbdError>,
+) -> Result<(), NbdError> {
+    let joined = match ended {
+        // Protocol violation or broken stream: hard disconnect, pending replies are dropped.
+        Err(error) => {
+            writer.abort();
+            return Err(error);
+        }
+        Ok(End::Shutdown) => match tokio::time::timeout(SHUTDOWN_GRACE, &mut writer).await {
+            Ok(joined) => joined,
+            Err(_) => {
+                writer.abort();
+                return Ok(());
+            }
+        },
+        Ok(End::ClientDone | End::WriterGone) => writer.await,
+    };
+    match joined {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(error)) if peer_gone(&error) => Ok(()),
+        Ok(Err(error)) => Err(NbdError::Io(error)),
+        Err(join_error) => Err(NbdError::Io(std::io::Error::other(join_error))),
+    }
+}
+
+/// Write errors that only mean the client has already left.
+fn peer_gone(error: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(
+        error.kind(),
+        BrokenPipe | ConnectionReset | ConnectionAborted | NotConnected
+    )
+}
