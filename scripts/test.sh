@@ -4,5 +4,6 @@
 # Needs: fio libnbd-bin nbdkit qemu-utils fuse3 e2fsprogs (.ci/run installs them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Release mode: the end-to-end tests push real I/O through the node.
-exec cargo test --workspace --release -- --test-threads=2 "$@"
+# Release mode: the end-to-end tests push real I/O through the node. The whole run is bounded
+# so a hung test fails CI with a message instead of running into CI's own limit.
+exec timeout --kill-after=30 3600 cargo test --workspace --release -- --test-threads=2 "$@"
