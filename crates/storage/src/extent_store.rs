@@ -68,6 +68,9 @@ fn io_error(path: &Path, source: io::Error) -> ExtentError {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Entry {
     written: bool,
+    /// Part of the block was lost to corruption and a partial write merged into it: it stays
+    /// unreadable (EIO) until fully overwritten or zeroed, rather than serve guessed bytes.
+    poisoned: bool,
     current_slot: u8,
     crc: [u32; 2],
 }
@@ -75,7 +78,7 @@ struct Entry {
 impl Entry {
     fn encode(&self, out: &mut [u8]) {
         out.fill(0);
-        out[0] = self.written as u8;
+        out[0] = if self.poisoned { 2 } else { self.written as u8 };
         out[1] = self.current_slot;
         out[4..8].copy_from_slice(&self.crc[0].to_le_bytes());
         out[8..12].copy_from_slice(&self.crc[1].to_le_bytes());
@@ -86,7 +89,8 @@ impl Entry {
             u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
         };
         Entry {
-            written: bytes[0] == 1,
+            written: bytes[0] == 1 || bytes[0] == 2,
+            poisoned: bytes[0] == 2,
             current_slot: bytes[1] & 1,
             crc: [word(4), word(8)],
         }
@@ -415,7 +419,7 @@ impl<O: FileOpener> ExtentStore<O> {
                 continue;
             }
             let actual = crc32c::crc32c(block);
-            if entry.matches(actual).is_none() {
+            if entry.poisoned || entry.matches(actual).is_none() {
                 return Err(ExtentError::Corrupt {
                     vdisk: self.config.vdisk,
                     offset: span.block_offset(first + i as u64),
@@ -481,21 +485,53 @@ impl<O: FileOpener> ExtentStore<O> {
             let head = span.offset % BLOCK;
             let partial_head = head != 0;
             let partial_tail = !(head + span.length).is_multiple_of(BLOCK);
-            if partial_head || partial_tail {
-                // Read-modify-write of the edge blocks, verified like any read.
-                let edge_first = self.read_blocks(&group, &span, first, first + 1).await?;
-                blocks[..BLOCK as usize].copy_from_slice(&edge_first);
-                if end - first > 1 {
-                    let edge_last = self.read_blocks(&group, &span, end - 1, end).await?;
-                    let at = blocks.len() - BLOCK as usize;
-                    blocks[at..].copy_from_slice(&edge_last);
-                }
+            let mut poisoned = Vec::new();
+            if partial_head {
+                self.read_edge(
+                    &group,
+                    &span,
+                    first,
+                    &mut blocks[..BLOCK as usize],
+                    &mut poisoned,
+                )
+                .await?;
+            }
+            if partial_tail && (end - first > 1 || !partial_head) {
+                let at = blocks.len() - BLOCK as usize;
+                self.read_edge(&group, &span, end - 1, &mut blocks[at..], &mut poisoned)
+                    .await?;
             }
             blocks[head as usize..head as usize + piece.len()].copy_from_slice(piece);
-            self.write_blocks(&group, span.extent, first, &blocks)
+            self.write_blocks(&group, span.extent, first, &blocks, &poisoned)
                 .await?;
         }
         Ok(())
+    }
+
+    /// Read-modify-write of an edge block, verified like any read. A corrupt old block cannot
+    /// be merged honestly: the write still lands (so the oplog can drain), and the block is
+    /// poisoned so it keeps failing reads instead of serving the guessed remainder.
+    async fn read_edge(
+        &self,
+        group: &Egroup<O::File>,
+        span: &Span,
+        block: u64,
+        out: &mut [u8],
+        poisoned: &mut Vec<u64>,
+    ) -> Result<(), ExtentError> {
+        match self.read_blocks(group, span, block, block + 1).await {
+            Ok(old) => {
+                out.copy_from_slice(&old);
+                Ok(())
+            }
+            Err(ExtentError::Corrupt { offset, path, .. }) => {
+                tracing::error!(vdisk = %self.config.vdisk, offset, path = %path.display(),
+                    "partial write into a corrupt block: the block stays unreadable until fully rewritten");
+                poisoned.push(block);
+                Ok(())
+            }
+            Err(other) => Err(other),
+        }
     }
 
     /// New CRCs go to each block's non-current slot and reach the file before the data, so a
@@ -506,6 +542,7 @@ impl<O: FileOpener> ExtentStore<O> {
         extent: u64,
         first: u64,
         blocks: &[u8],
+        poisoned: &[u64],
     ) -> Result<(), ExtentError> {
         let zero_crc = zero_block_crc();
         let mut flips = Vec::new();
@@ -519,6 +556,7 @@ impl<O: FileOpener> ExtentStore<O> {
                     // The old content is a hole (zeros): keep that valid in the other slot.
                     *entry = Entry {
                         written: true,
+                        poisoned: false,
                         current_slot: 0,
                         crc: [zero_crc, crc],
                     };
@@ -528,6 +566,7 @@ impl<O: FileOpener> ExtentStore<O> {
                     entry.crc[next as usize] = crc;
                     flips.push((first as usize + i, next));
                 }
+                entry.poisoned = poisoned.contains(&(first + i as u64));
             }
             encode_table(entries)
         };

@@ -1,0 +1,758 @@
+//! Harness of the end-to-end tests: a real `ashlar node` process on free loopback ports with a
+//! temporary data directory, the CLI, a tiny HTTP client, bounded runs of external tools (fio,
+//! nbdinfo, qemu-img, ...) and a hand-written NBD client (`nbd`).
+//!
+//! Every external command runs under `timeout`, every socket has a deadline, and a node is
+//! SIGKILLed when its `Node` is dropped, so a failing test cannot hang the suite or leave a
+//! process behind. When a test panics, the node's stderr log is printed.
+
+#![allow(dead_code)]
+
+pub mod nbd;
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_ashlar");
+pub const KIB: u64 = 1024;
+pub const MIB: u64 = 1024 * 1024;
+pub const GIB: u64 = 1024 * MIB;
+
+/// How long a node may take to answer GET /healthz after it was started.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A free TCP port on 127.0.0.1 (bind to port 0, read the port, close).
+pub fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("binding 127.0.0.1:0");
+    listener.local_addr().unwrap().port()
+}
+
+/// Panics with an actionable message when `tool` is not on PATH: tests never skip silently.
+pub fn require_tool(tool: &str) {
+    if find_in_path(tool).is_none() {
+        let package = match tool {
+            "nbdinfo" | "nbdcopy" | "nbdfuse" | "nbdsh" => "libnbd-bin",
+            "qemu-img" | "qemu-io" | "qemu-nbd" => "qemu-utils",
+            "mkfs.ext4" | "e2fsck" => "e2fsprogs",
+            "fusermount3" => "fuse3",
+            "losetup" | "mount" | "umount" => "mount",
+            "timeout" | "cmp" | "sync" => "coreutils",
+            other => other,
+        };
+        panic!("`{tool}` is not installed: install {package} (CI's .ci/run does)");
+    }
+}
+
+pub fn find_in_path(tool: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    for dir in std::env::split_paths(&path).chain(
+        ["/usr/sbin", "/sbin"].iter().map(PathBuf::from), // root tools when PATH lacks them
+    ) {
+        let candidate = dir.join(tool);
+        if let Ok(meta) = std::fs::metadata(&candidate) {
+            use std::os::unix::fs::PermissionsExt;
+            if meta.is_file() && meta.permissions().mode() & 0o111 != 0 {
+                return Some(candidate);
+            }
+        }
+    }
+    None
+}
+
+/// Runs `program args...` under `timeout -k 5 SECS` and returns its output. A command that
+/// overran its time shows as exit status 124 (or 137), which callers' assertions report.
+pub fn run_bounded<S: AsRef<std::ffi::OsStr>>(program: &str, args: &[S], secs: u64) -> Output {
+    require_tool("timeout");
+    require_tool(program);
+    let program_path = find_in_path(program).unwrap();
+    Command::new("timeout")
+        .arg("-k")
+        .arg("5")
+        .arg(secs.to_string())
+        .arg(program_path)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("running {program}: {e}"))
+}
+
+/// Like `run_bounded`, with environment variables set.
+pub fn run_bounded_env<S: AsRef<std::ffi::OsStr>>(
+    program: &str,
+    args: &[S],
+    env: &[(&str, &str)],
+    secs: u64,
+) -> Output {
+    require_tool("timeout");
+    let program_path = if Path::new(program).is_absolute() {
+        PathBuf::from(program)
+    } else {
+        require_tool(program);
+        find_in_path(program).unwrap()
+    };
+    let mut command = Command::new("timeout");
+    command
+        .arg("-k")
+        .arg("5")
+        .arg(secs.to_string())
+        .arg(program_path)
+        .args(args)
+        .stdin(Stdio::null());
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    command
+        .output()
+        .unwrap_or_else(|e| panic!("running {program}: {e}"))
+}
+
+/// The result of a command, with lossy UTF-8 text.
+#[derive(Debug)]
+pub struct CmdOut {
+    pub status: ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl CmdOut {
+    pub fn from_output(output: Output) -> CmdOut {
+        CmdOut {
+            status: output.status,
+            stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+        }
+    }
+
+    pub fn code(&self) -> Option<i32> {
+        self.status.code()
+    }
+
+    /// Panics (with everything the command printed) unless it exited 0.
+    pub fn assert_ok(&self, what: &str) -> &Self {
+        assert!(
+            self.status.success(),
+            "{what} failed ({}):\nstdout:\n{}\nstderr:\n{}",
+            self.status,
+            self.stdout,
+            self.stderr
+        );
+        self
+    }
+
+    /// Asserts the CLI's error convention: exit 1, one line on stderr starting `error:`, that
+    /// contains `needle`, and nothing on stdout.
+    pub fn assert_cli_error(&self, needle: &str) {
+        assert_eq!(
+            self.code(),
+            Some(1),
+            "expected exit 1 with an error containing {needle:?}; got {}:\nstdout:\n{}\nstderr:\n{}",
+            self.status,
+            self.stdout,
+            self.stderr
+        );
+        let stderr = self.stderr.trim_end();
+        assert!(
+            stderr.starts_with("error:"),
+            "stderr must start with 'error:': {stderr:?}"
+        );
+        assert_eq!(
+            stderr.lines().count(),
+            1,
+            "the error must be one line: {stderr:?}"
+        );
+        assert!(
+            stderr.contains(needle),
+            "stderr should contain {needle:?}: {stderr:?}"
+        );
+        assert!(
+            self.stdout.trim().is_empty(),
+            "nothing on stdout on error: {:?}",
+            self.stdout
+        );
+    }
+}
+
+/// Runs the `ashlar` binary with exactly `args` (no `--server` added), bounded to 60 s.
+pub fn ashlar(args: &[&str]) -> CmdOut {
+    ashlar_env(args, &[])
+}
+
+pub fn ashlar_env(args: &[&str], env: &[(&str, &str)]) -> CmdOut {
+    CmdOut::from_output(run_bounded_env(BIN, args, env, 60))
+}
+
+/// A running (or stopped) `ashlar node` with its own data directory and ports.
+pub struct Node {
+    child: Option<Child>,
+    /// Holds the data directory and the logs; removed on drop.
+    pub root: tempfile::TempDir,
+    pub data_dir: PathBuf,
+    pub nbd_port: u16,
+    pub http_port: u16,
+    extra_args: Vec<String>,
+    stderr_path: PathBuf,
+    stdout_path: PathBuf,
+    starts: u32,
+}
+
+impl Node {
+    /// A node with the suite's small limits and no vdisk.
+    pub fn start() -> Node {
+        Node::start_with(&[])
+    }
+
+    /// A node with additional `ashlar node` arguments (e.g. `--ensure-vdisk`).
+    pub fn start_with(extra_args: &[&str]) -> Node {
+        let root = tempfile::Builder::new()
+            .prefix("ashlar-e2e-")
+            .tempdir()
+            .expect("creating a temporary directory");
+        let data_dir = root.path().join("data");
+        let stderr_path = root.path().join("node.stderr.log");
+        let stdout_path = root.path().join("node.stdout.log");
+        let mut node = Node {
+            child: None,
+            data_dir,
+            nbd_port: 0,
+            http_port: 0,
+            extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
+            stderr_path,
+            stdout_path,
+            root,
+            starts: 0,
+        };
+        // Another process may grab a port between our probe and the node's bind: retry then.
+        for attempt in 0..5 {
+            node.nbd_port = free_port();
+            node.http_port = free_port();
+            while node.http_port == node.nbd_port {
+                node.http_port = free_port();
+            }
+            match node.spawn_and_wait() {
+                Ok(()) => return node,
+                Err(log) if attempt < 4 && log.contains("cannot listen") => continue,
+                Err(log) => panic!("ashlar node did not become ready:\n{log}"),
+            }
+        }
+        unreachable!()
+    }
+
+    fn spawn_and_wait(&mut self) -> Result<(), String> {
+        assert!(self.child.is_none(), "node already running");
+        self.starts += 1;
+        let stderr = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.stderr_path)
+            .unwrap();
+        let _ = writeln!(
+            &stderr,
+            "----- test harness: start #{} of the node -----",
+            self.starts
+        );
+        // Each start gets a fresh stdout file, to check this start's banner.
+        let stdout = File::create(&self.stdout_path).unwrap();
+        let mut command = Command::new(BIN);
+        command
+            .arg("node")
+            .arg("--data-dir")
+            .arg(&self.data_dir)
+            .arg("--nbd-listen")
+            .arg(format!("127.0.0.1:{}", self.nbd_port))
+            .arg("--http-listen")
+            .arg(format!("127.0.0.1:{}", self.http_port))
+            .args([
+                "--reactors",
+                "2",
+                "--cache-size",
+                "64M",
+                "--oplog-size",
+                "64M",
+            ])
+            .args(&self.extra_args)
+            .env("RUST_LOG", "info")
+            .env_remove("ASHLAR_SERVER")
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(stderr);
+        let child = command.spawn().expect("spawning ashlar node");
+        self.child = Some(child);
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                self.child = None;
+                return Err(format!(
+                    "the node exited during startup ({status}); its log:\n{}",
+                    self.log()
+                ));
+            }
+            if let Ok((200, body)) = http_get_timeout(self.http_port, "/healthz", 2) {
+                if body.trim() == "ok" {
+                    break;
+                }
+            }
+            if Instant::now() > deadline {
+                self.kill9();
+                return Err(format!(
+                    "GET /healthz did not answer within {READY_TIMEOUT:?}; log:\n{}",
+                    self.log()
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let stdout = std::fs::read_to_string(&self.stdout_path).unwrap_or_default();
+        assert!(
+            stdout.contains("Ashlar node ready"),
+            "the node answers /healthz but did not print 'Ashlar node ready' on stdout: {stdout:?}"
+        );
+        Ok(())
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().expect("node is not running").id() as i32
+    }
+
+    /// True while the node process has not exited.
+    pub fn is_running(&mut self) -> bool {
+        match self.child.as_mut() {
+            Some(child) => child.try_wait().unwrap().is_none(),
+            None => false,
+        }
+    }
+
+    /// Panics with the log unless the node process is still alive.
+    pub fn assert_alive(&mut self) {
+        if let Some(child) = self.child.as_mut() {
+            if let Some(status) = child.try_wait().unwrap() {
+                self.child = None;
+                panic!("the node died ({status}); its log:\n{}", self.log());
+            }
+        } else {
+            panic!("the node is not running");
+        }
+    }
+
+    /// Sends SIGTERM and waits up to 15 s for the exit; SIGKILLs and panics if it hangs.
+    pub fn sigterm_and_wait(&mut self) -> ExitStatus {
+        self.sigterm_and_wait_for(Duration::from_secs(15))
+    }
+
+    pub fn sigterm_and_wait_for(&mut self, limit: Duration) -> ExitStatus {
+        let pid = self.pid();
+        unsafe {
+            libc::kill(pid, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                self.child = None;
+                return status;
+            }
+            if Instant::now() > deadline {
+                self.kill9();
+                panic!(
+                    "the node did not exit within {limit:?} of SIGTERM; log:\n{}",
+                    self.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGKILL (no chance to flush anything) and reap.
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the node again on the same data directory and ports.
+    pub fn restart(&mut self) {
+        if self.child.is_some() {
+            assert!(
+                !self.is_running(),
+                "restart() needs a stopped node (call kill9 or sigterm_and_wait first)"
+            );
+            self.child = None;
+        }
+        // The ports were ours a moment ago; wait a little if something else grabbed one.
+        let mut last = String::new();
+        for _ in 0..3 {
+            match self.spawn_and_wait() {
+                Ok(()) => return,
+                Err(log) => {
+                    last = log;
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+            }
+        }
+        panic!("the node did not restart:\n{last}");
+    }
+
+    /// Everything the node wrote on stderr (all starts).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
+    }
+
+    pub fn stdout(&self) -> String {
+        std::fs::read_to_string(&self.stdout_path).unwrap_or_default()
+    }
+
+    pub fn server_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.http_port)
+    }
+
+    pub fn nbd_addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.nbd_port))
+    }
+
+    pub fn uri(&self, vdisk: &str) -> String {
+        format!("nbd://127.0.0.1:{}/{}", self.nbd_port, vdisk)
+    }
+
+    /// `ashlar --server URL args...`
+    pub fn cli(&self, args: &[&str]) -> CmdOut {
+        let url = self.server_url();
+        let mut all = vec!["--server", url.as_str()];
+        all.extend_from_slice(args);
+        ashlar(&all)
+    }
+
+    /// Creates a vdisk through the CLI and asserts it worked.
+    pub fn create_vdisk(&self, name: &str, size: &str) {
+        self.cli(&["vdisk", "create", name, "--size", size])
+            .assert_ok(&format!("vdisk create {name}"));
+    }
+
+    pub fn create_vdisk_shards(&self, name: &str, size: &str, shards: u32) {
+        self.cli(&[
+            "vdisk",
+            "create",
+            name,
+            "--size",
+            size,
+            "--shards",
+            &shards.to_string(),
+        ])
+        .assert_ok(&format!("vdisk create {name}"));
+    }
+
+    /// `vdisk show NAME --json`, parsed.
+    pub fn show(&self, name: &str) -> serde_json::Value {
+        let out = self.cli(&["vdisk", "show", name, "--json"]);
+        out.assert_ok("vdisk show --json");
+        serde_json::from_str(&out.stdout)
+            .unwrap_or_else(|e| panic!("vdisk show --json is not JSON ({e}): {}", out.stdout))
+    }
+
+    /// The vdisk's id as the 16-hex-digit directory name of its extent files.
+    pub fn vdisk_dir_name(&self, name: &str) -> String {
+        let id = self.show(name)["id"]
+            .as_u64()
+            .expect("vdisk show --json has a numeric id");
+        format!("{id:016x}")
+    }
+
+    pub fn http_get(&self, path: &str) -> (u16, String) {
+        http_get(self.http_port, path)
+    }
+
+    pub fn http_json(&self, path: &str) -> serde_json::Value {
+        let (status, body) = self.http_get(path);
+        assert_eq!(status, 200, "GET {path}: {body}");
+        serde_json::from_str(&body)
+            .unwrap_or_else(|e| panic!("GET {path} is not JSON ({e}): {body}"))
+    }
+
+    /// The entry of `vdisk` in GET /stats/vdisks.
+    pub fn vdisk_stats(&self, vdisk: &str) -> serde_json::Value {
+        let stats = self.http_json("/stats/vdisks");
+        stats["vdisks"]
+            .as_array()
+            .expect("/stats/vdisks has a vdisks array")
+            .iter()
+            .find(|v| v["name"] == vdisk)
+            .cloned()
+            .unwrap_or_else(|| panic!("/stats/vdisks has no entry for {vdisk}: {stats}"))
+    }
+
+    /// Prints the tail of the node's log; used when a test fails.
+    pub fn dump_log(&self) {
+        let log = self.log();
+        let lines: Vec<&str> = log.lines().collect();
+        let start = lines.len().saturating_sub(200);
+        eprintln!(
+            "===== ashlar node stderr ({}; last {} lines) =====",
+            self.stderr_path.display(),
+            lines.len() - start
+        );
+        for line in &lines[start..] {
+            eprintln!("{line}");
+        }
+        eprintln!("===== end of node stderr =====");
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.kill9();
+        if std::thread::panicking() {
+            self.dump_log();
+        }
+    }
+}
+
+/// GET over a plain TcpStream (HTTP/1.0, so no chunked encoding); bounded to 10 s.
+pub fn http_get(port: u16, path: &str) -> (u16, String) {
+    http_get_timeout(port, path, 10).unwrap_or_else(|e| panic!("GET {path}: {e}"))
+}
+
+pub fn http_get_timeout(port: u16, path: &str, secs: u64) -> std::io::Result<(u16, String)> {
+    let limit = Duration::from_secs(secs);
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let mut stream = TcpStream::connect_timeout(&addr, limit)?;
+    stream.set_read_timeout(Some(limit))?;
+    stream.set_write_timeout(Some(limit))?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response)?;
+    let text = String::from_utf8_lossy(&response).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("bad HTTP response {text:?}"),
+        )
+    })?;
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("bad status line {head:?}"),
+            )
+        })?;
+    Ok((status, body.to_string()))
+}
+
+/// fio's result: the process output and its JSON report.
+pub struct Fio {
+    pub out: CmdOut,
+    pub json: serde_json::Value,
+}
+
+impl Fio {
+    pub fn jobs(&self) -> Vec<serde_json::Value> {
+        self.json["jobs"].as_array().cloned().unwrap_or_default()
+    }
+
+    /// Sum over jobs of `read`/`write` `io_bytes`.
+    pub fn io_bytes(&self, direction: &str) -> u64 {
+        self.jobs()
+            .iter()
+            .map(|j| j[direction]["io_bytes"].as_u64().unwrap_or(0))
+            .sum()
+    }
+
+    /// Exit status 0, every job's error 0, and no verification complaint anywhere.
+    pub fn assert_ok(&self, what: &str) {
+        let text = format!("{}\n{}", self.out.stdout, self.out.stderr);
+        let lower = text.to_lowercase();
+        assert!(
+            self.out.status.success() && !lower.contains("verify") && !lower.contains("err="),
+            "fio ({what}) failed ({}):\n{text}\nreport: {}",
+            self.out.status,
+            self.json
+        );
+        let jobs = self.jobs();
+        assert!(
+            !jobs.is_empty(),
+            "fio ({what}) gave no JSON report:\n{text}"
+        );
+        for job in &jobs {
+            assert_eq!(
+                job["error"].as_i64(),
+                Some(0),
+                "fio ({what}) job {} reported an error:\n{text}\n{job}",
+                job["jobname"]
+            );
+        }
+    }
+}
+
+/// Runs fio with `args` plus a JSON report (`--output-format=json --output=...`), bounded to
+/// 300 s. Does not assert: see `Fio::assert_ok`.
+pub fn run_fio(args: &[String]) -> Fio {
+    require_tool("fio");
+    let report = tempfile::NamedTempFile::new().unwrap();
+    let mut all: Vec<String> = args.to_vec();
+    all.push("--output-format=json".into());
+    all.push(format!("--output={}", report.path().display()));
+    let out = CmdOut::from_output(run_bounded("fio", &all, 300));
+    let text = std::fs::read_to_string(report.path()).unwrap_or_default();
+    let json = parse_fio_json(&text);
+    Fio { out, json }
+}
+
+/// fio's JSON report, skipping any log lines printed before it.
+pub fn parse_fio_json(text: &str) -> serde_json::Value {
+    match text.find('{') {
+        Some(start) => serde_json::from_str(&text[start..]).unwrap_or(serde_json::Value::Null),
+        None => serde_json::Value::Null,
+    }
+}
+
+/// The arguments of a verifying fio job on an NBD export.
+pub fn fio_args(uri: &str, name: &str, extra: &[&str]) -> Vec<String> {
+    let mut args = vec![
+        format!("--name={name}"),
+        "--ioengine=nbd".to_string(),
+        format!("--uri={uri}"),
+        "--verify=crc32c".to_string(),
+        "--verify_fatal=1".to_string(),
+        // No verify state files in the working directory.
+        "--verify_state_save=0".to_string(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+/// Deterministic pseudo-random bytes (xorshift64*), so failures reproduce.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+
+    pub fn fill(&mut self, buf: &mut [u8]) {
+        for chunk in buf.chunks_mut(8) {
+            let v = self.next_u64().to_le_bytes();
+            chunk.copy_from_slice(&v[..chunk.len()]);
+        }
+    }
+
+    pub fn bytes(&mut self, len: usize) -> Vec<u8> {
+        let mut buf = vec![0u8; len];
+        self.fill(&mut buf);
+        buf
+    }
+}
+
+/// Bytes allocated on disk under `path` (st_blocks × 512, like `du`).
+pub fn allocated_bytes(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(meta) => meta,
+        Err(_) => return 0,
+    };
+    let mut total = meta.blocks() * 512;
+    if meta.is_dir() {
+        for entry in std::fs::read_dir(path).unwrap().flatten() {
+            total += allocated_bytes(&entry.path());
+        }
+    }
+    total
+}
+
+/// A human description of an exit status, including the signal.
+pub fn describe(status: &ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exit code {code}"),
+        (None, Some(signal)) => format!("killed by signal {signal}"),
+        _ => format!("{status}"),
+    }
+}
+
+/// Polls `condition` every 50 ms until it holds or `limit` passes.
+pub fn wait_until(limit: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        if condition() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Polls GET /stats/vdisks every 50 ms in a thread and keeps the maxima of a vdisk's
+/// `connections` and `oplog_usage_bytes`, to see what happened while a client ran.
+pub struct StatsWatcher {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<(u64, u64)>>,
+}
+
+impl StatsWatcher {
+    pub fn start(node: &Node, vdisk: &str) -> StatsWatcher {
+        use std::sync::atomic::Ordering;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let port = node.http_port;
+        let vdisk = vdisk.to_string();
+        let thread = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let (mut connections, mut oplog) = (0, 0);
+                while !stop.load(Ordering::SeqCst) {
+                    if let Ok((200, body)) = http_get_timeout(port, "/stats/vdisks", 5) {
+                        let stats: serde_json::Value =
+                            serde_json::from_str(&body).unwrap_or_default();
+                        for v in stats["vdisks"].as_array().into_iter().flatten() {
+                            if v["name"] == vdisk.as_str() {
+                                connections =
+                                    connections.max(v["connections"].as_u64().unwrap_or(0));
+                                oplog = oplog.max(v["oplog_usage_bytes"].as_u64().unwrap_or(0));
+                            }
+                        }
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                (connections, oplog)
+            })
+        };
+        StatsWatcher {
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// Stops polling; returns (max connections, max oplog usage in bytes).
+    pub fn finish(mut self) -> (u64, u64) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.thread.take().unwrap().join().unwrap()
+    }
+}
+
+impl Drop for StatsWatcher {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
