@@ -83,6 +83,7 @@ fn engine_config(args: &NodeArgs) -> Result<EngineConfig> {
         data_dir: args.data_dir.clone(),
         disks,
         reactors,
+        poll_window: Duration::from_micros(args.poll_window_us.min(1_000_000)),
         cache_bytes: size("--cache-size", &args.cache_size)?,
         oplog_bytes_per_vdisk: size("--oplog-size", &args.oplog_size)?,
         shard_queue_limit: args.shard_queue_limit.max(1),

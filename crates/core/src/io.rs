@@ -59,6 +59,13 @@ pub trait BlockDevice {
         length: u32,
         may_punch_hole: bool,
     ) -> impl Future<Output = IoResult<()>>;
+    /// A read that can be answered at once, without waiting for anything (typically: the
+    /// data is in a cache owned by the calling thread). `None` means "not at once": the caller
+    /// then uses [`BlockDevice::read`], which gives the same data. Front-ends call this first
+    /// so the common cached read costs no task, no message and no wakeup.
+    fn read_now(&self, _offset: u64, _length: u32) -> Option<IoResult<Bytes>> {
+        None
+    }
     /// Allocation status of `[offset, offset+length)`, as consecutive runs covering at least
     /// the first byte and at most the whole range.
     fn block_status(

@@ -108,6 +108,7 @@ fn main() {
                 tier: Tier::Fast,
             }],
             reactors,
+            poll_window: std::time::Duration::ZERO,
             cache_bytes: 4 * size,
             oplog_bytes_per_vdisk: 256 << 20,
             shard_queue_limit: 1024,

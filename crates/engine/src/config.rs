@@ -12,6 +12,8 @@ pub struct EngineConfig {
     pub disks: Vec<Disk>,
     /// Reactor threads, one per core.
     pub reactors: usize,
+    /// After client I/O a reactor keeps polling this long before it sleeps.
+    pub poll_window: Duration,
     /// Read cache of the whole node, split evenly across reactors.
     pub cache_bytes: u64,
     /// Oplog capacity of each vdisk, split evenly across its shards.

@@ -167,7 +167,7 @@ impl<M: MetaStore> Engine<M> {
                 EngineError::Storage(format!("cannot create {}: {e}", disk.path.display()))
             })?;
         }
-        let reactors = ReactorPool::start(config.reactors)
+        let reactors = ReactorPool::start(config.reactors, config.poll_window)
             .map_err(|e| EngineError::Storage(format!("cannot start reactor threads: {e}")))?;
         let per_reactor_cache = config.cache_bytes / reactors.len() as u64;
         let mut cache_counters = Vec::new();

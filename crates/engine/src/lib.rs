@@ -11,6 +11,7 @@ pub mod catalog;
 pub mod config;
 pub mod engine;
 mod lru;
+mod outbox;
 pub mod reactor;
 pub mod shard;
 pub mod stats;

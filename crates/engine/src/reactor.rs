@@ -2,8 +2,12 @@
 //! `LocalSet`. Controllers and client connections live on exactly one reactor and are never
 //! moved; other threads reach them only by message.
 
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
 use std::thread::JoinHandle;
-use tokio::sync::{mpsc, oneshot};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc::error::TrySendError;
+use tokio::sync::{mpsc, oneshot, Notify};
 
 /// Work sent to a reactor: runs on the reactor thread inside its `LocalSet`, so it may
 /// `spawn_local` tasks that own `!Send` state.
@@ -60,6 +64,117 @@ impl ReactorHandle {
     }
 }
 
+/// Work handed back to a reactor by another one (typically: complete a reply channel).
+type Completion = Box<dyn FnOnce() + Send + 'static>;
+
+/// Completions queued per reactor before senders deliver theirs directly instead. The queue
+/// holds at most one entry per request in flight towards other reactors, so this bound is
+/// reached only under extreme load, and overflowing it costs a wakeup, not correctness.
+pub const REPLY_ROUTE_QUEUE_LIMIT: usize = 4096;
+
+/// The way back to one reactor for replies computed on another.
+///
+/// Waking a task that lives on another reactor costs a syscall (an eventfd write) per wake,
+/// and often a context switch. Replies sent through the route land in one queue drained by
+/// one task on the owning reactor, so a burst of replies costs one wakeup, and the waiting
+/// request tasks are then woken locally, for free.
+#[derive(Clone)]
+pub struct ReplyRoute {
+    reactor: ReactorId,
+    completions: mpsc::Sender<Completion>,
+}
+
+thread_local! {
+    static CURRENT_ROUTE: RefCell<Option<ReplyRoute>> = const { RefCell::new(None) };
+}
+
+/// The route back to the reactor this code runs on; `None` off the reactors (tests, tools).
+pub fn current_route() -> Option<ReplyRoute> {
+    CURRENT_ROUTE.with(|route| route.borrow().clone())
+}
+
+/// The reactor this code runs on, if any.
+pub fn current_reactor() -> Option<ReactorId> {
+    CURRENT_ROUTE.with(|route| route.borrow().as_ref().map(|r| r.reactor))
+}
+
+impl ReplyRoute {
+    pub fn reactor(&self) -> ReactorId {
+        self.reactor
+    }
+
+    /// Runs `deliver` on the route's reactor: at once when already there, else through its
+    /// completion queue, or at once anyway when that queue is full or its reactor stopped
+    /// (the wake then simply costs more).
+    pub fn deliver(&self, deliver: impl FnOnce() + Send + 'static) {
+        if current_reactor() == Some(self.reactor) {
+            return deliver();
+        }
+        match self.completions.try_send(Box::new(deliver)) {
+            Ok(()) => {}
+            Err(TrySendError::Full(job) | TrySendError::Closed(job)) => job(),
+        }
+    }
+}
+
+thread_local! {
+    /// When this reactor last served client I/O; `None` off the reactors.
+    static ACTIVITY: RefCell<Option<Rc<Activity>>> = const { RefCell::new(None) };
+}
+
+#[derive(Default)]
+struct Activity {
+    last: Cell<Option<Instant>>,
+    polling: Cell<bool>,
+    wake_poller: Notify,
+}
+
+/// Marks client I/O on this reactor: it keeps polling for the next request for its poll
+/// window instead of sleeping at once (see [`ReactorPool::start`]).
+pub fn note_client_io() {
+    let _ = ACTIVITY.try_with(|activity| {
+        if let Some(activity) = activity.borrow().as_ref() {
+            activity.last.set(Some(Instant::now()));
+            if !activity.polling.get() {
+                activity.wake_poller.notify_one();
+            }
+        }
+    });
+}
+
+/// Keeps the reactor polling its sockets (the runtime polls with a zero timeout while a task
+/// yields) until no client I/O has happened for `window`, then lets it sleep. A sleeping
+/// reactor is woken by an interrupt to its CPU, which on virtual machines costs tens of
+/// microseconds per request; polling spends CPU for latency only while clients are active.
+async fn poll_while_active(activity: Rc<Activity>, window: Duration) {
+    loop {
+        activity.polling.set(false);
+        activity.wake_poller.notified().await;
+        activity.polling.set(true);
+        while activity
+            .last
+            .get()
+            .is_some_and(|last| last.elapsed() < window)
+        {
+            tokio::task::yield_now().await;
+        }
+    }
+}
+
+/// Runs completions routed to this reactor, a burst at a time.
+async fn run_completions(mut completions: mpsc::Receiver<Completion>) {
+    let mut burst = Vec::new();
+    while completions
+        .recv_many(&mut burst, REPLY_ROUTE_QUEUE_LIMIT)
+        .await
+        > 0
+    {
+        for completion in burst.drain(..) {
+            completion();
+        }
+    }
+}
+
 /// All reactors of the node. Dropping it (or calling `stop`) ends their threads once their
 /// tasks have been told to stop by their owners.
 pub struct ReactorPool {
@@ -73,7 +188,9 @@ pub struct ReactorPool {
 pub const REACTOR_JOB_QUEUE_LIMIT: usize = 1024;
 
 impl ReactorPool {
-    pub fn start(count: usize) -> std::io::Result<ReactorPool> {
+    /// Starts `count` reactors. After client I/O each keeps polling for `poll_window` before
+    /// it sleeps (zero: sleep at once).
+    pub fn start(count: usize, poll_window: Duration) -> std::io::Result<ReactorPool> {
         assert!(count > 0, "a node needs at least one reactor");
         let cpus = online_cpus();
         let mut pool = ReactorPool {
@@ -86,7 +203,7 @@ impl ReactorPool {
             let (stop_tx, stop_rx) = oneshot::channel();
             let thread = std::thread::Builder::new()
                 .name(format!("reactor-{index}"))
-                .spawn(move || reactor_main(index, index % cpus, jobs_rx, stop_rx))?;
+                .spawn(move || reactor_main(index, index % cpus, poll_window, jobs_rx, stop_rx))?;
             pool.handles.push(ReactorHandle {
                 id: ReactorId(index),
                 jobs: jobs_tx,
@@ -137,6 +254,7 @@ impl Drop for ReactorPool {
 fn reactor_main(
     index: usize,
     cpu: usize,
+    poll_window: Duration,
     mut jobs: mpsc::Receiver<Job>,
     stop: oneshot::Receiver<()>,
 ) {
@@ -152,7 +270,22 @@ fn reactor_main(
         }
     };
     let local = tokio::task::LocalSet::new();
+    let (route_tx, route_rx) = mpsc::channel(REPLY_ROUTE_QUEUE_LIMIT);
+    CURRENT_ROUTE.with(|route| {
+        *route.borrow_mut() = Some(ReplyRoute {
+            reactor: ReactorId(index),
+            completions: route_tx,
+        })
+    });
+    let activity = Rc::new(Activity::default());
+    if !poll_window.is_zero() {
+        ACTIVITY.with(|slot| *slot.borrow_mut() = Some(activity.clone()));
+    }
     local.block_on(&runtime, async move {
+        tokio::task::spawn_local(run_completions(route_rx));
+        if !poll_window.is_zero() {
+            tokio::task::spawn_local(poll_while_active(activity, poll_window));
+        }
         let run_jobs = async {
             while let Some(job) = jobs.recv().await {
                 job();
@@ -193,7 +326,7 @@ mod tests {
 
     #[test]
     fn jobs_run_on_their_reactor_thread() {
-        let pool = ReactorPool::start(2).unwrap();
+        let pool = ReactorPool::start(2, Duration::ZERO).unwrap();
         let runtime = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();

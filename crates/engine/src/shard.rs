@@ -4,12 +4,14 @@
 //! and all state is touched only from this reactor thread.
 
 use crate::cache::{BlockCache, CacheKey};
+use crate::reactor::{ReactorId, ReplyRoute};
 use ashlar_core::{BlockStatusRun, Epoch, IoError, VdiskId, BLOCK_SIZE_BYTES, EXTENT_SIZE_BYTES};
 use ashlar_storage::disk::{Disk, StdOpener};
 use ashlar_storage::extent_store::{ExtentError, ExtentStore, ExtentStoreConfig};
 use ashlar_storage::oplog::{LogPiece, Oplog, OplogConfig, OplogError, PieceSource};
 use bytes::{Bytes, BytesMut};
 use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -58,6 +60,8 @@ pub enum ShardError {
 pub struct ShardRequest {
     pub op: ShardOp,
     pub reply: oneshot::Sender<Result<ShardReply, ShardError>>,
+    /// How the reply gets back to the requester's reactor cheaply; `None` off the reactors.
+    pub route: Option<ReplyRoute>,
 }
 
 pub enum ShardControl {
@@ -84,13 +88,55 @@ pub struct ShardSpec {
     pub request_queue_limit: usize,
 }
 
+/// Names one shard controller among those of its reactor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ShardKey {
+    pub vdisk: VdiskId,
+    pub epoch: Epoch,
+    pub index: u32,
+}
+
 /// How other threads reach a running shard.
 #[derive(Clone)]
 pub struct ShardLink {
     pub requests: mpsc::Sender<ShardRequest>,
     pub control: mpsc::Sender<ShardControl>,
     pub oplog_usage_bytes: Arc<AtomicU64>,
+    pub key: ShardKey,
+    /// The reactor the controller runs on; `None` when started off the reactors (tests).
+    pub reactor: Option<ReactorId>,
 }
+
+thread_local! {
+    /// The shard controllers of this reactor, for answering cached reads inline on the
+    /// connection's own thread (see [`read_cached_now`]).
+    static LOCAL_SHARDS: RefCell<HashMap<ShardKey, Rc<Shard>>> = RefCell::default();
+}
+
+/// Removes a controller from its reactor's table when its task ends, however it ends.
+struct LocalRegistration(ShardKey);
+
+impl Drop for LocalRegistration {
+    fn drop(&mut self) {
+        // During thread teardown the table may already be gone; nothing to remove then.
+        let _ = LOCAL_SHARDS.try_with(|shards| shards.borrow_mut().remove(&self.0));
+    }
+}
+
+/// Serves a read from the cache of a controller on this reactor, if the controller is
+/// serving and every block of the range is cached with nothing newer in its oplog. Runs
+/// synchronously, so it cannot interleave with the controller's own tasks.
+pub fn read_cached_now(key: ShardKey, offset: u64, length: u64) -> Option<Bytes> {
+    let shard = LOCAL_SHARDS.with(|shards| shards.borrow().get(&key).cloned())?;
+    if !shard.serving.get() {
+        return None;
+    }
+    shard.read_cached(offset, length)
+}
+
+/// Longest read answered from the cache without a task (larger reads are rarely all cached
+/// and would hold the reactor while they are copied).
+const MAX_INLINE_READ_BYTES: u64 = 128 * 1024;
 
 /// Buckets of the write-generation table that keeps stale reads out of the cache.
 const WRITE_GENERATION_BUCKETS: usize = 4096;
@@ -107,6 +153,9 @@ struct Shard {
     /// block into the cache only if its bucket did not change while the read ran.
     write_generations: Vec<Cell<u64>>,
     in_flight: Cell<usize>,
+    /// True from the gate opening until retirement starts: only then may reads be answered
+    /// inline, outside the request queue.
+    serving: Cell<bool>,
     idle: Notify,
     wrote: Notify,
     stop_drain: Cell<bool>,
@@ -150,16 +199,30 @@ pub async fn start_shard(
             .map(|_| Cell::new(0))
             .collect(),
         in_flight: Cell::new(0),
+        serving: Cell::new(false),
         idle: Notify::new(),
         wrote: Notify::new(),
         stop_drain: Cell::new(false),
         oplog_usage_bytes: oplog_usage_bytes.clone(),
     });
-    tokio::task::spawn_local(run(shard, request_rx, control_rx, gate));
+    let key = ShardKey {
+        vdisk: shard.spec.vdisk,
+        epoch: shard.spec.epoch,
+        index: shard.spec.index,
+    };
+    let reactor = crate::reactor::current_reactor();
+    LOCAL_SHARDS.with(|shards| shards.borrow_mut().insert(key, shard.clone()));
+    let registration = LocalRegistration(key);
+    tokio::task::spawn_local(async move {
+        let _registration = registration;
+        run(shard, request_rx, control_rx, gate).await
+    });
     Ok(ShardLink {
         requests: request_tx,
         control: control_tx,
         oplog_usage_bytes,
+        key,
+        reactor,
     })
 }
 
@@ -175,6 +238,7 @@ async fn run(
         }
     }
     let drainer = tokio::task::spawn_local(drain_loop(shard.clone()));
+    shard.serving.set(true);
     loop {
         tokio::select! {
             request = requests.recv() => match request {
@@ -186,6 +250,7 @@ async fn run(
             },
             command = control.recv() => match command {
                 Some(ShardControl::Retire { discard, done }) => {
+                    shard.serving.set(false);
                     requests.close();
                     while let Some(request) = requests.recv().await {
                         let _ = request.reply.send(Err(ShardError::Retired));
@@ -204,6 +269,7 @@ async fn run(
             },
         }
     }
+    shard.serving.set(false);
     shard.stop_drain.set(true);
     shard.wrote.notify_one();
 }
@@ -339,7 +405,16 @@ async fn serve(shard: Rc<Shard>, request: ShardRequest) {
             .await
             .map(ShardReply::Status),
     };
-    let _ = request.reply.send(result.map_err(ShardError::Io));
+    let reply = request.reply;
+    let result = result.map_err(ShardError::Io);
+    match request.route {
+        Some(route) => route.deliver(move || {
+            let _ = reply.send(result);
+        }),
+        None => {
+            let _ = reply.send(result);
+        }
+    }
 }
 
 fn block_range(offset: u64, length: u64) -> std::ops::Range<u64> {
@@ -463,16 +538,36 @@ impl Shard {
         }
     }
 
+    /// The range, if it is whole blocks that are all cached with nothing newer in the oplog.
+    fn read_cached(&self, offset: u64, length: u64) -> Option<Bytes> {
+        if length == 0
+            || !offset.is_multiple_of(BLOCK_SIZE_BYTES)
+            || !length.is_multiple_of(BLOCK_SIZE_BYTES)
+            || length > MAX_INLINE_READ_BYTES
+        {
+            return None;
+        }
+        let pieces = self.oplog.lookup(offset, length);
+        if pieces.len() != 1 || !matches!(pieces[0].source, PieceSource::Absent) {
+            return None;
+        }
+        let mut cache = self.cache.borrow_mut();
+        let mut blocks = block_range(offset, length);
+        let first = cache.get(&self.cache_key(blocks.next()?))?;
+        if blocks.is_empty() {
+            return Some(first);
+        }
+        let mut joined = BytesMut::with_capacity(length as usize);
+        joined.extend_from_slice(&first);
+        for block in blocks {
+            joined.extend_from_slice(&cache.get(&self.cache_key(block))?);
+        }
+        Some(joined.freeze())
+    }
+
     async fn read(&self, offset: u64, length: u64) -> Result<Bytes, IoError> {
-        // Fast path: one whole cached block with nothing newer in the oplog.
-        if length == BLOCK_SIZE_BYTES && offset.is_multiple_of(BLOCK_SIZE_BYTES) {
-            let pieces = self.oplog.lookup(offset, length);
-            if pieces.len() == 1 && matches!(pieces[0].source, PieceSource::Absent) {
-                let key = self.cache_key(offset / BLOCK_SIZE_BYTES);
-                if let Some(block) = self.cache.borrow_mut().get(&key) {
-                    return Ok(block);
-                }
-            }
+        if let Some(data) = self.read_cached(offset, length) {
+            return Ok(data);
         }
         let mut buffer = BytesMut::zeroed(length as usize);
         let mut attempts = 0;

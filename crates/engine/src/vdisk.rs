@@ -83,11 +83,17 @@ impl VdiskShared {
             }
             let map = self.map.load_full();
             let (reply, response) = oneshot::channel();
+            let route = crate::reactor::current_route();
+            let on_reactor = route.is_some();
             let request = ShardRequest {
                 op: make_op(),
                 reply,
+                route,
             };
-            if map.shard_for(offset).requests.send(request).await.is_err() {
+            let to = &map.shard_for(offset).requests;
+            if on_reactor {
+                crate::outbox::post(to, request);
+            } else if to.send(request).await.is_err() {
                 tokio::task::yield_now().await;
                 continue;
             }
@@ -217,6 +223,7 @@ impl VdiskHandle {
     }
 
     fn check(&self, offset: u64, length: u64) -> IoResult<()> {
+        crate::reactor::note_client_io();
         if self.shared.closing.load(Ordering::Relaxed) {
             return Err(IoError::ShuttingDown);
         }
@@ -315,6 +322,25 @@ impl BlockDevice for VdiskHandle {
         let result = self.write_inner(offset, data).await;
         self.record(OpKind::Write, length, started, &result);
         result
+    }
+
+    fn read_now(&self, offset: u64, length: u32) -> Option<IoResult<Bytes>> {
+        let started = Instant::now();
+        let length = u64::from(length);
+        if length == 0 || self.check(offset, length).is_err() {
+            return None;
+        }
+        if offset / SHARD_RANGE_BYTES != (offset + length - 1) / SHARD_RANGE_BYTES {
+            return None;
+        }
+        let map = self.shared.map.load();
+        let link = map.shard_for(offset);
+        if link.reactor.is_none() || link.reactor != crate::reactor::current_reactor() {
+            return None;
+        }
+        let result = Ok(crate::shard::read_cached_now(link.key, offset, length)?);
+        self.record(OpKind::Read, length, started, &result);
+        Some(result)
     }
 
     async fn flush(&self) -> IoResult<()> {

@@ -20,6 +20,7 @@ fn config(dir: &Path) -> EngineConfig {
             tier: Tier::Fast,
         }],
         reactors: 2,
+        poll_window: std::time::Duration::ZERO,
         cache_bytes: 16 << 20,
         oplog_bytes_per_vdisk: 32 << 20,
         shard_queue_limit: 64,

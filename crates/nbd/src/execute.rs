@@ -3,7 +3,7 @@
 use crate::proto::{Command, RequestHeader, CMD_FLAG_FUA, CMD_FLAG_NO_HOLE, CMD_FLAG_REQ_ONE, EIO};
 use crate::proto::{STATE_HOLE, STATE_ZERO};
 use crate::request::errno_for;
-use ashlar_core::{BlockDevice, BlockStatusRun};
+use ashlar_core::{BlockDevice, BlockStatusRun, IoResult};
 use bytes::Bytes;
 
 /// Most descriptors sent in one block status chunk (the protocol's recommended ceiling).
@@ -72,7 +72,12 @@ pub(crate) async fn execute<D: BlockDevice>(
 }
 
 async fn read<D: BlockDevice>(device: &D, offset: u64, length: u32) -> Outcome {
-    match device.read(offset, length).await {
+    read_outcome(device.read(offset, length).await, offset, length)
+}
+
+/// Checks a read's data against the requested length and turns it into an outcome.
+pub(crate) fn read_outcome(result: IoResult<Bytes>, offset: u64, length: u32) -> Outcome {
+    match result {
         Ok(data) if data.len() == length as usize => Outcome::Data(data),
         Ok(data) => {
             // Sending it would desynchronise the stream; report an I/O error instead.

@@ -264,6 +264,15 @@ fn dispatch<D: BlockDevice + 'static>(
             message: rejection.message,
         }
     });
+    if refused.is_none() && header.command == Command::Read && header.length > 0 {
+        if let Some(result) = connection.device.read_now(header.offset, header.length) {
+            let outcome = crate::execute::read_outcome(result, header.offset, header.length);
+            let reply = encode(connection, &header, outcome);
+            // The permit guarantees room in the queue; an error means the writer is gone.
+            let _ = connection.replies.try_send(Outgoing { reply, permit });
+            return;
+        }
+    }
     let connection = connection.clone();
     tokio::task::spawn_local(async move {
         let outcome = match refused {

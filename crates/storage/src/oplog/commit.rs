@@ -329,12 +329,17 @@ impl<O: FileOpener> Inner<O> {
         if let Some(file) = file {
             return Ok((file, path));
         }
-        let file = Rc::new(
-            self.opener
-                .open(&path, true)
-                .map_err(|e| io_error(&path, e))?,
-        );
-        super::files::sync_dir(&self.config.dir).await?;
+        let file = match self.reuse_spare(&path).await? {
+            Some(file) => Rc::new(file),
+            None => {
+                let file = self
+                    .opener
+                    .open(&path, true)
+                    .map_err(|e| io_error(&path, e))?;
+                super::files::sync_dir(&self.config.dir).await?;
+                Rc::new(file)
+            }
+        };
         if let Some(s) = self.state.borrow_mut().segments.get_mut(&segment) {
             s.file = Some(file.clone());
         }

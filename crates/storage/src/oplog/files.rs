@@ -72,20 +72,43 @@ pub(super) fn file_len(path: &Path) -> Result<u64, OplogError> {
 }
 
 /// Segment files of `dir` as (first seq, path), oldest first. Other entries are left alone.
-pub(super) fn list_segments(dir: &Path) -> Result<Vec<(u64, PathBuf)>, OplogError> {
-    let mut segments = Vec::new();
+/// The segment files of a log directory, oldest first, and its spare files by serial.
+pub(super) struct Listing {
+    pub segments: Vec<(u64, PathBuf)>,
+    pub spares: Vec<(u64, PathBuf)>,
+}
+
+pub(super) fn list_segments(dir: &Path) -> Result<Listing, OplogError> {
+    let mut listing = Listing {
+        segments: Vec::new(),
+        spares: Vec::new(),
+    };
     for entry in std::fs::read_dir(dir).map_err(|e| io_error(dir, e))? {
         let entry = entry.map_err(|e| io_error(dir, e))?;
         let name = entry.file_name();
-        match name.to_str().and_then(super::format::parse_segment_name) {
-            Some(seq) => segments.push((seq, entry.path())),
-            None => {
-                tracing::warn!(path = %entry.path().display(), "ignoring a non-segment file in the oplog directory")
-            }
+        let name = name.to_str();
+        if let Some(seq) = name.and_then(super::format::parse_segment_name) {
+            listing.segments.push((seq, entry.path()));
+        } else if let Some(serial) = name.and_then(super::format::parse_spare_name) {
+            listing.spares.push((serial, entry.path()));
+        } else {
+            tracing::warn!(path = %entry.path().display(), "ignoring a non-segment file in the oplog directory")
         }
     }
-    segments.sort_unstable_by_key(|(seq, _)| *seq);
-    Ok(segments)
+    listing.segments.sort_unstable_by_key(|(seq, _)| *seq);
+    listing.spares.sort_unstable_by_key(|(serial, _)| *serial);
+    Ok(listing)
+}
+
+/// Segments kept for reuse instead of being deleted. Writing into a file whose blocks are
+/// already allocated makes a commit's `fdatasync` a data flush only; appending to a new file
+/// also commits the filesystem journal (new blocks, new size) at every sync.
+pub(super) const MAX_SPARE_SEGMENTS: usize = 2;
+
+/// Renames `from` to `to` and makes the rename durable.
+async fn rename_durably(dir: &Path, from: &Path, to: &Path) -> Result<(), OplogError> {
+    std::fs::rename(from, to).map_err(|e| io_error(from, e))?;
+    sync_dir(dir).await
 }
 
 /// Removes a segment file and makes the removal durable before the next (newer) one goes:
@@ -117,6 +140,10 @@ struct Victim {
     id: u64,
     path: PathBuf,
     bytes: u64,
+    /// The file was created (a segment whose first commit failed has none).
+    existed: bool,
+    /// The current drain batch may still read the file: it must not be reused.
+    pinned: bool,
 }
 
 impl<O: FileOpener> Inner<O> {
@@ -131,7 +158,7 @@ impl<O: FileOpener> Inner<O> {
         let _guard = FreeingGuard(self);
         let mut freed = 0;
         while let Some(victim) = self.take_free_segment() {
-            if let Err(error) = remove_segment_file(&self.config.dir, &victim.path).await {
+            if let Err(error) = self.retire_segment_file(&victim).await {
                 tracing::error!(path = %victim.path.display(), %error, "cannot free an oplog segment; the log takes no more writes");
                 self.fail_log(Failure::from_error(&error, &self.config.dir));
                 return Err(error);
@@ -144,6 +171,44 @@ impl<O: FileOpener> Inner<O> {
             self.space.notify_waiters();
         }
         Ok(freed)
+    }
+
+    /// Keeps a freed segment's file as a spare while there is room (its records are stale:
+    /// replay never reads spares, and a reused spare's old records have lower sequence
+    /// numbers than anything written into it again), else deletes it. Either way the change is
+    /// durable before the next, newer segment goes (rule 2).
+    async fn retire_segment_file(&self, victim: &Victim) -> Result<(), OplogError> {
+        let spare = {
+            let mut state = self.state.borrow_mut();
+            let reusable =
+                victim.existed && !victim.pinned && state.spares.len() < MAX_SPARE_SEGMENTS;
+            reusable.then(|| {
+                state.spare_serial += 1;
+                super::format::spare_path(&self.config.dir, state.spare_serial)
+            })
+        };
+        match spare {
+            Some(spare) => {
+                rename_durably(&self.config.dir, &victim.path, &spare).await?;
+                self.state.borrow_mut().spares.push(spare);
+                Ok(())
+            }
+            None => remove_segment_file(&self.config.dir, &victim.path).await,
+        }
+    }
+
+    /// Gives a new segment the file of a spare, renamed to the segment's name. `None` when
+    /// there is no spare (the caller creates the file).
+    pub(super) async fn reuse_spare(&self, path: &Path) -> Result<Option<O::File>, OplogError> {
+        let Some(spare) = self.state.borrow_mut().spares.pop() else {
+            return Ok(None);
+        };
+        rename_durably(&self.config.dir, &spare, path).await?;
+        let file = self
+            .opener
+            .open(path, false)
+            .map_err(|e| io_error(path, e))?;
+        Ok(Some(file))
     }
 
     fn begin_freeing(&self) -> bool {
@@ -168,9 +233,11 @@ impl<O: FileOpener> Inner<O> {
         if state.active == Some(id) {
             state.active = None;
         }
+        let existed = segment.file.is_some();
+        let pinned = state.drain_pinned.contains(&id);
         if let Some(file) = segment.file {
             // The current drain batch may still read it; an unlinked file stays readable.
-            if state.drain_pinned.contains(&id) {
+            if pinned {
                 state.retired.insert(id, (file, segment.path.clone()));
             }
         }
@@ -178,6 +245,8 @@ impl<O: FileOpener> Inner<O> {
             id,
             path: segment.path,
             bytes: segment.bytes,
+            existed,
+            pinned,
         })
     }
 
@@ -202,6 +271,10 @@ impl<O: FileOpener> Inner<O> {
             });
         }
         self.state.borrow_mut().retired.clear();
+        let spares = std::mem::take(&mut self.state.borrow_mut().spares);
+        for spare in spares {
+            std::fs::remove_file(&spare).map_err(|e| io_error(&spare, e))?;
+        }
         std::fs::remove_dir(&self.config.dir).map_err(|e| io_error(&self.config.dir, e))?;
         match self.config.dir.parent() {
             Some(parent) if !parent.as_os_str().is_empty() => sync_dir(parent).await,

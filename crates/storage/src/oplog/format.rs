@@ -203,6 +203,20 @@ pub fn segment_path(dir: &Path, first_seq: u64) -> PathBuf {
     dir.join(format!("{first_seq:020}.oplog"))
 }
 
+/// Name of a spare segment file: a freed segment kept for reuse, holding stale records.
+pub fn spare_path(dir: &Path, serial: u64) -> PathBuf {
+    dir.join(format!("spare-{serial:020}.oplog"))
+}
+
+/// Inverse of [`spare_path`]: the serial, if `name` is a spare file name.
+pub fn parse_spare_name(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("spare-")?.strip_suffix(".oplog")?;
+    if digits.len() != 20 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
 /// Inverse of [`segment_path`]: the first sequence number, if `name` is a segment file name.
 pub fn parse_segment_name(name: &str) -> Option<u64> {
     let digits = name.strip_suffix(".oplog")?;
@@ -265,6 +279,14 @@ mod tests {
         assert_eq!(parse_segment_name("00000000000000000042.oplog"), Some(42));
         assert_eq!(parse_segment_name("42.oplog"), None);
         assert_eq!(parse_segment_name("00000000000000000042.oplog.tmp"), None);
+        let spare = spare_path(Path::new("/x"), 7);
+        assert_eq!(spare, Path::new("/x/spare-00000000000000000007.oplog"));
+        assert_eq!(
+            parse_spare_name("spare-00000000000000000007.oplog"),
+            Some(7)
+        );
+        assert_eq!(parse_segment_name("spare-00000000000000000007.oplog"), None);
+        assert_eq!(parse_spare_name("00000000000000000007.oplog"), None);
     }
 
     #[test]

@@ -175,6 +175,10 @@ struct State<F> {
     /// (unlinked) file.
     drain_pinned: BTreeSet<u64>,
     retired: BTreeMap<u64, (Rc<F>, PathBuf)>,
+    /// Files of freed segments kept for reuse (at most `files::MAX_SPARE_SEGMENTS`).
+    spares: Vec<PathBuf>,
+    /// Highest serial given to a spare file so far.
+    spare_serial: u64,
 }
 
 impl<F> State<F> {
@@ -272,6 +276,13 @@ impl<O: FileOpener> Oplog<O> {
             freeing: false,
             drain_pinned: BTreeSet::new(),
             retired: BTreeMap::new(),
+            spare_serial: replayed
+                .spares
+                .iter()
+                .map(|(serial, _)| *serial)
+                .max()
+                .unwrap_or(0),
+            spares: replayed.spares.into_iter().map(|(_, path)| path).collect(),
         };
         let inner = Inner {
             opener,

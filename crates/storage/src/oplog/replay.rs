@@ -7,11 +7,18 @@
 //! Only the last segment can have a torn tail: a segment is closed (a newer one gets records)
 //! only after its last batch was synced. So in the last segment the first record that is cut
 //! short or fails a check (header CRC, or a payload chunk CRC) ends the log and the file is
-//! truncated there; anywhere else the same is `Corrupt`. Payload CRCs are checked at replay
-//! only in the last segment, where a crash can tear a payload behind an intact header; in older
-//! segments a bad chunk is reported when it is read, so it costs that range, not the vdisk.
-//! A record whose header is intact but whose sequence number is not the next one cannot come
-//! from a torn write and is `Corrupt` in every segment.
+//! truncated there. Payload CRCs are checked at replay only in the last segment, where a crash
+//! can tear a payload behind an intact header; in older segments a bad chunk is reported when
+//! it is read, so it costs that range, not the vdisk.
+//!
+//! Segment files are reused (see `files::MAX_SPARE_SEGMENTS`), so any segment may hold stale
+//! bytes after its records: a header with a sequence number below the segment's first, or
+//! garbage from the middle of an old record. A segment's records therefore end at the first
+//! record that is not the next one. That loses no corruption report: a segment's successor
+//! must start with the next sequence number, so records lost to a bad header in an older
+//! segment show up as a sequence gap, reported at the place they stopped. A record whose
+//! header is intact but whose sequence number is neither the next one nor stale cannot come
+//! from a torn write or a reused file and is `Corrupt` in every segment.
 
 use super::error::io_error;
 use super::files;
@@ -29,6 +36,8 @@ const WINDOW_BYTES: u64 = 256 << 10;
 
 pub(super) struct Replayed<F> {
     pub segments: BTreeMap<u64, Segment<F>>,
+    /// Spare files found in the directory, by serial (at most `MAX_SPARE_SEGMENTS`).
+    pub spares: Vec<(u64, std::path::PathBuf)>,
     pub active: Option<u64>,
     pub next_seq: u64,
     pub index: Index,
@@ -41,31 +50,51 @@ struct Scanned {
     valid: u64,
     /// Sequence number the next record must have.
     next_seq: u64,
-    /// Why the scan stopped before the end of the file (last segment only).
+    /// Why the scan stopped before the end of the file, in the last segment: a torn write,
+    /// or the stale records of a reused file after the last new one. The file is cut there.
     torn: Option<String>,
+    /// Why the scan stopped before the end of the file, in an older segment: normally the
+    /// stale rest of a reused file; if records are missing, the replay reports it as where
+    /// they were lost.
+    stopped: Option<String>,
 }
 
 pub(super) async fn replay<O: FileOpener>(
     opener: &O,
     dir: &Path,
 ) -> Result<Replayed<O::File>, OplogError> {
-    let listed = files::list_segments(dir)?;
+    let listing = files::list_segments(dir)?;
+    let listed = listing.segments;
+    let mut spares = listing.spares;
+    for (_, extra) in spares.split_off(spares.len().min(files::MAX_SPARE_SEGMENTS)) {
+        std::fs::remove_file(&extra).map_err(|e| io_error(&extra, e))?;
+    }
     let mut replayed = Replayed {
         segments: BTreeMap::new(),
+        spares,
         active: None,
         next_seq: 1,
         index: Index::default(),
         usage: 0,
     };
     let count = listed.len();
+    // Where the previous segment's records stopped before the end of its file, and why.
+    let mut previous_end: Option<(std::path::PathBuf, u64, String)> = None;
     for (i, (id, path)) in listed.into_iter().enumerate() {
         let last = i + 1 == count;
         if i > 0 && id != replayed.next_seq {
+            // Records are missing: if the previous segment stopped at a bad header, that is
+            // where they went; otherwise a segment file is missing.
+            let (path, file_offset, reason) = previous_end.unwrap_or((
+                path,
+                0,
+                String::from("no record reaches this segment's first sequence number"),
+            ));
             return Err(OplogError::Corrupt {
                 path,
-                file_offset: 0,
+                file_offset,
                 reason: format!(
-                    "sequence gap: segment starts at {id}, the previous one ends before {}",
+                    "sequence gap: the next segment starts at {id}, records end before {}: {reason}",
                     replayed.next_seq
                 ),
             });
@@ -74,8 +103,8 @@ pub(super) async fn replay<O: FileOpener>(
         let len = files::file_len(&path)?;
         let scanned = scan_segment(&file, &path, id, len, last, &mut replayed.index).await?;
         if let Some(reason) = &scanned.torn {
-            tracing::warn!(path = %path.display(), valid = scanned.valid, len, %reason,
-                "oplog ends in a torn record; cutting it off");
+            tracing::info!(path = %path.display(), valid = scanned.valid, len, %reason,
+                "oplog's last segment ends before its file (torn write or reused file); cutting the rest off");
             files::truncate(&path, scanned.valid).await?;
         }
         // Append after an intact last segment, or into a torn one that is now empty; after a
@@ -83,6 +112,9 @@ pub(super) async fn replay<O: FileOpener>(
         if last && (scanned.torn.is_none() || scanned.valid == 0) {
             replayed.active = Some(id);
         }
+        previous_end = scanned
+            .stopped
+            .map(|reason| (path.clone(), scanned.valid, reason));
         replayed.next_seq = scanned.next_seq;
         replayed.usage += scanned.valid;
         let segment = Segment {
@@ -118,6 +150,11 @@ async fn scan_segment<F: FileIo>(
                 pos += header.record_bytes();
                 seq += 1;
             }
+            // A reused (spare) file: what follows the new records is older than all of them.
+            Ok(header) if header.seq < id => {
+                let reason = format!("stale record {} of a reused file", header.seq);
+                return Ok(stopped_at(pos, seq, last, reason));
+            }
             Ok(header) => {
                 let reason = format!("record has sequence number {}, expected {seq}", header.seq);
                 return Err(OplogError::Corrupt {
@@ -126,27 +163,24 @@ async fn scan_segment<F: FileIo>(
                     reason,
                 });
             }
-            Err(reason) if last => {
-                return Ok(Scanned {
-                    valid: pos,
-                    next_seq: seq,
-                    torn: Some(reason),
-                })
-            }
-            Err(reason) => {
-                return Err(OplogError::Corrupt {
-                    path: path.to_path_buf(),
-                    file_offset: pos,
-                    reason,
-                })
-            }
+            Err(reason) => return Ok(stopped_at(pos, seq, last, reason)),
         }
     }
     Ok(Scanned {
         valid: pos,
         next_seq: seq,
         torn: None,
+        stopped: None,
     })
+}
+
+fn stopped_at(pos: u64, next_seq: u64, last: bool, reason: String) -> Scanned {
+    Scanned {
+        valid: pos,
+        next_seq,
+        torn: last.then(|| reason.clone()),
+        stopped: (!last).then_some(reason),
+    }
 }
 
 /// Reads the record at `pos`: its header, or why there is no valid record there. Payload

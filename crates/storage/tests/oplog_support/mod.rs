@@ -164,12 +164,26 @@ pub fn check_exact_cover(pieces: &[LogPiece], offset: u64, length: u64) {
     );
 }
 
-/// Segment files in the directory, oldest first.
+/// Segment files in the directory, oldest first (spare files not included).
 pub fn segment_files(dir: &Path) -> Vec<PathBuf> {
+    oplog_files(dir, false)
+}
+
+/// Spare files (freed segments kept for reuse) in the directory.
+pub fn spare_files(dir: &Path) -> Vec<PathBuf> {
+    oplog_files(dir, true)
+}
+
+fn oplog_files(dir: &Path, spares: bool) -> Vec<PathBuf> {
+    let is_spare = |p: &Path| {
+        p.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("spare-"))
+    };
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .expect("read dir")
         .map(|e| e.expect("entry").path())
-        .filter(|p| p.extension().is_some_and(|e| e == "oplog"))
+        .filter(|p| p.extension().is_some_and(|e| e == "oplog") && is_spare(p) == spares)
         .collect();
     files.sort();
     files
