@@ -4,8 +4,10 @@
 #   ashlar          : reads after the vdisk was filled and read once (served from the cache
 #                     when the working set fits --cache-size), writes durable at ack
 #   ashlar-uncached : same with a read cache too small to hold the data (--cache-size 0)
+#   ashlar-1shard   : as `ashlar`, with the vdisk on one shard (--default-shards 1): a single
+#                     connection then never crosses reactors (not the default; shown beside it)
 # Knobs (environment): see ../shared/bench/peers/lib.sh; ASHLAR_BIN (default: release build),
-#   ASHLAR_VARIANTS="cached uncached", ASHLAR_NBD_PORT=10821, ASHLAR_HTTP_PORT=10822,
+#   ASHLAR_VARIANTS="cached uncached cached-1shard", ASHLAR_NBD_PORT=10821, ASHLAR_HTTP_PORT=10822,
 #   ASHLAR_CACHE=6G, ASHLAR_REACTORS=2.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -13,7 +15,7 @@ PEERS=${PEERS:-$HERE/../../shared/bench/peers}
 source "$PEERS/lib.sh"
 init_results ashlar
 ASHLAR_BIN=${ASHLAR_BIN:-$HERE/../target/release/ashlar}
-ASHLAR_VARIANTS=${ASHLAR_VARIANTS:-"cached uncached"}
+ASHLAR_VARIANTS=${ASHLAR_VARIANTS:-"cached uncached cached-1shard"}
 ASHLAR_NBD_PORT=${ASHLAR_NBD_PORT:-10821}
 ASHLAR_HTTP_PORT=${ASHLAR_HTTP_PORT:-10822}
 ASHLAR_CACHE=${ASHLAR_CACHE:-6G}
@@ -29,15 +31,16 @@ trap 'exit 143' TERM INT
 
 for v in $ASHLAR_VARIANTS; do
     case $v in
-        cached) sys=ashlar; cache=$ASHLAR_CACHE ;;
-        uncached) sys=ashlar-uncached; cache=0 ;;
+        cached) sys=ashlar; cache=$ASHLAR_CACHE; shards="" ;;
+        uncached) sys=ashlar-uncached; cache=0; shards="" ;;
+        cached-1shard) sys=ashlar-1shard; cache=$ASHLAR_CACHE; shards="--default-shards 1" ;;
         *) note ashlar "unknown variant $v"; continue ;;
     esac
     rm -rf "$NODE_DIR"; mkdir -p "$NODE_DIR"
     port_free "$ASHLAR_NBD_PORT" || { note "$sys" "port $ASHLAR_NBD_PORT busy"; continue; }
     RUST_LOG=warn "$ASHLAR_BIN" node --data-dir "$NODE_DIR" --nbd-listen 127.0.0.1:$ASHLAR_NBD_PORT \
         --http-listen 127.0.0.1:$ASHLAR_HTTP_PORT --reactors "$ASHLAR_REACTORS" --cache-size "$cache" \
-        --ensure-vdisk "bench:$SIZE" > "$RESULTS_DIR/logs/$sys.server.log" 2>&1 &
+        $shards --ensure-vdisk "bench:$SIZE" > "$RESULTS_DIR/logs/$sys.server.log" 2>&1 &
     NODE_PID=$!
     if ! wait_port 127.0.0.1 "$ASHLAR_NBD_PORT" 60; then
         note "$sys" "ashlar did not start: $(tail -2 "$RESULTS_DIR/logs/$sys.server.log" | tr '\n' ' ')"
@@ -47,14 +50,14 @@ for v in $ASHLAR_VARIANTS; do
     log "filling $sys"
     run_bounded 900 "$FIO" --name=fill --ioengine=nbd --uri="$uri" --rw=write --bs=1M \
         --iodepth=8 >/dev/null 2>&1 || note "$sys" "pre-fill failed (reads may hit holes)"
-    if [ "$v" = cached ]; then
+    if [ "$v" != uncached ]; then
         log "warming the read cache of $sys"
         run_bounded 900 "$FIO" --name=warm --ioengine=nbd --uri="$uri" --rw=read --bs=1M \
             --iodepth=8 >/dev/null 2>&1 || true
         run_bounded 900 "$FIO" --name=warm2 --ioengine=nbd --uri="$uri" --rw=read --bs=4k \
             --iodepth=32 >/dev/null 2>&1 || true
     fi
-    note "$sys" "ashlar $("$ASHLAR_BIN" --version | awk '{print $2}'), $ASHLAR_REACTORS reactors, default shards, cache $cache, data on $(df -hT "$NODE_DIR" | awk 'NR==2{print $2}') under $NODE_DIR; writes durable at acknowledgement"
+    note "$sys" "ashlar $("$ASHLAR_BIN" --version | awk '{print $2}'), $ASHLAR_REACTORS reactors, ${shards:-default shards}, cache $cache, data on $(df -hT "$NODE_DIR" | awk 'NR==2{print $2}') under $NODE_DIR; writes durable at acknowledgement"
     log "== $sys: pid $NODE_PID $uri runtime=${RUNTIME}s"
     SERVER_PIDS=$NODE_PID
     run_matrix "$sys" --ioengine=nbd --uri="$uri"

@@ -55,7 +55,7 @@ pub struct NodeArgs {
     /// After serving a client request, a reactor keeps polling for the next one this many
     /// microseconds before it sleeps. Saves a wakeup per request (tens of microseconds on
     /// virtual machines) at the cost of CPU while clients are active; 0 turns it off.
-    #[arg(long, default_value_t = 50, value_name = "MICROSECONDS")]
+    #[arg(long, default_value_t = ashlar_engine::config::DEFAULT_POLL_WINDOW.as_micros() as u64, value_name = "MICROSECONDS")]
     pub poll_window_us: u64,
     /// Read cache of the whole node, split across reactors (K/M/G suffixes).
     #[arg(long, default_value = "1G", value_name = "SIZE")]

@@ -108,7 +108,7 @@ fn main() {
                 tier: Tier::Fast,
             }],
             reactors,
-            poll_window: std::time::Duration::ZERO,
+            poll_window: ashlar_engine::config::DEFAULT_POLL_WINDOW,
             cache_bytes: 4 * size,
             oplog_bytes_per_vdisk: 256 << 20,
             shard_queue_limit: 1024,

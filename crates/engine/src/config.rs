@@ -30,6 +30,9 @@ pub struct EngineConfig {
     pub default_shards: u32,
 }
 
+/// Default of `EngineConfig::poll_window` (the node's `--poll-window-us`).
+pub const DEFAULT_POLL_WINDOW: Duration = Duration::from_micros(50);
+
 /// Upper bound on shards per vdisk; more would only add queues, not parallelism.
 pub const MAX_SHARDS: u32 = 64;
 /// Each shard's oplog gets at least this much, whatever the per-vdisk setting.

@@ -243,8 +243,10 @@ async fn run(
         tokio::select! {
             request = requests.recv() => match request {
                 Some(request) => {
-                    shard.in_flight.set(shard.in_flight.get() + 1);
-                    tokio::task::spawn_local(serve(shard.clone(), request));
+                    if let Some(request) = answer_from_cache(&shard, request) {
+                        shard.in_flight.set(shard.in_flight.get() + 1);
+                        tokio::task::spawn_local(serve(shard.clone(), request));
+                    }
                 }
                 None => break,
             },
@@ -385,6 +387,35 @@ impl Drop for InFlight<'_> {
     }
 }
 
+/// Answers a read of cached blocks on the spot; gives back any other request.
+fn answer_from_cache(shard: &Shard, request: ShardRequest) -> Option<ShardRequest> {
+    let ShardOp::Read { offset, length } = request.op else {
+        return Some(request);
+    };
+    match shard.read_cached(offset, length) {
+        Some(data) => {
+            send_reply(request.reply, request.route, Ok(ShardReply::Data(data)));
+            None
+        }
+        None => Some(request),
+    }
+}
+
+fn send_reply(
+    reply: oneshot::Sender<Result<ShardReply, ShardError>>,
+    route: Option<ReplyRoute>,
+    result: Result<ShardReply, ShardError>,
+) {
+    match route {
+        Some(route) => route.deliver(move || {
+            let _ = reply.send(result);
+        }),
+        None => {
+            let _ = reply.send(result);
+        }
+    }
+}
+
 async fn serve(shard: Rc<Shard>, request: ShardRequest) {
     let _in_flight = InFlight(&shard);
     let result = match request.op {
@@ -405,16 +436,7 @@ async fn serve(shard: Rc<Shard>, request: ShardRequest) {
             .await
             .map(ShardReply::Status),
     };
-    let reply = request.reply;
-    let result = result.map_err(ShardError::Io);
-    match request.route {
-        Some(route) => route.deliver(move || {
-            let _ = reply.send(result);
-        }),
-        None => {
-            let _ = reply.send(result);
-        }
-    }
+    send_reply(request.reply, request.route, result.map_err(ShardError::Io));
 }
 
 fn block_range(offset: u64, length: u64) -> std::ops::Range<u64> {

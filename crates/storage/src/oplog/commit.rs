@@ -2,11 +2,14 @@
 //!
 //! A writer first waits for space (capacity) and for room in the pending records (the commit
 //! batch limit), then appends its record to the pending batch of its segment and waits for
-//! that batch to become durable. There is no commit task: the first writer that finds no
-//! commit under way becomes the committer and commits the oldest pending batch with one
-//! `write_at` and one `sync_data`; records arriving meanwhile form the next batch. A committer
-//! whose own batch is done hands the next batch to one of its writers (`notify_one`), so no
-//! writer keeps committing other writers' batches forever and nothing ever polls.
+//! that batch to become durable. The first writer that finds no commit under way becomes the
+//! committer and commits the oldest pending batch with one `write_at` and one `sync_data`;
+//! records arriving meanwhile form the next batch. When a commit is durable, the next pending
+//! batch's commit is started on a task of its own *before* the finished batch's writers are
+//! woken, so the disk is not idle while they run (they are many, and each goes on to answer
+//! its client). When nothing is pending, the chain stops; a writer of the next batch then
+//! starts it again (`hand_over`), so nothing ever polls. The log must therefore be used
+//! inside a tokio `LocalSet`, as every single-threaded owner in Ashlar is.
 //!
 //! Failure: if a commit fails (or its committer is dropped mid-commit), every writer of that
 //! batch and of every pending batch gets the error, and the log stops taking records: the
@@ -107,10 +110,10 @@ enum Wait {
     Room,
 }
 
-impl<O: FileOpener> Inner<O> {
+impl<O: FileOpener + 'static> Inner<O> {
     /// Appends one record and returns once it is durable and indexed.
     pub(super) async fn submit(
-        &self,
+        self: &Rc<Self>,
         kind: RecordKind,
         offset: u64,
         length: u32,
@@ -133,7 +136,7 @@ impl<O: FileOpener> Inner<O> {
     }
 
     /// Waits until `bytes` more fit in the capacity and in the pending batch limit.
-    async fn reserve(&self, bytes: u64) -> Result<(), OplogError> {
+    async fn reserve(self: &Rc<Self>, bytes: u64) -> Result<(), OplogError> {
         let mut space_waiter: Option<SpaceWaiter<'_, O>> = None;
         loop {
             let wait = {
@@ -221,7 +224,7 @@ impl<O: FileOpener> Inner<O> {
     }
 
     /// Waits for the batch behind `signal`, committing batches whenever nobody else is.
-    async fn wait_durable(&self, signal: &Rc<BatchSignal>) -> Result<(), OplogError> {
+    async fn wait_durable(self: &Rc<Self>, signal: &Rc<BatchSignal>) -> Result<(), OplogError> {
         loop {
             if let Some(outcome) = signal.outcome() {
                 self.hand_over().await;
@@ -238,7 +241,7 @@ impl<O: FileOpener> Inner<O> {
     /// Called by a writer whose batch is done: makes sure the next pending batch has a
     /// committer. One of its writers is woken to commit it; a batch whose writers were all
     /// dropped is committed here, so it cannot stall the batches behind it.
-    async fn hand_over(&self) {
+    async fn hand_over(self: &Rc<Self>) {
         loop {
             let next = {
                 let state = self.state.borrow();
@@ -282,7 +285,7 @@ impl<O: FileOpener> Inner<O> {
 
     /// Writes and syncs one batch, then indexes its records in sequence order and wakes its
     /// writers. On error the log fails (see the module comment).
-    async fn commit(&self, batch: Batch) {
+    async fn commit(self: &Rc<Self>, batch: Batch) {
         let mut guard = CommitGuard {
             inner: self,
             segment: batch.segment,
@@ -346,7 +349,15 @@ impl<O: FileOpener> Inner<O> {
         Ok((file, path))
     }
 
-    fn finish(&self, batch: Batch) {
+    /// Starts committing the next pending batch, if any and if no commit is under way, on a
+    /// task of its own.
+    fn start_next_commit(self: &Rc<Self>) {
+        if let Some(next) = self.take_front() {
+            tokio::task::spawn_local(commit_task(self.clone(), next));
+        }
+    }
+
+    fn finish(self: &Rc<Self>, batch: Batch) {
         let space_waiters = {
             let mut state = self.state.borrow_mut();
             for update in &batch.updates {
@@ -358,6 +369,8 @@ impl<O: FileOpener> Inner<O> {
             state.committing = false;
             state.space_waiters
         };
+        // Queued ahead of the writers that `complete` wakes, so it runs first.
+        self.start_next_commit();
         batch.signal.complete(Ok(()));
         if self.needs_drain() {
             self.drain.notify_waiters();
@@ -379,7 +392,10 @@ impl<O: FileOpener> Inner<O> {
         signal.complete(Err(failure.clone()));
         self.fail_log(failure);
     }
+}
 
+/// Methods that start no task, so `Drop` guards may call them.
+impl<O: FileOpener> Inner<O> {
     /// Stops the log taking records: fails every pending batch and wakes every waiter so
     /// they see it. A commit under way (if any) finishes normally.
     pub(super) fn fail_log(&self, failure: Failure) {
@@ -406,6 +422,10 @@ impl<O: FileOpener> Inner<O> {
         self.space.notify_waiters();
         self.drain.notify_waiters();
     }
+}
+
+async fn commit_task<O: FileOpener + 'static>(inner: Rc<Inner<O>>, batch: Batch) {
+    inner.commit(batch).await;
 }
 
 /// Fails the log if the committer's future is dropped mid-commit: whether the batch reached

@@ -253,7 +253,7 @@ impl IndexUpdate {
     }
 }
 
-impl<O: FileOpener> Oplog<O> {
+impl<O: FileOpener + 'static> Oplog<O> {
     /// Opens the log in `config.dir` (created if missing), replays its segments and appends
     /// after them. A torn tail left by a crash is cut off.
     pub async fn open(opener: O, config: OplogConfig) -> Result<Self, OplogError> {

@@ -107,7 +107,7 @@ pub enum LogByte {
 }
 
 /// Looks up and reads `[offset, offset+length)`, byte by byte.
-pub async fn read_log<O: FileOpener>(
+pub async fn read_log<O: FileOpener + 'static>(
     oplog: &Oplog<O>,
     offset: u64,
     length: u64,
@@ -137,7 +137,11 @@ pub async fn read_log<O: FileOpener>(
 }
 
 /// Reads `[offset, offset+length)` and expects it all to be data.
-pub async fn read_data<O: FileOpener>(oplog: &Oplog<O>, offset: u64, length: u64) -> Vec<u8> {
+pub async fn read_data<O: FileOpener + 'static>(
+    oplog: &Oplog<O>,
+    offset: u64,
+    length: u64,
+) -> Vec<u8> {
     read_log(oplog, offset, length)
         .await
         .expect("read")
