@@ -5,10 +5,10 @@ use crate::http::{router, ApiState};
 use crate::registry::{EngineRegistry, NodeEngine};
 use anyhow::{anyhow, bail, Context, Result};
 use ashlar_core::{format_size, parse_size};
-use ashlar_engine::reactor::default_reactor_count;
-use ashlar_engine::{Engine, EngineConfig, EngineError};
+use ashlar_engine::reactor::{default_reactor_count, ReactorId};
+use ashlar_engine::{Engine, EngineConfig, EngineError, VdiskHandle};
 use ashlar_meta::EmbeddedMetaStore;
-use ashlar_nbd::{serve_connection, NbdLimits};
+use ashlar_nbd::{resume_connection, serve_or_hand_over, Handover, NbdLimits};
 use ashlar_storage::disk::{Disk, Tier};
 use std::path::PathBuf;
 use std::rc::Rc;
@@ -260,8 +260,36 @@ impl Drop for ConnectionTicket {
     }
 }
 
-/// Accepts NBD clients and places each connection on a reactor, round-robin, so several
-/// connections to one vdisk (multi-conn) run on different cores.
+/// Continues a connection's transmission phase on `target`, a reactor that runs one of its
+/// vdisk's shards. The connection stays counted (its ticket moves with it).
+fn move_connection(
+    handover: Handover,
+    target: ReactorId,
+    engine: Arc<NodeEngine>,
+    limits: NbdLimits,
+    shutdown: watch::Receiver<bool>,
+    ticket: ConnectionTicket,
+) {
+    let export = handover.export().to_string();
+    let reactor = engine.reactors().get(target).clone();
+    let moved = reactor.spawn_detached(move || async move {
+        let _ticket = ticket;
+        let registry = Rc::new(EngineRegistry { engine });
+        if let Err(error) = resume_connection(handover, registry, limits, shutdown).await {
+            tracing::info!(%error, "NBD connection ended with an error");
+        }
+    });
+    match moved {
+        Ok(()) => {
+            tracing::debug!(%export, reactor = target.0, "NBD connection moved next to its shards")
+        }
+        Err(_) => tracing::warn!(%export, "reactor queue full; connection dropped"),
+    }
+}
+
+/// Accepts NBD clients and places each connection on a reactor, round-robin; once a client
+/// has chosen its vdisk, a connection on a reactor that runs none of the vdisk's shards moves
+/// to one that does, so its requests are served without crossing reactors where possible.
 async fn accept_loop(
     listener: TcpListener,
     engine: Arc<NodeEngine>,
@@ -296,7 +324,6 @@ async fn accept_loop(
         let limits = limits.clone();
         let shutdown = shutdown.clone();
         let spawned = reactor.spawn_detached(move || async move {
-            let _ticket = ticket;
             let stream = match tokio::net::TcpStream::from_std(std_stream) {
                 Ok(stream) => stream,
                 Err(error) => {
@@ -305,11 +332,24 @@ async fn accept_loop(
                 }
             };
             let registry = Rc::new(EngineRegistry {
-                engine: registry_engine,
+                engine: registry_engine.clone(),
             });
             tracing::debug!(%peer, "NBD client connected");
-            if let Err(error) = serve_connection(stream, registry, limits, shutdown).await {
-                tracing::info!(%peer, %error, "NBD connection ended with an error");
+            let mut target = None;
+            let stay = |device: &VdiskHandle| {
+                target = device.better_reactor();
+                target.is_none()
+            };
+            let served =
+                serve_or_hand_over(stream, registry, limits.clone(), shutdown.clone(), stay).await;
+            match (served, target) {
+                (Ok(Some(handover)), Some(target)) => {
+                    move_connection(handover, target, registry_engine, limits, shutdown, ticket)
+                }
+                (Ok(_), _) => {}
+                (Err(error), _) => {
+                    tracing::info!(%peer, %error, "NBD connection ended with an error")
+                }
             }
         });
         if spawned.is_err() {

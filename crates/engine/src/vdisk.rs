@@ -5,6 +5,7 @@
 //! pieces to the shard controllers and joins the replies. The control half (shard map changes,
 //! resize, delete) lives in [`crate::engine`].
 
+use crate::reactor::ReactorId;
 use crate::shard::{ShardError, ShardLink, ShardOp, ShardReply, ShardRequest};
 use crate::stats::{OpKind, VdiskCounters};
 use arc_swap::ArcSwap;
@@ -220,6 +221,23 @@ impl VdiskHandle {
 
     pub fn name(&self) -> &str {
         &self.shared.name
+    }
+
+    /// Where this connection's requests cost least: `None` when the calling reactor already
+    /// runs one of the vdisk's shards (or the caller is not on a reactor), else one of the
+    /// reactors that do, chosen by connection count so several connections (multi-conn)
+    /// spread over them. Off the shard reactors, every request would cross reactors.
+    pub fn better_reactor(&self) -> Option<ReactorId> {
+        let here = crate::reactor::current_reactor()?;
+        let map = self.shared.map.load();
+        let mut homes: Vec<ReactorId> = map.shards.iter().filter_map(|s| s.reactor).collect();
+        homes.sort_unstable_by_key(|r| r.0);
+        homes.dedup();
+        if homes.is_empty() || homes.contains(&here) {
+            return None;
+        }
+        let connections = self.shared.connections.load(Ordering::Relaxed);
+        Some(homes[connections % homes.len()])
     }
 
     fn check(&self, offset: u64, length: u64) -> IoResult<()> {

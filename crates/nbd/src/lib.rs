@@ -61,12 +61,44 @@ pub async fn serve_connection<R: ExportRegistry>(
     stream: TcpStream,
     registry: Rc<R>,
     limits: NbdLimits,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
 ) -> Result<(), NbdError> {
-    let peer = match stream.peer_addr() {
-        Ok(addr) => addr.to_string(),
-        Err(_) => "unknown peer".to_string(),
-    };
+    let stay = |_: &R::Device| true;
+    serve_or_hand_over(stream, registry, limits, shutdown, stay)
+        .await
+        .map(|_| ())
+}
+
+/// A connection between its handshake and its transmission phase, in a form that can move
+/// to another thread: the socket, the bytes the client already sent, and what was
+/// negotiated. [`resume_connection`] serves it wherever it lands.
+#[derive(Debug)]
+pub struct Handover {
+    stream: std::net::TcpStream,
+    early: Vec<u8>,
+    export: String,
+    structured: bool,
+    allocation_context: Option<u32>,
+}
+
+impl Handover {
+    /// The export the client selected.
+    pub fn export(&self) -> &str {
+        &self.export
+    }
+}
+
+/// As [`serve_connection`], but once the client has selected an export, `stay` decides
+/// whether the transmission phase runs here; if not, the negotiated connection is returned
+/// (`Ok(Some)`) for the caller to move, e.g. to the thread that owns the export's data.
+pub async fn serve_or_hand_over<R: ExportRegistry>(
+    stream: TcpStream,
+    registry: Rc<R>,
+    limits: NbdLimits,
+    mut shutdown: watch::Receiver<bool>,
+    stay: impl FnOnce(&R::Device) -> bool,
+) -> Result<Option<Handover>, NbdError> {
+    let peer = peer_name(&stream);
     // Requests and replies are small and latency-bound; never wait to coalesce them.
     stream.set_nodelay(true)?;
     let limits = Effective::from(&limits);
@@ -81,7 +113,7 @@ pub async fn serve_connection<R: ExportRegistry>(
     );
     let session = match tokio::time::timeout(limits.handshake_timeout, handshake).await {
         Ok(Ok(HandshakeEnd::Transmission(session))) => session,
-        Ok(Ok(HandshakeEnd::Closed)) => return Ok(()),
+        Ok(Ok(HandshakeEnd::Closed)) => return Ok(None),
         Ok(Err(error)) => return Err(error),
         Err(_) => {
             log.report(
@@ -94,18 +126,76 @@ pub async fn serve_connection<R: ExportRegistry>(
     tracing::debug!(peer = log.peer(), export = %session.export, "NBD transmission started");
     // Bytes the client sent right behind its final option are already buffered: keep them.
     let early = stream.buffer().to_vec();
-    let (read_half, write_half) = stream.into_inner().into_split();
-    let reader = BufReader::with_capacity(
-        READ_BUFFER_BYTES,
-        std::io::Cursor::new(early).chain(read_half),
-    );
-    transmission::serve(
-        reader,
-        write_half,
+    let stream = stream.into_inner();
+    if !stay(&session.device) {
+        return Ok(Some(Handover {
+            stream: stream.into_std()?,
+            early,
+            export: session.export,
+            structured: session.structured,
+            allocation_context: session.allocation_context,
+        }));
+    }
+    transmit(stream, early, session, &limits, &mut shutdown, &mut log).await?;
+    Ok(None)
+}
+
+/// Serves the transmission phase of a connection handed over by [`serve_or_hand_over`],
+/// with the export opened again from `registry` on this thread. An export that vanished
+/// meanwhile closes the connection.
+pub async fn resume_connection<R: ExportRegistry>(
+    handover: Handover,
+    registry: Rc<R>,
+    limits: NbdLimits,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<(), NbdError> {
+    let stream = TcpStream::from_std(handover.stream)?;
+    let mut log = ViolationLog::new(peer_name(&stream));
+    let limits = Effective::from(&limits);
+    let device = match registry.open_export(&handover.export) {
+        Ok(device) => device,
+        Err(reason) => {
+            tracing::warn!(peer = log.peer(), export = %handover.export, %reason,
+                "export vanished while the connection moved; closing it");
+            return Ok(());
+        }
+    };
+    let session = negotiate::Session {
+        device,
+        export: handover.export,
+        structured: handover.structured,
+        allocation_context: handover.allocation_context,
+    };
+    transmit(
+        stream,
+        handover.early,
         session,
         &limits,
         &mut shutdown,
         &mut log,
     )
     .await
+}
+
+fn peer_name(stream: &TcpStream) -> String {
+    match stream.peer_addr() {
+        Ok(addr) => addr.to_string(),
+        Err(_) => "unknown peer".to_string(),
+    }
+}
+
+async fn transmit<D: BlockDevice + 'static>(
+    stream: TcpStream,
+    early: Vec<u8>,
+    session: negotiate::Session<D>,
+    limits: &Effective,
+    shutdown: &mut watch::Receiver<bool>,
+    log: &mut ViolationLog,
+) -> Result<(), NbdError> {
+    let (read_half, write_half) = stream.into_split();
+    let reader = BufReader::with_capacity(
+        READ_BUFFER_BYTES,
+        std::io::Cursor::new(early).chain(read_half),
+    );
+    transmission::serve(reader, write_half, session, limits, shutdown, log).await
 }

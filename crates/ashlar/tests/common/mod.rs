@@ -195,6 +195,8 @@ pub struct Node {
     pub nbd_port: u16,
     pub http_port: u16,
     extra_args: Vec<String>,
+    /// `RUST_LOG` of the node process.
+    pub rust_log: String,
     stderr_path: PathBuf,
     stdout_path: PathBuf,
     starts: u32,
@@ -221,6 +223,7 @@ impl Node {
             nbd_port: 0,
             http_port: 0,
             extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
+            rust_log: "info".to_string(),
             stderr_path,
             stdout_path,
             root,
@@ -275,7 +278,7 @@ impl Node {
                 "64M",
             ])
             .args(&self.extra_args)
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", &self.rust_log)
             .env_remove("ASHLAR_SERVER")
             .stdin(Stdio::null())
             .stdout(stdout)
