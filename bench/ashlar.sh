@@ -4,10 +4,10 @@
 #   ashlar          : reads after the vdisk was filled and read once (served from the cache
 #                     when the working set fits --cache-size), writes durable at ack
 #   ashlar-uncached : same with a read cache too small to hold the data (--cache-size 0)
-#   ashlar-1shard   : as `ashlar`, with the vdisk on one shard (--default-shards 1): a single
-#                     connection then never crosses reactors (not the default; shown beside it)
+#   ashlar-2shards  : as `ashlar`, with the vdisk on two shards (--default-shards 2), one per
+#                     reactor: half of a connection's requests cross reactors (shown beside it)
 # Knobs (environment): see ../shared/bench/peers/lib.sh; ASHLAR_BIN (default: release build),
-#   ASHLAR_VARIANTS="cached uncached cached-1shard", ASHLAR_NBD_PORT=10821, ASHLAR_HTTP_PORT=10822,
+#   ASHLAR_VARIANTS="cached uncached cached-2shards", ASHLAR_NBD_PORT=10821, ASHLAR_HTTP_PORT=10822,
 #   ASHLAR_CACHE=6G, ASHLAR_REACTORS=2.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -15,7 +15,7 @@ PEERS=${PEERS:-$HERE/../../shared/bench/peers}
 source "$PEERS/lib.sh"
 init_results ashlar
 ASHLAR_BIN=${ASHLAR_BIN:-$HERE/../target/release/ashlar}
-ASHLAR_VARIANTS=${ASHLAR_VARIANTS:-"cached uncached cached-1shard"}
+ASHLAR_VARIANTS=${ASHLAR_VARIANTS:-"cached uncached cached-2shards"}
 ASHLAR_NBD_PORT=${ASHLAR_NBD_PORT:-10821}
 ASHLAR_HTTP_PORT=${ASHLAR_HTTP_PORT:-10822}
 ASHLAR_CACHE=${ASHLAR_CACHE:-6G}
@@ -33,7 +33,7 @@ for v in $ASHLAR_VARIANTS; do
     case $v in
         cached) sys=ashlar; cache=$ASHLAR_CACHE; shards="" ;;
         uncached) sys=ashlar-uncached; cache=0; shards="" ;;
-        cached-1shard) sys=ashlar-1shard; cache=$ASHLAR_CACHE; shards="--default-shards 1" ;;
+        cached-2shards) sys=ashlar-2shards; cache=$ASHLAR_CACHE; shards="--default-shards 2" ;;
         *) note ashlar "unknown variant $v"; continue ;;
     esac
     rm -rf "$NODE_DIR"; mkdir -p "$NODE_DIR"

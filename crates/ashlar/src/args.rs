@@ -70,9 +70,12 @@ pub struct NodeArgs {
     /// Extent groups each shard keeps open (16 KiB of checksums and one fd each).
     #[arg(long, default_value_t = 256, value_name = "N")]
     pub max_open_egroups: usize,
-    /// Shard count of vdisks created without --shards. Default: the reactor count.
-    #[arg(long, value_name = "N")]
-    pub default_shards: Option<u32>,
+    /// Shard count of vdisks created without --shards (1 to 64). One shard serves a vdisk on
+    /// one core with no cross-core hop per request, and each shard has its own oplog (at
+    /// least 16M); give a vdisk that needs more than one core more shards with
+    /// `vdisk create --shards N` or `vdisk set NAME --shards N`.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub default_shards: u32,
     /// Largest NBD request accepted (bigger ones are refused with an error).
     #[arg(long, default_value = "32M", value_name = "SIZE")]
     pub nbd_max_request: String,

@@ -68,6 +68,10 @@ fn engine_config(args: &NodeArgs) -> Result<EngineConfig> {
     if reactors == 0 || reactors > 256 {
         bail!("--reactors must be between 1 and 256");
     }
+    let max_shards = ashlar_engine::config::MAX_SHARDS;
+    if args.default_shards == 0 || args.default_shards > max_shards {
+        bail!("--default-shards must be between 1 and {max_shards}");
+    }
     let disks = if args.disks.is_empty() {
         vec![Disk {
             path: args.data_dir.join("disk0"),
@@ -90,9 +94,7 @@ fn engine_config(args: &NodeArgs) -> Result<EngineConfig> {
         drain_batch_bytes: 8 << 20,
         drain_idle: Duration::from_millis(500),
         max_open_egroups_per_shard: args.max_open_egroups.max(1),
-        default_shards: args
-            .default_shards
-            .unwrap_or(reactors.min(ashlar_engine::config::MAX_SHARDS as usize) as u32),
+        default_shards: args.default_shards,
     })
 }
 

@@ -281,6 +281,7 @@ fn help_mentions_every_flag() {
                 "--shard-queue-limit",
                 "--max-open-egroups",
                 "--default-shards",
+                "--poll-window-us",
                 "--nbd-max-request",
                 "--nbd-max-in-flight",
                 "--ensure-vdisk",

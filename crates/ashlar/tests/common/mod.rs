@@ -277,6 +277,13 @@ impl Node {
                 "--oplog-size",
                 "64M",
             ])
+            // Two shards unless a test says otherwise, so the suite exercises requests that
+            // cross reactors (the product default is one shard).
+            .args(if self.extra_args.iter().any(|a| a == "--default-shards") {
+                &[][..]
+            } else {
+                &["--default-shards", "2"][..]
+            })
             .args(&self.extra_args)
             .env("RUST_LOG", &self.rust_log)
             .env_remove("ASHLAR_SERVER")
