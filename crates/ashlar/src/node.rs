@@ -6,6 +6,7 @@ use crate::registry::{EngineRegistry, NodeEngine};
 use anyhow::{anyhow, bail, Context, Result};
 use ashlar_core::{format_size, parse_size};
 use ashlar_engine::reactor::{default_reactor_count, ReactorId};
+use ashlar_engine::vdisk::ConnectionGuard;
 use ashlar_engine::{Engine, EngineConfig, EngineError, VdiskHandle};
 use ashlar_meta::EmbeddedMetaStore;
 use ashlar_nbd::{resume_connection, serve_or_hand_over, Handover, NbdLimits};
@@ -262,21 +263,33 @@ impl Drop for ConnectionTicket {
     }
 }
 
+/// A connection on its way to another reactor, still counted by the node (for SIGTERM) and
+/// by its vdisk (so a delete without `--force` is refused).
+struct Moving {
+    target: ReactorId,
+    counted: ConnectionGuard,
+    ticket: ConnectionTicket,
+}
+
 /// Continues a connection's transmission phase on `target`, a reactor that runs one of its
 /// vdisk's shards. The connection stays counted (its ticket moves with it).
 fn move_connection(
     handover: Handover,
-    target: ReactorId,
+    moving: Moving,
     engine: Arc<NodeEngine>,
     limits: NbdLimits,
     shutdown: watch::Receiver<bool>,
-    ticket: ConnectionTicket,
 ) {
     let export = handover.export().to_string();
+    let Moving {
+        target,
+        counted,
+        ticket,
+    } = moving;
     let reactor = engine.reactors().get(target).clone();
     let moved = reactor.spawn_detached(move || async move {
         let _ticket = ticket;
-        let registry = Rc::new(EngineRegistry { engine });
+        let registry = Rc::new(EngineRegistry::for_moved(engine, counted));
         if let Err(error) = resume_connection(handover, registry, limits, shutdown).await {
             tracing::info!(%error, "NBD connection ended with an error");
         }
@@ -333,21 +346,29 @@ async fn accept_loop(
                     return;
                 }
             };
-            let registry = Rc::new(EngineRegistry {
-                engine: registry_engine.clone(),
-            });
+            let registry = Rc::new(EngineRegistry::new(registry_engine.clone()));
             tracing::debug!(%peer, "NBD client connected");
             let mut target = None;
             let stay = |device: &VdiskHandle| {
-                target = device.better_reactor();
+                target = device
+                    .better_reactor()
+                    .map(|reactor| (reactor, device.count_while_moving()));
                 target.is_none()
             };
             let served =
                 serve_or_hand_over(stream, registry, limits.clone(), shutdown.clone(), stay).await;
             match (served, target) {
-                (Ok(Some(handover)), Some(target)) => {
-                    move_connection(handover, target, registry_engine, limits, shutdown, ticket)
-                }
+                (Ok(Some(handover)), Some((target, counted))) => move_connection(
+                    handover,
+                    Moving {
+                        target,
+                        counted,
+                        ticket,
+                    },
+                    registry_engine,
+                    limits,
+                    shutdown,
+                ),
                 (Ok(_), _) => {}
                 (Err(error), _) => {
                     tracing::info!(%peer, %error, "NBD connection ended with an error")

@@ -1,14 +1,36 @@
 //! Connects the NBD front-end to the engine: export names are vdisk names.
 
+use ashlar_engine::vdisk::ConnectionGuard;
 use ashlar_engine::{Engine, VdiskHandle};
 use ashlar_meta::EmbeddedMetaStore;
 use ashlar_nbd::{ExportInfo, ExportRegistry};
+use std::cell::RefCell;
 use std::sync::Arc;
 
 pub type NodeEngine = Engine<EmbeddedMetaStore>;
 
 pub struct EngineRegistry {
     pub engine: Arc<NodeEngine>,
+    /// A connection that moved here from another reactor: its count, handed to the first
+    /// open of its vdisk, so the connection is never uncounted on the way.
+    pub moved: RefCell<Option<ConnectionGuard>>,
+}
+
+impl EngineRegistry {
+    pub fn new(engine: Arc<NodeEngine>) -> Self {
+        EngineRegistry {
+            engine,
+            moved: RefCell::new(None),
+        }
+    }
+
+    /// The registry a moved connection resumes with on its new reactor.
+    pub fn for_moved(engine: Arc<NodeEngine>, guard: ConnectionGuard) -> Self {
+        EngineRegistry {
+            engine,
+            moved: RefCell::new(Some(guard)),
+        }
+    }
 }
 
 impl ExportRegistry for EngineRegistry {
@@ -30,6 +52,12 @@ impl ExportRegistry for EngineRegistry {
 
     /// The empty name (the NBD default export) means the only vdisk, when there is one.
     fn open_export(&self, name: &str) -> Result<VdiskHandle, String> {
+        if let Some(guard) = self.moved.borrow_mut().take() {
+            if guard.is_closing() {
+                return Err(format!("vdisk {name} is being deleted"));
+            }
+            return Ok(VdiskHandle::from_moved(guard));
+        }
         if name.is_empty() {
             let vdisks = self.engine.list_vdisks();
             return match vdisks.as_slice() {

@@ -195,7 +195,14 @@ where
 }
 
 /// Counts a client connection for as long as any clone of its handle lives.
-struct ConnectionGuard(Arc<VdiskShared>);
+pub struct ConnectionGuard(Arc<VdiskShared>);
+
+impl ConnectionGuard {
+    /// The vdisk is being deleted (or the node is stopping).
+    pub fn is_closing(&self) -> bool {
+        self.0.closing.load(Ordering::Relaxed)
+    }
+}
 
 impl Drop for ConnectionGuard {
     fn drop(&mut self) {
@@ -216,6 +223,22 @@ impl VdiskHandle {
         VdiskHandle {
             _connection: Rc::new(ConnectionGuard(shared.clone())),
             shared,
+        }
+    }
+
+    /// A second count of this connection that can cross threads: a connection moving to
+    /// another reactor stays counted (so a delete without `--force` is still refused) until
+    /// [`VdiskHandle::from_moved`] turns it into the handle there.
+    pub fn count_while_moving(&self) -> ConnectionGuard {
+        self.shared.connections.fetch_add(1, Ordering::Relaxed);
+        ConnectionGuard(self.shared.clone())
+    }
+
+    /// The handle of a moved connection, counted by the guard it arrived with.
+    pub fn from_moved(guard: ConnectionGuard) -> Self {
+        VdiskHandle {
+            shared: guard.0.clone(),
+            _connection: Rc::new(guard),
         }
     }
 
