@@ -1,6 +1,7 @@
 //! Reactors: one pinned thread per core, each running a tokio current-thread runtime and a
-//! `LocalSet`. Controllers and client connections live on exactly one reactor and are never
-//! moved; other threads reach them only by message.
+//! `LocalSet`. A controller lives on exactly one reactor and never moves; a client connection
+//! may move once, right after its handshake, to a reactor that runs one of its vdisk's
+//! shards (see the node's accept loop). Other threads reach them only by message.
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -99,10 +100,6 @@ pub fn current_reactor() -> Option<ReactorId> {
 }
 
 impl ReplyRoute {
-    pub fn reactor(&self) -> ReactorId {
-        self.reactor
-    }
-
     /// Runs `deliver` on the route's reactor: at once when already there, else through its
     /// completion queue, or at once anyway when that queue is full or its reactor stopped
     /// (the wake then simply costs more).

@@ -1,7 +1,9 @@
 //! A shard controller: the single-threaded owner of some offset ranges of one vdisk on one
 //! reactor. It owns its oplog, its view of the extent store for its ranges, and uses its
-//! reactor's read cache. Requests arrive on a bounded channel; each is served by a local task,
-//! and all state is touched only from this reactor thread.
+//! reactor's read cache. Requests arrive on a bounded channel; a read of cached blocks is
+//! answered on the spot, any other request by a local task. Connections on the same reactor
+//! may also read cached blocks directly (`read_cached_now`). All state is touched only from
+//! this reactor thread.
 
 use crate::cache::{BlockCache, CacheKey};
 use crate::reactor::{ReactorId, ReplyRoute};

@@ -3,7 +3,8 @@
 //! vdisk [`BlockDevice`] interface. See `docs/nbd.md` for what is supported.
 //!
 //! A connection runs inside a tokio current-thread runtime and a `LocalSet` (with the time
-//! driver enabled): device futures need not be `Send`, and each request runs as a
+//! driver enabled): device futures need not be `Send`. A read the device can answer at once
+//! (`BlockDevice::read_now`) is answered by the reader itself; every other request runs as a
 //! `spawn_local` task.
 
 mod error;

@@ -268,8 +268,16 @@ fn dispatch<D: BlockDevice + 'static>(
         if let Some(result) = connection.device.read_now(header.offset, header.length) {
             let outcome = crate::execute::read_outcome(result, header.offset, header.length);
             let reply = encode(connection, &header, outcome);
-            // The permit guarantees room in the queue; an error means the writer is gone.
-            let _ = connection.replies.try_send(Outgoing { reply, permit });
+            // The permit normally guarantees room; should the queue be full anyway, the reply
+            // waits for room rather than being lost. Closed means the writer is gone.
+            if let Err(mpsc::error::TrySendError::Full(outgoing)) =
+                connection.replies.try_send(Outgoing { reply, permit })
+            {
+                let replies = connection.replies.clone();
+                tokio::task::spawn_local(async move {
+                    let _ = replies.send(outgoing).await;
+                });
+            }
             return;
         }
     }

@@ -11,6 +11,7 @@ use super::{Inner, OplogError};
 use crate::disk::FileOpener;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 
 /// Runs a blocking filesystem call off the reactor when inside a tokio runtime.
 async fn blocking<T: Send + 'static>(
@@ -71,8 +72,8 @@ pub(super) fn file_len(path: &Path) -> Result<u64, OplogError> {
         .map_err(|e| io_error(path, e))
 }
 
-/// Segment files of `dir` as (first seq, path), oldest first. Other entries are left alone.
-/// The segment files of a log directory, oldest first, and its spare files by serial.
+/// The segment files of a log directory as (first seq, path), oldest first, and its spare
+/// files as (serial, path). Other entries are left alone.
 pub(super) struct Listing {
     pub segments: Vec<(u64, PathBuf)>,
     pub spares: Vec<(u64, PathBuf)>,
@@ -142,7 +143,8 @@ struct Victim {
     bytes: u64,
     /// The file was created (a segment whose first commit failed has none).
     existed: bool,
-    /// The current drain batch may still read the file: it must not be reused.
+    /// Someone may still read the file (the current drain batch, or a read holding its
+    /// handle): it must not be reused, only unlinked, which keeps it readable for them.
     pinned: bool,
 }
 
@@ -234,10 +236,17 @@ impl<O: FileOpener> Inner<O> {
             state.active = None;
         }
         let existed = segment.file.is_some();
-        let pinned = state.drain_pinned.contains(&id);
+        let drain_reads_it = state.drain_pinned.contains(&id);
+        // A read that holds the handle across an await (a future asynchronous FileIo) must
+        // keep seeing this file's bytes, not a reuse's.
+        let held = segment
+            .file
+            .as_ref()
+            .is_some_and(|f| Rc::strong_count(f) > 1);
+        let pinned = drain_reads_it || held;
         if let Some(file) = segment.file {
             // The current drain batch may still read it; an unlinked file stays readable.
-            if pinned {
+            if drain_reads_it {
                 state.retired.insert(id, (file, segment.path.clone()));
             }
         }
