@@ -5,4 +5,5 @@
 
 pub mod disk;
 pub mod extent_store;
+pub mod fs;
 pub mod oplog;
