@@ -135,17 +135,18 @@ fn size_of(vdisk: &Value) -> String {
 
 fn print_table(vdisks: &Value) {
     println!(
-        "{:<24} {:>10} {:>6} {:>3} {:>11}",
-        "NAME", "SIZE", "SHARDS", "RF", "CONNECTIONS"
+        "{:<24} {:>10} {:>6} {:>3} {:>11} {:<8}",
+        "NAME", "SIZE", "SHARDS", "RF", "CONNECTIONS", "STATE"
     );
     for vdisk in vdisks.as_array().into_iter().flatten() {
         println!(
-            "{:<24} {:>10} {:>6} {:>3} {:>11}",
+            "{:<24} {:>10} {:>6} {:>3} {:>11} {:<8}",
             vdisk["name"].as_str().unwrap_or(""),
             size_of(vdisk),
             vdisk["shards"].to_string(),
             vdisk["replication_factor"].to_string(),
-            vdisk["connections"].to_string()
+            vdisk["connections"].to_string(),
+            vdisk["state"].as_str().unwrap_or("")
         );
     }
 }
@@ -163,6 +164,10 @@ fn print_details(vdisk: &Value) {
     println!("rf:           {}", vdisk["replication_factor"]);
     println!("block size:   {}", vdisk["block_size_bytes"]);
     println!("connections:  {}", vdisk["connections"]);
+    println!("state:        {}", vdisk["state"].as_str().unwrap_or(""));
+    if let Some(status) = vdisk["status"].as_str() {
+        println!("status:       {status}");
+    }
     if let Some(uri) = vdisk["nbd_uri"].as_str() {
         println!("nbd:          {uri}");
     }

@@ -58,7 +58,7 @@ impl From<EngineError> for ApiError {
             EngineError::InvalidName { .. }
             | EngineError::InvalidSize(_)
             | EngineError::InvalidShards(_) => StatusCode::BAD_REQUEST,
-            EngineError::Stopping => StatusCode::SERVICE_UNAVAILABLE,
+            EngineError::Stopping | EngineError::Offline { .. } => StatusCode::SERVICE_UNAVAILABLE,
             EngineError::Meta(_) | EngineError::Storage(_) => StatusCode::INTERNAL_SERVER_ERROR,
         };
         ApiError(status, error.to_string())

@@ -1,6 +1,10 @@
 //! The vdisk catalog in the MetaStore: one JSON record per vdisk under
 //! `/ashlar/v1/vdisks/<name>` and a counter `/ashlar/v1/ids/next-vdisk-id` so ids are never
 //! reused. Only control-plane operations come here, never client I/O.
+//!
+//! A deleted vdisk leaves a tombstone `/ashlar/v1/tombstones/<id>` until its data is gone, so
+//! startup can tell data it may remove (a delete cut short) from data it cannot account for
+//! (which it sets aside, never deletes).
 
 use ashlar_core::VdiskId;
 use ashlar_meta::{Compare, KeyRange, MetaStore, Txn, TxnOp};
@@ -8,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 const VDISK_PREFIX: &str = "/ashlar/v1/vdisks/";
 const NEXT_VDISK_ID_KEY: &str = "/ashlar/v1/ids/next-vdisk-id";
+const TOMBSTONE_PREFIX: &str = "/ashlar/v1/tombstones/";
 
 /// What the catalog stores for a vdisk (format version 1 of the JSON record).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -121,8 +126,56 @@ pub async fn update<M: MetaStore>(meta: &M, record: &VdiskRecord) -> Result<(), 
     Ok(())
 }
 
-pub async fn delete<M: MetaStore>(meta: &M, name: &str) -> Result<(), CatalogError> {
-    meta.delete(KeyRange::Key(vdisk_key(name)))
+fn tombstone_key(id: VdiskId) -> Vec<u8> {
+    format!("{TOMBSTONE_PREFIX}{id}").into_bytes()
+}
+
+/// Removes the vdisk's record and leaves a tombstone for its id, in one transaction: from
+/// then on its data may be removed, here or by a later startup.
+pub async fn delete<M: MetaStore>(meta: &M, record: &VdiskRecord) -> Result<(), CatalogError> {
+    let txn = Txn {
+        compares: vec![],
+        success: vec![
+            TxnOp::Delete {
+                range: KeyRange::Key(vdisk_key(&record.name)),
+            },
+            TxnOp::Put {
+                key: tombstone_key(record.id),
+                value: record.name.clone().into_bytes(),
+                lease: None,
+            },
+        ],
+        failure: vec![],
+    };
+    meta.txn(txn).await.map_err(meta_error)?;
+    Ok(())
+}
+
+/// Ids of deleted vdisks whose data may still be on disk.
+pub async fn tombstones<M: MetaStore>(
+    meta: &M,
+) -> Result<std::collections::HashSet<VdiskId>, CatalogError> {
+    let kvs = meta
+        .range(KeyRange::Prefix(TOMBSTONE_PREFIX.as_bytes().to_vec()), None)
+        .await
+        .map_err(meta_error)?;
+    kvs.iter()
+        .map(|kv| {
+            let key = String::from_utf8_lossy(&kv.key);
+            key.strip_prefix(TOMBSTONE_PREFIX)
+                .and_then(|hex| u64::from_str_radix(hex, 16).ok())
+                .map(VdiskId)
+                .ok_or_else(|| CatalogError::Corrupt {
+                    key: key.into_owned(),
+                    reason: "tombstone key does not end in a vdisk id".into(),
+                })
+        })
+        .collect()
+}
+
+/// Forgets the tombstone once the vdisk's data is gone.
+pub async fn remove_tombstone<M: MetaStore>(meta: &M, id: VdiskId) -> Result<(), CatalogError> {
+    meta.delete(KeyRange::Key(tombstone_key(id)))
         .await
         .map_err(meta_error)?;
     Ok(())

@@ -7,6 +7,7 @@ use crate::catalog::{self, CatalogError, VdiskRecord};
 use crate::config::{EngineConfig, MAX_SHARDS};
 use crate::reactor::{ReactorId, ReactorPool};
 use crate::shard::{drain_all, remove_oplog_dir, start_shard, ShardControl, ShardLink, ShardSpec};
+use crate::startup;
 use crate::stats::{CounterSnapshot, IoRates};
 use crate::vdisk::{ShardMap, VdiskHandle, VdiskShared, SHARD_RANGE_BYTES};
 use ashlar_core::{Epoch, VdiskId, BLOCK_SIZE_BYTES, MAX_VDISK_SIZE_BYTES};
@@ -52,6 +53,8 @@ pub enum EngineError {
     Storage(String),
     #[error("the node is stopping")]
     Stopping,
+    #[error("vdisk '{name}' is offline: {reason}")]
+    Offline { name: String, reason: String },
 }
 
 impl From<CatalogError> for EngineError {
@@ -74,6 +77,19 @@ pub struct VdiskInfo {
     pub block_size_bytes: u32,
     pub created_unix_seconds: u64,
     pub connections: usize,
+    pub state: VdiskState,
+    /// Why the vdisk is not online, when it is not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub status: Option<String>,
+}
+
+/// Whether a vdisk serves I/O.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VdiskState {
+    Online,
+    /// Could not start (its oplog or data could not be recovered); its data is kept.
+    Offline,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -111,6 +127,39 @@ pub struct CacheStats {
 struct VdiskEntry {
     record: VdiskRecord,
     shared: Arc<VdiskShared>,
+    /// Why the vdisk cannot be served (its data is kept as it was); `None` while it serves.
+    offline: Option<String>,
+}
+
+impl VdiskEntry {
+    /// A vdisk that could not start: no shards, every open refused with `reason`.
+    fn offline(record: VdiskRecord, reason: String) -> Self {
+        let map = ShardMap {
+            epoch: Epoch(0),
+            shards: Vec::new(),
+        };
+        let shared = Arc::new(VdiskShared::new(
+            record.id,
+            record.name.clone(),
+            record.size_bytes,
+            map,
+        ));
+        shared.closing.store(true, Ordering::Relaxed);
+        VdiskEntry {
+            record,
+            shared,
+            offline: Some(reason),
+        }
+    }
+
+    fn info(&self) -> VdiskInfo {
+        let mut info = info_of(&self.record, &self.shared);
+        if let Some(reason) = &self.offline {
+            info.state = VdiskState::Offline;
+            info.status = Some(reason.clone());
+        }
+        info
+    }
 }
 
 struct RateSample {
@@ -128,6 +177,7 @@ pub struct Engine<M: MetaStore> {
     cache_counters: Vec<Arc<CacheCounters>>,
     rate_samples: Mutex<HashMap<VdiskId, RateSample>>,
     started_at: Instant,
+    quarantined: Mutex<Vec<PathBuf>>,
 }
 
 thread_local! {
@@ -193,17 +243,67 @@ impl<M: MetaStore> Engine<M> {
             cache_counters,
             rate_samples: Mutex::new(HashMap::new()),
             started_at: Instant::now(),
+            quarantined: Mutex::new(Vec::new()),
         });
         let records = catalog::list(&engine.meta).await?;
-        engine.remove_orphans(&records);
+        engine.account_for_data(&records).await?;
         for record in records {
-            let epoch = engine.recover_oplogs(record.id).await?;
-            let shared = engine.start_vdisk(&record, epoch.next()).await?;
-            tracing::info!(vdisk = %record.name, id = %record.id, size_bytes = record.size_bytes,
-                shards = record.shards, "vdisk ready");
-            lock(&engine.vdisks).insert(record.name.clone(), VdiskEntry { record, shared });
+            let started = match engine.recover_oplogs(record.id).await {
+                Ok(epoch) => engine.start_vdisk(&record, epoch.next()).await,
+                Err(error) => Err(error),
+            };
+            let entry = match started {
+                Ok(shared) => {
+                    tracing::info!(vdisk = %record.name, id = %record.id, size_bytes = record.size_bytes,
+                        shards = record.shards, "vdisk ready");
+                    VdiskEntry {
+                        record,
+                        shared,
+                        offline: None,
+                    }
+                }
+                Err(error) => {
+                    // One vdisk's damage never stops the node: the others are served and
+                    // this one is named, with why, in every listing.
+                    tracing::error!(vdisk = %record.name, id = %record.id, %error,
+                        "vdisk cannot be served; it stays offline, its data untouched");
+                    VdiskEntry::offline(record, error.to_string())
+                }
+            };
+            lock(&engine.vdisks).insert(entry.record.name.clone(), entry);
         }
         Ok(engine)
+    }
+
+    /// Keeps data the catalog names, removes data of deleted vdisks, sets anything else aside.
+    async fn account_for_data(&self, records: &[VdiskRecord]) -> Result<(), EngineError> {
+        let storage = |e: std::io::Error| EngineError::Storage(e.to_string());
+        let fs = ashlar_storage::fs::StdFs;
+        startup::prepare_disks(&fs, &self.config.disks)
+            .await
+            .map_err(storage)?;
+        let known = records.iter().map(|r| r.id).collect();
+        let deleted = catalog::tombstones(&self.meta).await?;
+        let account = startup::account_for_data(
+            &fs,
+            &self.config.disks,
+            &known,
+            &deleted,
+            now_unix_seconds(),
+        )
+        .await
+        .map_err(storage)?;
+        // A tombstone whose data is gone everywhere (removed now or before) has done its job.
+        for id in deleted.difference(&account.failed) {
+            catalog::remove_tombstone(&self.meta, *id).await?;
+        }
+        *lock(&self.quarantined) = account.quarantined.into_iter().map(|(_, to)| to).collect();
+        Ok(())
+    }
+
+    /// Directories startup moved aside because no vdisk accounts for them.
+    pub fn quarantined(&self) -> Vec<PathBuf> {
+        lock(&self.quarantined).clone()
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -221,30 +321,6 @@ impl<M: MetaStore> Engine<M> {
     fn oplog_dir(&self, vdisk: VdiskId, epoch: Epoch, shard: u32) -> PathBuf {
         self.oplog_root(vdisk)
             .join(format!("e{:010}-s{:04}", epoch.0, shard))
-    }
-
-    /// Data of vdisks the catalog no longer knows (a delete interrupted by a crash after the
-    /// catalog entry went away) is removed at startup.
-    fn remove_orphans(&self, records: &[VdiskRecord]) {
-        let known: std::collections::HashSet<String> =
-            records.iter().map(|r| r.id.to_string()).collect();
-        for disk in &self.config.disks {
-            for area in ["extents", "oplog"] {
-                let Ok(entries) = std::fs::read_dir(disk.path.join(area)) else {
-                    continue;
-                };
-                for entry in entries.flatten() {
-                    let name = entry.file_name().to_string_lossy().into_owned();
-                    if name.len() == 16
-                        && u64::from_str_radix(&name, 16).is_ok()
-                        && !known.contains(&name)
-                    {
-                        tracing::warn!(path = %entry.path().display(), "removing data of a deleted vdisk");
-                        let _ = std::fs::remove_dir_all(entry.path());
-                    }
-                }
-            }
-        }
     }
 
     /// Replays and drains every oplog a previous run left for the vdisk, oldest shard-map
@@ -408,29 +484,39 @@ impl<M: MetaStore> Engine<M> {
         let shared = self.start_vdisk(&record, Epoch(1)).await?;
         tracing::info!(vdisk = %record.name, id = %record.id, size_bytes, shards, "vdisk created");
         let info = info_of(&record, &shared);
-        lock(&self.vdisks).insert(record.name.clone(), VdiskEntry { record, shared });
+        let entry = VdiskEntry {
+            record,
+            shared,
+            offline: None,
+        };
+        lock(&self.vdisks).insert(entry.record.name.clone(), entry);
         Ok(info)
     }
 
     pub fn list_vdisks(&self) -> Vec<VdiskInfo> {
-        lock(&self.vdisks)
-            .values()
-            .map(|e| info_of(&e.record, &e.shared))
-            .collect()
+        lock(&self.vdisks).values().map(VdiskEntry::info).collect()
     }
 
     pub fn vdisk(&self, name: &str) -> Result<VdiskInfo, EngineError> {
         lock(&self.vdisks)
             .get(name)
-            .map(|e| info_of(&e.record, &e.shared))
+            .map(VdiskEntry::info)
             .ok_or_else(|| EngineError::NotFound(name.into()))
     }
 
+    /// The record and shared state of an online vdisk.
     fn shared(&self, name: &str) -> Result<(VdiskRecord, Arc<VdiskShared>), EngineError> {
-        lock(&self.vdisks)
+        let vdisks = lock(&self.vdisks);
+        let entry = vdisks
             .get(name)
-            .map(|e| (e.record.clone(), e.shared.clone()))
-            .ok_or_else(|| EngineError::NotFound(name.into()))
+            .ok_or_else(|| EngineError::NotFound(name.into()))?;
+        if let Some(reason) = &entry.offline {
+            return Err(EngineError::Offline {
+                name: name.into(),
+                reason: reason.clone(),
+            });
+        }
+        Ok((entry.record.clone(), entry.shared.clone()))
     }
 
     /// A handle for one client connection.
@@ -528,7 +614,13 @@ impl<M: MetaStore> Engine<M> {
 
     pub async fn delete_vdisk(&self, name: &str, force: bool) -> Result<(), EngineError> {
         let _control = self.control.lock().await;
-        let (record, shared) = self.shared(name)?;
+        let (record, shared) = {
+            let vdisks = lock(&self.vdisks);
+            let entry = vdisks
+                .get(name)
+                .ok_or_else(|| EngineError::NotFound(name.into()))?;
+            (entry.record.clone(), entry.shared.clone())
+        };
         let connections = shared.connections.load(Ordering::Relaxed);
         if connections > 0 && !force {
             return Err(EngineError::InUse {
@@ -537,17 +629,21 @@ impl<M: MetaStore> Engine<M> {
             });
         }
         shared.closing.store(true, Ordering::Relaxed);
-        // Catalog first: a crash after this leaves orphan files that startup removes, never
-        // a catalog entry whose data is half gone.
-        catalog::delete(&self.meta, name).await?;
+        // Catalog first, leaving a tombstone: a crash after this leaves data that startup
+        // removes (the tombstone says it may), never a catalog entry whose data is half gone.
+        catalog::delete(&self.meta, &record).await?;
         lock(&self.vdisks).remove(name);
         let map = shared.map.load_full();
         if let Err(error) = retire_all(&map.shards, true).await {
             tracing::warn!(vdisk = name, %error, "shards did not stop cleanly during delete");
         }
-        remove_oplog_dir(&self.oplog_root(record.id)).map_err(EngineError::Storage)?;
+        let oplog_root = self.oplog_root(record.id);
+        ashlar_storage::fs::remove_tree(&ashlar_storage::fs::StdFs, &oplog_root)
+            .await
+            .map_err(|e| EngineError::Storage(format!("removing {}: {e}", oplog_root.display())))?;
         extent_store::remove_vdisk_data(&self.config.disks, record.id)
             .map_err(|e| EngineError::Storage(format!("removing data of '{name}': {e}")))?;
+        catalog::remove_tombstone(&self.meta, record.id).await?;
         tracing::info!(vdisk = name, id = %record.id, "vdisk deleted");
         Ok(())
     }
@@ -640,6 +736,8 @@ fn info_of(record: &VdiskRecord, shared: &VdiskShared) -> VdiskInfo {
         block_size_bytes: record.block_size_bytes,
         created_unix_seconds: record.created_unix_seconds,
         connections: shared.connections.load(Ordering::Relaxed),
+        state: VdiskState::Online,
+        status: None,
     }
 }
 

@@ -4,6 +4,7 @@
 //! - [`shard`]: shard controllers, the single-threaded owners of a vdisk's offset ranges.
 //! - [`vdisk`]: the shard map and the per-connection handle that splits and joins I/O.
 //! - [`engine`]: the control plane: catalog, recovery, create/resize/re-shard/delete.
+//! - [`startup`]: what startup does with data the catalog does not name (sets it aside).
 //! - [`cache`]: the per-reactor read cache (single-touch and multi-touch LRU pools).
 
 pub mod cache;
@@ -14,9 +15,10 @@ mod lru;
 mod outbox;
 pub mod reactor;
 pub mod shard;
+pub mod startup;
 pub mod stats;
 pub mod vdisk;
 
 pub use config::EngineConfig;
-pub use engine::{CacheStats, Engine, EngineError, VdiskInfo, VdiskStats};
+pub use engine::{CacheStats, Engine, EngineError, VdiskInfo, VdiskState, VdiskStats};
 pub use vdisk::VdiskHandle;

@@ -91,6 +91,7 @@ impl EmbeddedMetaStore {
             ));
         }
         let db = Database::create(path).map_err(|e| storage_error(path, e))?;
+        sync_directory_entries(path).map_err(|e| storage_error(path, redb::StorageError::Io(e)))?;
         let (revision, epoch, dropped) = recover(&db, path)?;
         if dropped > 0 {
             tracing::info!(
@@ -338,4 +339,19 @@ impl MetaStore for EmbeddedMetaStore {
     async fn current_revision(&self) -> Result<Revision, MetaError> {
         self.run(|inner| Ok(inner.state()?.revision)).await
     }
+}
+
+/// Makes the store file's directory entry, and its directory's own entry, durable: redb syncs
+/// the file's contents, but a power cut could otherwise lose the newly created file (or the
+/// data directory) itself, and with it every vdisk record.
+fn sync_directory_entries(path: &Path) -> std::io::Result<()> {
+    let parents = path
+        .ancestors()
+        .skip(1)
+        .take(2)
+        .filter(|p| !p.as_os_str().is_empty());
+    for dir in parents {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
 }

@@ -100,7 +100,7 @@ pub trait Filesystem: Clone + 'static {
     async fn free_bytes(&self, path: &Path) -> io::Result<u64>;
 }
 
-/// Removes `dir` and everything below it, then makes the removal durable in its parent.
+/// Removes `dir` (or a file in its place) and everything below it, then makes the removal durable in its parent.
 /// `Ok` if `dir` does not exist.
 pub async fn remove_tree<F: Filesystem>(fs: &F, dir: &Path) -> io::Result<()> {
     let mut stack: Vec<(PathBuf, bool)> = vec![(dir.to_path_buf(), false)];
@@ -112,6 +112,10 @@ pub async fn remove_tree<F: Filesystem>(fs: &F, dir: &Path) -> io::Result<()> {
         let entries = match fs.list_dir(&path).await {
             Ok(entries) => entries,
             Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => {
+                fs.remove_file(&path).await?;
+                continue;
+            }
             Err(e) => return Err(e),
         };
         stack.push((path.clone(), true));
