@@ -92,6 +92,8 @@ fn engine_config(args: &NodeArgs) -> Result<EngineConfig> {
         cache_bytes: size("--cache-size", &args.cache_size)?,
         oplog_bytes_per_vdisk: size("--oplog-size", &args.oplog_size)?,
         shard_queue_limit: args.shard_queue_limit.max(1),
+        shard_requests_in_flight_limit:
+            ashlar_engine::config::DEFAULT_SHARD_REQUESTS_IN_FLIGHT_LIMIT,
         drain_batch_bytes: 8 << 20,
         drain_idle: Duration::from_millis(500),
         max_open_egroups_per_shard: args.max_open_egroups.max(1),

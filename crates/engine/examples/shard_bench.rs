@@ -112,6 +112,8 @@ fn main() {
             cache_bytes: 4 * size,
             oplog_bytes_per_vdisk: 256 << 20,
             shard_queue_limit: 1024,
+            shard_requests_in_flight_limit:
+                ashlar_engine::config::DEFAULT_SHARD_REQUESTS_IN_FLIGHT_LIMIT,
             drain_batch_bytes: 8 << 20,
             drain_idle: Duration::from_millis(500),
             max_open_egroups_per_shard: 256,

@@ -20,6 +20,8 @@ pub struct EngineConfig {
     pub oplog_bytes_per_vdisk: u64,
     /// Requests queued per shard controller before senders wait.
     pub shard_queue_limit: usize,
+    /// Client requests a shard controller works on at once; more wait in its queue.
+    pub shard_requests_in_flight_limit: usize,
     /// Largest amount of oplog data one drain pass moves to the extent store.
     pub drain_batch_bytes: u64,
     /// A shard drains its oplog when it has seen no write for this long.
@@ -32,6 +34,10 @@ pub struct EngineConfig {
 
 /// Default of `EngineConfig::poll_window` (the node's `--poll-window-us`).
 pub const DEFAULT_POLL_WINDOW: Duration = Duration::from_micros(50);
+
+/// Default of `EngineConfig::shard_requests_in_flight_limit`: enough for a few clients at
+/// queue depth 32 or more, with each request's payload already bounded by the front-end.
+pub const DEFAULT_SHARD_REQUESTS_IN_FLIGHT_LIMIT: usize = 256;
 
 /// Upper bound on shards per vdisk; more would only add queues, not parallelism.
 pub const MAX_SHARDS: u32 = 64;

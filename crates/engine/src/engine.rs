@@ -396,6 +396,7 @@ impl<M: MetaStore> Engine<M> {
                 drain_batch_bytes: self.config.drain_batch_bytes,
                 drain_idle: self.config.drain_idle,
                 request_queue_limit: self.config.shard_queue_limit,
+                max_requests_in_flight: self.config.shard_requests_in_flight_limit,
             };
             let reactor = self
                 .reactors

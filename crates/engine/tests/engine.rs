@@ -24,6 +24,8 @@ fn config(dir: &Path) -> EngineConfig {
         cache_bytes: 16 << 20,
         oplog_bytes_per_vdisk: 32 << 20,
         shard_queue_limit: 64,
+        shard_requests_in_flight_limit:
+            ashlar_engine::config::DEFAULT_SHARD_REQUESTS_IN_FLIGHT_LIMIT,
         drain_batch_bytes: 1 << 20,
         drain_idle: Duration::from_millis(50),
         max_open_egroups_per_shard: 8,

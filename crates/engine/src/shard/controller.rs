@@ -1,0 +1,657 @@
+//! The shard controller's event loop: select an event, apply it, check invariants.
+//!
+//! Events form a closed set ([`Event`]): a client request, a control command, finished
+//! storage work, and the drain's two triggers (the oplog wants space back; writes paused).
+//! Only `apply` changes controller state. Storage work runs as futures in `work`, owned by
+//! the loop; when one finishes, its result is an event like any other.
+//!
+//! Extent-store writers exclude each other where they could reorder data: a drain step runs
+//! alone (it copies older oplog data and must not land over a newer bypass write), bypass
+//! writes run concurrently on disjoint ranges. Reads never wait for writers, but a read that
+//! saw a checksum mismatch while a writer ran (a read-modify-write seen half done) is parked
+//! and run again once no writer runs; only a mismatch that persists is reported.
+
+use super::inline::{block_range, cache_key, Registration};
+use super::work::{self, DrainError, ReadData, ReadFailure};
+use super::{ShardControl, ShardError, ShardOp, ShardReply, ShardRequest, ShardSpec, Storage};
+use crate::cache::BlockCache;
+use ashlar_core::{BlockStatusRun, IoError, BLOCK_SIZE_BYTES};
+use bytes::Bytes;
+use futures_util::future::LocalBoxFuture;
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::time::Instant;
+
+/// A read whose oplog data moved (a drain freed the segment) is looked up again at most this
+/// many times; more means the log is churning faster than a read completes.
+const MAX_READ_ATTEMPTS: u32 = 4;
+/// After a failed drain step, the next one waits this long (a failing disk is not hammered).
+const DRAIN_RETRY_DELAY: Duration = Duration::from_secs(1);
+/// Buckets of the write-generation table that keeps stale reads out of the cache.
+const WRITE_GENERATION_BUCKETS: usize = 4096;
+
+/// Storage work that finished, with what the loop needs to apply it.
+enum Finished {
+    Read {
+        read: PendingRead,
+        result: Result<ReadData, ReadFailure>,
+    },
+    Written {
+        request: ShardRequest,
+        offset: u64,
+        length: u64,
+        bypass: bool,
+        result: Result<(), IoError>,
+    },
+    Status {
+        request: ShardRequest,
+        result: Result<Vec<BlockStatusRun>, IoError>,
+    },
+    Drained(Result<usize, DrainError>),
+    HandedOver(Result<(), String>),
+}
+
+/// The closed set of things the controller reacts to.
+enum Event {
+    Request(ShardRequest),
+    Control(ShardControl),
+    Finished(Finished),
+    /// The oplog wants space back (live data above half its capacity, or writers waiting).
+    DrainWanted,
+    /// Writes paused long enough to drain in the background, or a drain retry is due.
+    DrainTimer,
+    /// The request queue closed: every handle is gone.
+    RequestsClosed,
+    /// Nothing can happen any more (both queues closed, no work left).
+    Quiet,
+}
+
+/// A read in flight, with what decides whether its blocks may enter the cache.
+struct PendingRead {
+    request: ShardRequest,
+    offset: u64,
+    length: u64,
+    attempt: u32,
+    /// Write generations of the read's blocks when it started.
+    generations: Vec<u64>,
+    /// Extent-store writers started before the read started.
+    writers_started_before: u64,
+    /// An extent-store writer was running when the read started.
+    writer_was_running: bool,
+}
+
+enum DrainState {
+    Idle,
+    Running,
+    /// The last step failed; the next may start at `until`.
+    BackingOff {
+        until: Instant,
+    },
+}
+
+struct Retiring {
+    discard: bool,
+    done: Option<oneshot::Sender<Result<(), String>>>,
+    handing_over: bool,
+}
+
+enum Flow {
+    Continue,
+    Stop,
+}
+
+pub(super) struct Controller {
+    spec: ShardSpec,
+    storage: Rc<Storage>,
+    cache: Rc<RefCell<BlockCache>>,
+    registration: Registration,
+    oplog_usage_bytes: Arc<AtomicU64>,
+    work: FuturesUnordered<LocalBoxFuture<'static, Finished>>,
+    /// Client requests accepted and not yet answered (in `work`, waiting for a writer slot,
+    /// or parked reads). At most `spec.max_requests_in_flight`.
+    requests_in_flight: usize,
+    /// Bumped for every block a write touches, when it starts and when it is durable. A
+    /// read's blocks enter the cache only if their bucket did not move while it ran.
+    generations: Vec<u64>,
+    /// Ranges of the bypass writes running now (pairwise disjoint).
+    bypass_ranges: Vec<(u64, u64)>,
+    /// Bypass writes waiting for a writer slot, in arrival order.
+    waiting_bypasses: VecDeque<(ShardRequest, u64, Bytes)>,
+    /// Reads that saw a checksum mismatch while a writer ran; rerun when no writer runs.
+    parked_reads: Vec<PendingRead>,
+    drain: DrainState,
+    /// Count of extent-store writers started (bypasses and drain steps).
+    writers_started: u64,
+    last_write: Instant,
+    retiring: Option<Retiring>,
+    requests_open: bool,
+    control_open: bool,
+}
+
+impl Controller {
+    pub(super) fn new(
+        spec: ShardSpec,
+        storage: Rc<Storage>,
+        cache: Rc<RefCell<BlockCache>>,
+        registration: Registration,
+        oplog_usage_bytes: Arc<AtomicU64>,
+    ) -> Self {
+        assert!(
+            spec.max_requests_in_flight > 0,
+            "a shard must take requests"
+        );
+        Controller {
+            spec,
+            storage,
+            cache,
+            registration,
+            oplog_usage_bytes,
+            work: FuturesUnordered::new(),
+            requests_in_flight: 0,
+            generations: vec![0; WRITE_GENERATION_BUCKETS],
+            bypass_ranges: Vec::new(),
+            waiting_bypasses: VecDeque::new(),
+            parked_reads: Vec::new(),
+            drain: DrainState::Idle,
+            writers_started: 0,
+            last_write: Instant::now(),
+            retiring: None,
+            requests_open: true,
+            control_open: true,
+        }
+    }
+
+    pub(super) async fn run(
+        mut self,
+        mut requests: mpsc::Receiver<ShardRequest>,
+        mut control: mpsc::Receiver<ShardControl>,
+        mut gate: watch::Receiver<bool>,
+    ) {
+        while !*gate.borrow_and_update() {
+            if gate.changed().await.is_err() {
+                break;
+            }
+        }
+        self.registration.set_serving(true);
+        loop {
+            let event = self.next_event(&mut requests, &mut control).await;
+            if let Flow::Stop = self.apply(event, &mut requests) {
+                break;
+            }
+            self.check_invariants();
+        }
+        self.registration.set_serving(false);
+    }
+
+    async fn next_event(
+        &mut self,
+        requests: &mut mpsc::Receiver<ShardRequest>,
+        control: &mut mpsc::Receiver<ShardControl>,
+    ) -> Event {
+        let admitting = self.admitting();
+        let drain_may_start = self.drain_may_start();
+        let timer = self.drain_timer();
+        let storage = self.storage.clone();
+        tokio::select! {
+            biased;
+            Some(finished) = self.work.next(), if !self.work.is_empty() => Event::Finished(finished),
+            command = control.recv(), if self.control_open && self.retiring.is_none() => match command {
+                Some(command) => Event::Control(command),
+                None => {
+                    self.control_open = false;
+                    Event::Quiet
+                }
+            },
+            request = requests.recv(), if admitting => match request {
+                Some(request) => Event::Request(request),
+                None => Event::RequestsClosed,
+            },
+            () = storage.oplog.drain_wanted(), if drain_may_start => Event::DrainWanted,
+            () = tokio::time::sleep_until(timer.unwrap_or_else(Instant::now)), if timer.is_some() => Event::DrainTimer,
+            else => Event::Quiet,
+        }
+    }
+
+    fn apply(&mut self, event: Event, requests: &mut mpsc::Receiver<ShardRequest>) -> Flow {
+        match event {
+            Event::Request(request) => self.accept(request),
+            Event::Control(ShardControl::Retire { discard, done }) => {
+                self.begin_retiring(discard, done, requests)
+            }
+            Event::Finished(finished) => {
+                if let Flow::Stop = self.finish(finished) {
+                    return Flow::Stop;
+                }
+            }
+            Event::DrainWanted => self.start_drain(),
+            Event::DrainTimer => {
+                if matches!(self.drain, DrainState::BackingOff { .. }) {
+                    self.drain = DrainState::Idle;
+                }
+                if self.drain_may_start() {
+                    self.start_drain();
+                }
+            }
+            Event::RequestsClosed => self.requests_open = false,
+            Event::Quiet => {
+                if self.work.is_empty() && !self.requests_open && self.retiring.is_none() {
+                    return Flow::Stop;
+                }
+            }
+        }
+        self.start_waiting_writers();
+        self.maybe_hand_over();
+        Flow::Continue
+    }
+
+    /// New client requests are taken while serving and below the in-flight limit.
+    fn admitting(&self) -> bool {
+        self.requests_open
+            && self.retiring.is_none()
+            && self.requests_in_flight < self.spec.max_requests_in_flight
+    }
+
+    fn check_invariants(&self) {
+        assert!(self.requests_in_flight <= self.spec.max_requests_in_flight);
+        assert_eq!(self.generations.len(), WRITE_GENERATION_BUCKETS);
+        if matches!(self.drain, DrainState::Running) {
+            assert!(
+                self.bypass_ranges.is_empty(),
+                "a drain step runs alone among extent-store writers"
+            );
+        }
+        for (i, a) in self.bypass_ranges.iter().enumerate() {
+            for b in &self.bypass_ranges[i + 1..] {
+                assert!(!overlaps(*a, *b), "bypass writes {a:?} and {b:?} overlap");
+            }
+        }
+        if let Some(retiring) = &self.retiring {
+            if retiring.handing_over {
+                assert_eq!(
+                    self.requests_in_flight, 0,
+                    "hand-over with requests in flight"
+                );
+            }
+        }
+    }
+
+    // ----- client requests -----
+
+    fn accept(&mut self, request: ShardRequest) {
+        match request.op {
+            ShardOp::Read { offset, length } => {
+                if let Some(data) = self.registration.read_cached(offset, length) {
+                    request.answer(Ok(ShardReply::Data(data)));
+                    return;
+                }
+                self.requests_in_flight += 1;
+                let read = self.pending_read(request, offset, length, 1);
+                self.start_read(read);
+            }
+            ShardOp::Write { offset, ref data } => {
+                let data = data.clone();
+                self.requests_in_flight += 1;
+                self.start_write(request, offset, data);
+            }
+            ShardOp::WriteZeroes {
+                offset,
+                length,
+                punch_hole,
+            } => {
+                self.requests_in_flight += 1;
+                if punch_hole {
+                    self.start_zeroes(request, offset, length);
+                } else {
+                    // The client asked for allocated zeros: store real zero bytes.
+                    let zeros = Bytes::from(vec![0u8; length as usize]);
+                    self.start_write(request, offset, zeros);
+                }
+            }
+            ShardOp::BlockStatus { offset, length } => {
+                self.requests_in_flight += 1;
+                let storage = self.storage.clone();
+                let vdisk = self.spec.vdisk;
+                self.work.push(Box::pin(async move {
+                    let result = work::block_status(storage, vdisk, offset, length).await;
+                    Finished::Status { request, result }
+                }));
+            }
+        }
+    }
+
+    fn pending_read(
+        &self,
+        request: ShardRequest,
+        offset: u64,
+        length: u64,
+        attempt: u32,
+    ) -> PendingRead {
+        PendingRead {
+            request,
+            offset,
+            length,
+            attempt,
+            generations: block_range(offset, length)
+                .map(|b| self.generations[bucket(b)])
+                .collect(),
+            writers_started_before: self.writers_started,
+            writer_was_running: self.writers_running() > 0,
+        }
+    }
+
+    fn start_read(&mut self, read: PendingRead) {
+        let storage = self.storage.clone();
+        let vdisk = self.spec.vdisk;
+        let (offset, length) = (read.offset, read.length);
+        self.work.push(Box::pin(async move {
+            let result = work::read(storage, vdisk, offset, length).await;
+            Finished::Read { read, result }
+        }));
+    }
+
+    fn start_write(&mut self, request: ShardRequest, offset: u64, data: Bytes) {
+        let length = data.len() as u64;
+        self.invalidate(offset, length);
+        self.last_write = Instant::now();
+        if work::bypasses_oplog(&self.storage.oplog, offset, length) {
+            self.waiting_bypasses.push_back((request, offset, data));
+            return;
+        }
+        let storage = self.storage.clone();
+        let vdisk = self.spec.vdisk;
+        self.work.push(Box::pin(async move {
+            let result = work::append_write(storage, vdisk, offset, data).await;
+            Finished::Written {
+                request,
+                offset,
+                length,
+                bypass: false,
+                result,
+            }
+        }));
+    }
+
+    fn start_zeroes(&mut self, request: ShardRequest, offset: u64, length: u64) {
+        self.invalidate(offset, length);
+        self.last_write = Instant::now();
+        let storage = self.storage.clone();
+        let vdisk = self.spec.vdisk;
+        self.work.push(Box::pin(async move {
+            let result = work::append_zeroes(storage, vdisk, offset, length).await;
+            Finished::Written {
+                request,
+                offset,
+                length,
+                bypass: false,
+                result,
+            }
+        }));
+    }
+
+    /// Starts the waiting bypass writes that may run now, in arrival order: not while a drain
+    /// step runs or the oplog wants one (a drain must not starve), not over a running one.
+    fn start_waiting_writers(&mut self) {
+        while let Some((_, offset, data)) = self.waiting_bypasses.front() {
+            let range = (*offset, offset + data.len() as u64);
+            let blocked = matches!(self.drain, DrainState::Running)
+                || self.storage.oplog.needs_drain()
+                || self.bypass_ranges.iter().any(|r| overlaps(*r, range));
+            if blocked {
+                break;
+            }
+            let Some((request, offset, data)) = self.waiting_bypasses.pop_front() else {
+                break;
+            };
+            self.bypass_ranges.push(range);
+            self.writers_started += 1;
+            let storage = self.storage.clone();
+            let vdisk = self.spec.vdisk;
+            let length = data.len() as u64;
+            self.work.push(Box::pin(async move {
+                let result = work::write_bypass(storage, vdisk, offset, data).await;
+                Finished::Written {
+                    request,
+                    offset,
+                    length,
+                    bypass: true,
+                    result,
+                }
+            }));
+        }
+        if self.writers_running() == 0 {
+            for read in std::mem::take(&mut self.parked_reads) {
+                let read = self.pending_read(read.request, read.offset, read.length, read.attempt);
+                self.start_read(read);
+            }
+        }
+    }
+
+    // ----- finished work -----
+
+    fn finish(&mut self, finished: Finished) -> Flow {
+        match finished {
+            Finished::Read { read, result } => self.finish_read(read, result),
+            Finished::Written {
+                request,
+                offset,
+                length,
+                bypass,
+                result,
+            } => {
+                if bypass {
+                    let range = (offset, offset + length);
+                    self.bypass_ranges.retain(|r| *r != range);
+                }
+                self.invalidate(offset, length);
+                self.publish_usage();
+                self.answer(request, result.map(|()| ShardReply::Done));
+            }
+            Finished::Status { request, result } => {
+                self.answer(request, result.map(ShardReply::Status));
+            }
+            Finished::Drained(result) => self.finish_drain(result),
+            Finished::HandedOver(result) => {
+                if let Some(done) = self.retiring.as_mut().and_then(|r| r.done.take()) {
+                    let _ = done.send(result);
+                }
+                return Flow::Stop;
+            }
+        }
+        Flow::Continue
+    }
+
+    fn finish_read(&mut self, read: PendingRead, result: Result<ReadData, ReadFailure>) {
+        match result {
+            Ok(data) => {
+                self.cache_fills(&read, &data.fills);
+                self.answer(read.request, Ok(ShardReply::Data(data.data)));
+            }
+            Err(ReadFailure::LogMoved) if read.attempt < MAX_READ_ATTEMPTS => {
+                let read =
+                    self.pending_read(read.request, read.offset, read.length, read.attempt + 1);
+                self.start_read(read);
+            }
+            Err(ReadFailure::LogMoved) => {
+                let error = IoError::Io(format!(
+                    "oplog kept changing under a read at {}",
+                    read.offset
+                ));
+                self.answer(read.request, Err(error));
+            }
+            Err(ReadFailure::Corrupt(error)) => {
+                let writer_overlapped = read.writer_was_running
+                    || read.writers_started_before != self.writers_started
+                    || self.writers_running() > 0;
+                if writer_overlapped && read.attempt < MAX_READ_ATTEMPTS {
+                    let mut read = read;
+                    read.attempt += 1;
+                    self.parked_reads.push(read);
+                } else {
+                    self.answer(read.request, Err(error));
+                }
+            }
+            Err(ReadFailure::Failed(error)) => self.answer(read.request, Err(error)),
+        }
+    }
+
+    /// Caches the whole blocks a read brought from the extent store, unless a write touched
+    /// their bucket since the read started.
+    fn cache_fills(&self, read: &PendingRead, fills: &[(u64, Bytes)]) {
+        let first_block = read.offset / BLOCK_SIZE_BYTES;
+        let mut cache = self.cache.borrow_mut();
+        for (first, whole) in fills {
+            for (i, chunk) in whole.chunks(BLOCK_SIZE_BYTES as usize).enumerate() {
+                let block = first + i as u64;
+                let Some(&seen) = read.generations.get((block - first_block) as usize) else {
+                    continue;
+                };
+                if self.generations[bucket(block)] != seen {
+                    continue;
+                }
+                let start = i * BLOCK_SIZE_BYTES as usize;
+                let data = whole.slice(start..start + chunk.len());
+                cache.insert(cache_key(self.registration_key(), block), data);
+            }
+        }
+    }
+
+    fn answer(&mut self, request: ShardRequest, result: Result<ShardReply, IoError>) {
+        assert!(
+            self.requests_in_flight > 0,
+            "answering a request never taken"
+        );
+        self.requests_in_flight -= 1;
+        request.answer(result.map_err(ShardError::Io));
+    }
+
+    // ----- drain -----
+
+    fn writers_running(&self) -> u64 {
+        self.bypass_ranges.len() as u64 + u64::from(matches!(self.drain, DrainState::Running))
+    }
+
+    fn drain_may_start(&self) -> bool {
+        matches!(self.drain, DrainState::Idle)
+            && self.bypass_ranges.is_empty()
+            && self.retiring.is_none()
+            && !self.storage.oplog.is_empty()
+    }
+
+    /// When the loop should wake for the drain: the end of a retry delay, or (with data in the
+    /// log and nothing draining) the moment writes have paused for `drain_idle`.
+    fn drain_timer(&self) -> Option<Instant> {
+        match self.drain {
+            DrainState::BackingOff { until } => Some(until),
+            DrainState::Idle if self.drain_may_start() => {
+                Some(self.last_write + self.spec.drain_idle)
+            }
+            _ => None,
+        }
+    }
+
+    fn start_drain(&mut self) {
+        if !self.drain_may_start() {
+            return;
+        }
+        self.drain = DrainState::Running;
+        self.writers_started += 1;
+        let storage = self.storage.clone();
+        let max_bytes = self.spec.drain_batch_bytes;
+        self.work.push(Box::pin(async move {
+            Finished::Drained(work::drain_step(storage, max_bytes).await)
+        }));
+    }
+
+    fn finish_drain(&mut self, result: Result<usize, DrainError>) {
+        self.publish_usage();
+        match result {
+            Ok(_) => self.drain = DrainState::Idle,
+            Err(error) => {
+                tracing::error!(vdisk = %self.spec.vdisk, shard = self.spec.index, %error,
+                    no_space = error.is_no_space(),
+                    "oplog drain failed; retrying in {DRAIN_RETRY_DELAY:?}");
+                self.drain = DrainState::BackingOff {
+                    until: Instant::now() + DRAIN_RETRY_DELAY,
+                };
+            }
+        }
+    }
+
+    // ----- retirement -----
+
+    fn begin_retiring(
+        &mut self,
+        discard: bool,
+        done: oneshot::Sender<Result<(), String>>,
+        requests: &mut mpsc::Receiver<ShardRequest>,
+    ) {
+        self.registration.set_serving(false);
+        requests.close();
+        while let Ok(request) = requests.try_recv() {
+            request.answer(Err(ShardError::Retired));
+        }
+        self.retiring = Some(Retiring {
+            discard,
+            done: Some(done),
+            handing_over: false,
+        });
+    }
+
+    /// Once a retiring controller has nothing in flight, it drains (or drops) its oplog and
+    /// removes it; its reply ends the loop.
+    fn maybe_hand_over(&mut self) {
+        let idle = self.requests_in_flight == 0 && self.work.is_empty();
+        let Some(retiring) = self.retiring.as_mut() else {
+            return;
+        };
+        if retiring.handing_over || !idle {
+            return;
+        }
+        retiring.handing_over = true;
+        let storage = self.storage.clone();
+        let dir = self.spec.oplog_dir.clone();
+        let discard = retiring.discard;
+        self.work.push(Box::pin(async move {
+            Finished::HandedOver(work::hand_over(storage, dir, discard).await)
+        }));
+    }
+
+    // ----- helpers -----
+
+    fn registration_key(&self) -> super::ShardKey {
+        super::ShardKey {
+            vdisk: self.spec.vdisk,
+            epoch: self.spec.epoch,
+            index: self.spec.index,
+        }
+    }
+
+    /// Marks blocks as changing and drops them from the cache.
+    fn invalidate(&mut self, offset: u64, length: u64) {
+        let key = self.registration_key();
+        let mut cache = self.cache.borrow_mut();
+        for block in block_range(offset, length) {
+            self.generations[bucket(block)] += 1;
+            cache.invalidate(&cache_key(key, block));
+        }
+    }
+
+    fn publish_usage(&self) {
+        self.oplog_usage_bytes
+            .store(self.storage.oplog.usage_bytes(), Ordering::Relaxed);
+    }
+}
+
+fn bucket(block: u64) -> usize {
+    (block as usize) % WRITE_GENERATION_BUCKETS
+}
+
+fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
+    a.0 < b.1 && b.0 < a.1
+}

@@ -1,0 +1,208 @@
+//! A shard controller: the single-threaded owner of some offset ranges of one vdisk on one
+//! reactor. It owns its oplog and its view of the extent store for its ranges, and uses its
+//! reactor's read cache.
+//!
+//! The controller is one event loop (`controller`): it selects the next event (a client
+//! request, a finished piece of storage work, a control command, the drain's triggers),
+//! applies it to its state, and checks its invariants. Storage work (disk reads, oplog
+//! appends, extent-store writes, drain steps) runs as futures the loop owns (`work`); they
+//! hold handles to the oplog and extent store but never touch controller state: what they
+//! produce is applied by the loop when they finish. Connections on the same reactor may also
+//! read cached blocks directly (`inline`), synchronously, between two events.
+//!
+//! All state is touched only from this reactor thread.
+
+mod controller;
+mod inline;
+mod work;
+
+pub use inline::read_cached_now;
+pub use work::{drain_all, remove_oplog_dir};
+
+use crate::cache::BlockCache;
+use crate::reactor::{ReactorId, ReplyRoute};
+use ashlar_core::{BlockStatusRun, Epoch, IoError, VdiskId};
+use ashlar_storage::disk::{Disk, StdOpener};
+use ashlar_storage::extent_store::{ExtentStore, ExtentStoreConfig};
+use ashlar_storage::oplog::{Oplog, OplogConfig};
+use bytes::Bytes;
+use std::cell::RefCell;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot, watch};
+
+/// The filesystem shard controllers keep their files on.
+pub(crate) type Fs = StdOpener;
+
+/// What a shard is asked to do. Ranges never cross the shard's range boundaries: the vdisk
+/// handle splits requests before sending them.
+#[derive(Debug)]
+pub enum ShardOp {
+    Read {
+        offset: u64,
+        length: u64,
+    },
+    Write {
+        offset: u64,
+        data: Bytes,
+    },
+    /// Reads back as zeros; `punch_hole` lets storage be freed.
+    WriteZeroes {
+        offset: u64,
+        length: u64,
+        punch_hole: bool,
+    },
+    BlockStatus {
+        offset: u64,
+        length: u64,
+    },
+}
+
+#[derive(Debug)]
+pub enum ShardReply {
+    Data(Bytes),
+    Done,
+    Status(Vec<BlockStatusRun>),
+}
+
+#[derive(Debug)]
+pub enum ShardError {
+    /// This shard no longer serves the range (the shard map changed): resend on the new map.
+    Retired,
+    Io(IoError),
+}
+
+pub struct ShardRequest {
+    pub op: ShardOp,
+    pub reply: oneshot::Sender<Result<ShardReply, ShardError>>,
+    /// How the reply gets back to the requester's reactor cheaply; `None` off the reactors.
+    pub route: Option<ReplyRoute>,
+}
+
+impl ShardRequest {
+    /// Sends the outcome back to the requester, through its reactor's reply route if any.
+    fn answer(self, result: Result<ShardReply, ShardError>) {
+        send_reply(self.reply, self.route, result);
+    }
+}
+
+pub(crate) fn send_reply(
+    reply: oneshot::Sender<Result<ShardReply, ShardError>>,
+    route: Option<ReplyRoute>,
+    result: Result<ShardReply, ShardError>,
+) {
+    match route {
+        Some(route) => route.deliver(move || {
+            let _ = reply.send(result);
+        }),
+        None => {
+            let _ = reply.send(result);
+        }
+    }
+}
+
+pub enum ShardControl {
+    /// Stop serving: answer queued requests with `Retired`, finish in-flight ones, then either
+    /// drain the oplog into the extent store (`discard == false`) or drop it (vdisk deleted).
+    Retire {
+        discard: bool,
+        done: oneshot::Sender<Result<(), String>>,
+    },
+}
+
+/// Control commands queued per shard. Only the engine sends them, one at a time per shard.
+pub const SHARD_CONTROL_QUEUE_LIMIT: usize = 4;
+
+/// Everything needed to start a shard controller.
+#[derive(Clone, Debug)]
+pub struct ShardSpec {
+    pub vdisk: VdiskId,
+    pub epoch: Epoch,
+    pub index: u32,
+    pub oplog_dir: PathBuf,
+    pub oplog_capacity_bytes: u64,
+    pub disks: Vec<Disk>,
+    pub max_open_egroups: usize,
+    pub drain_batch_bytes: u64,
+    pub drain_idle: Duration,
+    pub request_queue_limit: usize,
+    /// Client requests a controller works on at once (reads in flight, writes waiting for
+    /// their commit); more wait in the request queue.
+    pub max_requests_in_flight: usize,
+}
+
+/// Names one shard controller among those of its reactor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ShardKey {
+    pub vdisk: VdiskId,
+    pub epoch: Epoch,
+    pub index: u32,
+}
+
+/// How other threads reach a running shard.
+#[derive(Clone)]
+pub struct ShardLink {
+    pub requests: mpsc::Sender<ShardRequest>,
+    pub control: mpsc::Sender<ShardControl>,
+    pub oplog_usage_bytes: Arc<AtomicU64>,
+    pub key: ShardKey,
+    /// The reactor the controller runs on; `None` when started off the reactors (tests).
+    pub reactor: Option<ReactorId>,
+}
+
+/// The oplog and extent store of one shard, shared by the controller and its storage work.
+pub(crate) struct Storage {
+    pub oplog: Oplog<Fs>,
+    pub store: ExtentStore<Fs>,
+}
+
+/// Starts a shard controller on the current reactor. It serves nothing until `gate` is true,
+/// so a new shard map can be published before the old shards have handed over.
+pub async fn start_shard(
+    spec: ShardSpec,
+    cache: Rc<RefCell<BlockCache>>,
+    gate: watch::Receiver<bool>,
+) -> Result<ShardLink, String> {
+    let oplog = Oplog::open(
+        StdOpener,
+        OplogConfig::new(spec.oplog_dir.clone(), spec.oplog_capacity_bytes),
+    )
+    .await
+    .map_err(|e| format!("cannot open oplog {}: {e}", spec.oplog_dir.display()))?;
+    let store = ExtentStore::new(
+        StdOpener,
+        ExtentStoreConfig {
+            vdisk: spec.vdisk,
+            disks: spec.disks.clone(),
+            max_open_egroups: spec.max_open_egroups,
+        },
+    );
+    let (request_tx, request_rx) = mpsc::channel(spec.request_queue_limit);
+    let (control_tx, control_rx) = mpsc::channel(SHARD_CONTROL_QUEUE_LIMIT);
+    let oplog_usage_bytes = Arc::new(AtomicU64::new(oplog.usage_bytes()));
+    let key = ShardKey {
+        vdisk: spec.vdisk,
+        epoch: spec.epoch,
+        index: spec.index,
+    };
+    let storage = Rc::new(Storage { oplog, store });
+    let registration = inline::register(key, storage.clone(), cache.clone());
+    let controller = controller::Controller::new(
+        spec,
+        storage,
+        cache,
+        registration,
+        oplog_usage_bytes.clone(),
+    );
+    tokio::task::spawn_local(controller.run(request_rx, control_rx, gate));
+    Ok(ShardLink {
+        requests: request_tx,
+        control: control_tx,
+        oplog_usage_bytes,
+        key,
+        reactor: crate::reactor::current_reactor(),
+    })
+}
