@@ -9,7 +9,7 @@
 mod common;
 
 use common::nbd::{request_bytes, NbdConn, CMD_WRITE};
-use common::{run_bounded, wait_until, CmdOut, Node, Rng, MIB};
+use common::{ashlar, run_bounded, wait_until, CmdOut, Node, Rng, MIB};
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -55,9 +55,7 @@ fn stall(node: &Node, offset: u64, payload: Arc<Vec<u8>>, sent: Arc<AtomicUsize>
     let control = conn.stream.try_clone().unwrap();
     let thread = std::thread::spawn(move || {
         let header = request_bytes(CMD_WRITE, 0, 1, offset, WRITE_BYTES, &[]);
-        if conn.stream.write_all(&header).is_ok()
-            && conn.stream.write_all(&payload[..]).is_ok()
-        {
+        if conn.stream.write_all(&header).is_ok() && conn.stream.write_all(&payload[..]).is_ok() {
             sent.fetch_add(1, Ordering::SeqCst);
         }
         // Stall: hold the connection (and whatever the node reserved for it) until shut down.
@@ -90,7 +88,14 @@ fn stalled_maximal_writes_hold_no_more_than_the_request_budget() {
     let payload = Arc::new(vec![0xabu8; WRITE_BYTES as usize - 1]);
     let sent = Arc::new(AtomicUsize::new(0));
     let stallers: Vec<Staller> = (0..STALLERS)
-        .map(|i| stall(&node, (i as u64 % 4) * 32 * MIB, payload.clone(), sent.clone()))
+        .map(|i| {
+            stall(
+                &node,
+                (i as u64 % 4) * 32 * MIB,
+                payload.clone(),
+                sent.clone(),
+            )
+        })
         .collect();
     assert!(
         wait_until(Duration::from_secs(60), || sent.load(Ordering::SeqCst) >= 2),
@@ -117,14 +122,7 @@ fn stalled_maximal_writes_hold_no_more_than_the_request_budget() {
     fresh.disconnect();
     let qemu = CmdOut::from_output(run_bounded(
         "qemu-io",
-        &[
-            "-r",
-            "-f",
-            "raw",
-            "-c",
-            "read -P 0 0 64k",
-            &node.uri(VDISK),
-        ],
+        &["-r", "-f", "raw", "-c", "read -P 0 0 64k", &node.uri(VDISK)],
         30,
     ));
     qemu.assert_ok("qemu-io reads 64 KiB while stalled writers hold the budget");
@@ -157,7 +155,10 @@ fn stalled_maximal_writes_hold_no_more_than_the_request_budget() {
     }
     let big = Rng::new(99).bytes(WRITE_BYTES as usize);
     good.write_ok(128 * MIB, &big);
-    assert!(good.read_ok(128 * MIB, WRITE_BYTES) == big, "32 MiB read back");
+    assert!(
+        good.read_ok(128 * MIB, WRITE_BYTES) == big,
+        "32 MiB read back"
+    );
     for i in 0..4 {
         assert_eq!(
             good.read_ok(i * 32 * MIB + 32 * MIB - 4096, 4096),
@@ -319,4 +320,37 @@ fn connect_raw_when_free(node: &Node) -> TcpStream {
         "a freed slot should take a raw connection"
     );
     raw.unwrap()
+}
+
+#[test]
+fn limit_flags_are_explained_and_checked() {
+    let help = ashlar(&["node", "--help"]);
+    help.assert_ok("ashlar node --help");
+    let text = help.stdout.split_whitespace().collect::<Vec<_>>().join(" ");
+    for needle in [
+        "--nbd-request-budget <SIZE>",
+        "whole node holds in memory",
+        "[default: 256M]",
+        "--max-connections <N>",
+        "closed at once",
+        "[default: 1024]",
+    ] {
+        assert!(
+            text.contains(needle),
+            "node --help lacks {needle:?}:\n{}",
+            help.stdout
+        );
+    }
+    // Refused before anything is started: one error line, exit 1.
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().to_str().unwrap();
+    let node = |flags: &[&str]| {
+        let mut args = vec!["node", "--data-dir", data, "--nbd-listen", "127.0.0.1:0"];
+        args.extend_from_slice(flags);
+        ashlar(&args)
+    };
+    node(&["--max-connections", "0"]).assert_cli_error("--max-connections must be at least 1");
+    node(&["--nbd-request-budget", "512K"]).assert_cli_error("between 1M and 1T");
+    node(&["--nbd-request-budget", "2T"]).assert_cli_error("between 1M and 1T");
+    node(&["--nbd-request-budget", "lots"]).assert_cli_error("--nbd-request-budget");
 }

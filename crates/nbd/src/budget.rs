@@ -240,7 +240,11 @@ mod tests {
         assert_eq!(budget.available_bytes(), 1 << 20);
         let c = ledger.try_take(100).unwrap();
         assert!(matches!(c, Charge::Shared(_)));
-        assert_eq!(budget.available_bytes(), (1 << 20) - 1024, "rounded up to 1 KiB");
+        assert_eq!(
+            budget.available_bytes(),
+            (1 << 20) - 1024,
+            "rounded up to 1 KiB"
+        );
         drop((a, b, c));
         assert_eq!(ledger.held.get(), 0);
         assert_eq!(budget.available_bytes(), 1 << 20);

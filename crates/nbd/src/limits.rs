@@ -108,7 +108,11 @@ mod tests {
         let clone = limits.clone();
         assert_eq!(limits, clone);
         assert_eq!(Effective::from(&clone).budget, limits.request_budget);
-        assert_ne!(limits, NbdLimits::default(), "a fresh default is another budget");
+        assert_ne!(
+            limits,
+            NbdLimits::default(),
+            "a fresh default is another budget"
+        );
     }
 
     #[test]

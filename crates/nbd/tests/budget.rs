@@ -45,7 +45,9 @@ fn a_stalled_write_holds_the_budget_others_wait_and_small_io_goes_on() {
         // A write of the whole budget that stops one byte short of its end.
         let (mut stalled, _) = Client::connect(server.addr, "mem", SIMPLE).await;
         let data = noise(1, MIB as usize);
-        stalled.send(CMD_WRITE, 0, 0, MIB, &data[..MIB as usize - 1]).await;
+        stalled
+            .send(CMD_WRITE, 0, 0, MIB, &data[..MIB as usize - 1])
+            .await;
         wait_available(&budget, 0).await;
 
         // A write that needs the shared budget waits: no reply, and its payload stays unread.
