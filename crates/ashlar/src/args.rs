@@ -24,6 +24,8 @@ pub struct Cli {
     pub command: Command,
 }
 
+// Parsed once per process: the size difference between the variants costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Run a node: serve its vdisks over NBD and its API over HTTP until SIGTERM/SIGINT.
@@ -82,6 +84,19 @@ pub struct NodeArgs {
     /// Requests in flight per NBD connection before the server stops reading more.
     #[arg(long, default_value_t = 64, value_name = "N")]
     pub nbd_max_in_flight: usize,
+    /// Bytes of NBD request payloads (write data being received or waiting to be written,
+    /// read data waiting to be sent) the whole node holds in memory, over all connections
+    /// (K/M/G suffixes, binary units; 1M to 1T). A connection that finds it used up stops
+    /// reading until some is released; no request fails for it. Besides it, each connection
+    /// may hold 128 KiB for small I/O. A request larger than the budget waits until it can
+    /// take all of it.
+    #[arg(long, default_value = "256M", value_name = "SIZE")]
+    pub nbd_request_budget: String,
+    /// NBD connections the node serves at once (at least 1). Over the limit, a new connection
+    /// is accepted and closed at once (the client sees EOF), with a warning logged at most
+    /// every 10 seconds; connections already served are unaffected.
+    #[arg(long, default_value_t = 1024, value_name = "N")]
+    pub max_connections: usize,
     /// Create this vdisk at startup if it does not exist yet (e.g. demo:8G). Repeatable.
     #[arg(long = "ensure-vdisk", value_name = "NAME:SIZE")]
     pub ensure_vdisks: Vec<String>,

@@ -9,7 +9,7 @@ use ashlar_engine::reactor::{default_reactor_count, ReactorId};
 use ashlar_engine::vdisk::ConnectionGuard;
 use ashlar_engine::{Engine, EngineConfig, EngineError, VdiskHandle};
 use ashlar_meta::EmbeddedMetaStore;
-use ashlar_nbd::{resume_connection, serve_or_hand_over, Handover, NbdLimits};
+use ashlar_nbd::{resume_connection, serve_or_hand_over, Handover, NbdLimits, RequestBudget};
 use ashlar_storage::disk::{Disk, Tier};
 use std::path::PathBuf;
 use std::rc::Rc;
@@ -21,6 +21,9 @@ use tokio::sync::{watch, Notify};
 
 /// How long SIGTERM waits for clients' in-flight requests before exiting anyway.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// At most one warning per this interval about connections refused at `--max-connections`.
+const REFUSAL_WARNING_INTERVAL: Duration = Duration::from_secs(10);
 
 pub fn run(args: NodeArgs) -> Result<()> {
     init_logging();
@@ -101,14 +104,22 @@ fn engine_config(args: &NodeArgs) -> Result<EngineConfig> {
     })
 }
 
+/// The NBD limits of every connection. They hold the node's one request budget, which every
+/// connection on every reactor shares (clones of `NbdLimits` share it).
 fn nbd_limits(args: &NodeArgs) -> Result<NbdLimits> {
     let max = parse_size(&args.nbd_max_request).map_err(|e| anyhow!("--nbd-max-request: {e}"))?;
     if !(4096..=(1 << 30)).contains(&max) {
         bail!("--nbd-max-request must be between 4K and 1G");
     }
+    let budget =
+        parse_size(&args.nbd_request_budget).map_err(|e| anyhow!("--nbd-request-budget: {e}"))?;
+    if !((1 << 20)..=(1 << 40)).contains(&budget) {
+        bail!("--nbd-request-budget must be between 1M and 1T");
+    }
     Ok(NbdLimits {
         max_request_bytes: max as u32,
         max_in_flight_requests: args.nbd_max_in_flight.max(1),
+        request_budget: RequestBudget::new(budget),
         ..NbdLimits::default()
     })
 }
@@ -133,6 +144,9 @@ async fn serve(args: NodeArgs) -> Result<()> {
         .with_context(|| format!("creating data directory {}", args.data_dir.display()))?;
     let config = engine_config(&args)?;
     let limits = nbd_limits(&args)?;
+    if args.max_connections == 0 {
+        bail!("--max-connections must be at least 1");
+    }
     let meta_path = args.data_dir.join("meta.redb");
     let meta = EmbeddedMetaStore::open(&meta_path)
         .map_err(|e| anyhow!("opening metadata store {}: {e}", meta_path.display()))?;
@@ -147,7 +161,7 @@ async fn serve(args: NodeArgs) -> Result<()> {
         .await
         .map_err(|e| anyhow!("starting the engine: {e}"))?;
     ensure_vdisks(&engine, &args.ensure_vdisks).await?;
-    print_banner(&args, &engine, started.elapsed());
+    print_banner(&args, &engine, &limits, started.elapsed());
 
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let connections = Arc::new(ConnectionCount::default());
@@ -170,6 +184,7 @@ async fn serve(args: NodeArgs) -> Result<()> {
         limits,
         shutdown_rx.clone(),
         connections.clone(),
+        args.max_connections,
     );
     tokio::select! {
         result = accept => result?,
@@ -189,9 +204,11 @@ async fn serve(args: NodeArgs) -> Result<()> {
     Ok(())
 }
 
-fn print_banner(args: &NodeArgs, engine: &NodeEngine, startup: Duration) {
+fn print_banner(args: &NodeArgs, engine: &NodeEngine, limits: &NbdLimits, startup: Duration) {
     let config = engine.config();
     tracing::info!(reactors = config.reactors, cache = %format_size(config.cache_bytes),
+        nbd_request_budget = %format_size(limits.request_budget.capacity_bytes()),
+        max_connections = args.max_connections,
         startup_ms = startup.as_millis() as u64, "node ready");
     println!(
         "Ashlar node ready: NBD on {}, HTTP API on http://{}",
@@ -256,12 +273,41 @@ impl ConnectionCount {
     }
 }
 
+/// One live connection, counted from its accept until it ends, however it ends (the ticket
+/// moves with a connection handed over to another reactor, so it is counted once).
 struct ConnectionTicket(Arc<ConnectionCount>);
 
 impl Drop for ConnectionTicket {
     fn drop(&mut self) {
         self.0.live.fetch_sub(1, Ordering::SeqCst);
         self.0.changed.notify_waiters();
+    }
+}
+
+/// Connections refused at `--max-connections`, warned about at most once per
+/// [`REFUSAL_WARNING_INTERVAL`] so a flood of connections cannot flood the log.
+#[derive(Default)]
+struct Refusals {
+    last_warning: Option<Instant>,
+    unreported: u64,
+}
+
+impl Refusals {
+    fn refused(&mut self, peer: std::net::SocketAddr, limit: usize) {
+        self.unreported += 1;
+        let now = Instant::now();
+        if self
+            .last_warning
+            .is_some_and(|last| now.duration_since(last) < REFUSAL_WARNING_INTERVAL)
+        {
+            tracing::debug!(%peer, "NBD connection refused: connection limit reached");
+            return;
+        }
+        tracing::warn!(%peer, limit, refused = self.unreported,
+            "NBD connection limit reached (--max-connections); closing new connections at once \
+             (this warning repeats at most every 10 s; `refused` counts since the last one)");
+        self.last_warning = Some(now);
+        self.unreported = 0;
     }
 }
 
@@ -307,14 +353,17 @@ fn move_connection(
 /// Accepts NBD clients and places each connection on a reactor, round-robin; once a client
 /// has chosen its vdisk, a connection on a reactor that runs none of the vdisk's shards moves
 /// to one that does, so its requests are served without crossing reactors where possible.
+/// With `max_connections` live, a new connection is closed as soon as it is accepted.
 async fn accept_loop(
     listener: TcpListener,
     engine: Arc<NodeEngine>,
     limits: NbdLimits,
     shutdown: watch::Receiver<bool>,
     connections: Arc<ConnectionCount>,
+    max_connections: usize,
 ) -> Result<()> {
     let mut next_reactor = 0usize;
+    let mut refusals = Refusals::default();
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
@@ -325,6 +374,13 @@ async fn accept_loop(
                 continue;
             }
         };
+        // Only this loop adds connections, so the count cannot pass the limit in between.
+        if connections.live() >= max_connections {
+            refusals.refused(peer, max_connections);
+            // Closed now, the client sees EOF instead of waiting in the listen backlog.
+            drop(stream);
+            continue;
+        }
         let std_stream = match stream.into_std() {
             Ok(s) => s,
             Err(error) => {

@@ -284,6 +284,8 @@ fn help_mentions_every_flag() {
                 "--poll-window-us",
                 "--nbd-max-request",
                 "--nbd-max-in-flight",
+                "--nbd-request-budget",
+                "--max-connections",
                 "--ensure-vdisk",
             ],
         ),

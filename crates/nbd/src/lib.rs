@@ -6,7 +6,12 @@
 //! driver enabled): device futures need not be `Send`. A read the device can answer at once
 //! (`BlockDevice::read_now`) is answered by the reader itself; every other request runs as a
 //! `spawn_local` task.
+//!
+//! Memory: every request's payload is reserved from a [`RequestBudget`] shared by all
+//! connections (see `NbdLimits::request_budget`) before it is read or executed; a connection
+//! without budget stops reading its socket until some is released.
 
+mod budget;
 mod error;
 mod execute;
 mod handshake;
@@ -21,6 +26,7 @@ mod transmission;
 mod violation;
 mod writer;
 
+pub use budget::{RequestBudget, DEFAULT_CONNECTION_ALLOWANCE_BYTES, DEFAULT_REQUEST_BUDGET_BYTES};
 pub use error::NbdError;
 pub use limits::NbdLimits;
 

@@ -1,16 +1,27 @@
-//! Per-connection limits and the protocol-valid values derived from them.
+//! Connection limits, the budget shared by connections, and the protocol-valid values derived
+//! from them.
 
+use crate::budget::{RequestBudget, DEFAULT_CONNECTION_ALLOWANCE_BYTES};
 use std::time::Duration;
 
-/// Limits of one NBD connection. Each bounds memory or time a client can make the server
-/// spend; see `docs/nbd.md`.
+/// Limits of NBD connections. Each bounds memory or time a client can make the server spend;
+/// see `docs/nbd.md`. Clones share one [`RequestBudget`], so every connection served with a
+/// clone of these limits draws on the same budget.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NbdLimits {
     /// Largest READ or WRITE payload accepted, advertised as the maximum block size.
     pub max_request_bytes: u32,
     /// Requests read but not yet answered, per connection; at the limit the server stops
-    /// reading (backpressure). Worst-case buffered payload is this times `max_request_bytes`.
+    /// reading (backpressure).
     pub max_in_flight_requests: usize,
+    /// Payload bytes (WRITE data being read or waiting to execute, READ data waiting to be
+    /// sent) held in memory by all connections together, beyond their allowances. A
+    /// connection that cannot reserve its next request's payload stops reading until it can.
+    pub request_budget: RequestBudget,
+    /// Payload bytes each connection may hold without drawing on `request_budget`, so small
+    /// I/O is never starved by clients that hold the budget (say, by stalling in the middle
+    /// of a large write). Memory bound: `request_budget` + connections × this.
+    pub connection_allowance_bytes: u32,
     /// Time a client has from connecting until it enters transmission.
     pub handshake_timeout: Duration,
     /// Advertised minimum block size; requests not aligned to it fail with EINVAL.
@@ -24,6 +35,8 @@ impl Default for NbdLimits {
         Self {
             max_request_bytes: 32 << 20,
             max_in_flight_requests: 64,
+            request_budget: RequestBudget::default(),
+            connection_allowance_bytes: DEFAULT_CONNECTION_ALLOWANCE_BYTES,
             handshake_timeout: Duration::from_secs(10),
             min_block_size: 1,
             preferred_block_size: 4096,
@@ -39,12 +52,14 @@ const MAX_IN_FLIGHT_CAP: usize = 1 << 16;
 /// [`NbdLimits`] coerced into values the protocol permits (powers of two, minimum below
 /// preferred below maximum), so a misconfiguration cannot make the server advertise sizes
 /// a client would reject.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Effective {
     pub min_block: u32,
     pub preferred_block: u32,
     pub max_request: u32,
     pub max_in_flight: usize,
+    pub budget: RequestBudget,
+    pub allowance: u32,
     pub handshake_timeout: Duration,
 }
 
@@ -64,6 +79,8 @@ impl From<&NbdLimits> for Effective {
             preferred_block,
             max_request: limits.max_request_bytes.max(preferred_block),
             max_in_flight: limits.max_in_flight_requests.clamp(1, MAX_IN_FLIGHT_CAP),
+            budget: limits.request_budget.clone(),
+            allowance: limits.connection_allowance_bytes,
             handshake_timeout: limits.handshake_timeout,
         }
     }
@@ -81,6 +98,21 @@ mod tests {
             (1, 4096, 32 << 20)
         );
         assert_eq!(e.max_in_flight, 64);
+        assert_eq!(e.budget.capacity_bytes(), 256 << 20);
+        assert_eq!(e.allowance, 128 << 10);
+    }
+
+    #[test]
+    fn clones_share_one_budget() {
+        let limits = NbdLimits::default();
+        let clone = limits.clone();
+        assert_eq!(limits, clone);
+        assert_eq!(Effective::from(&clone).budget, limits.request_budget);
+        assert_ne!(
+            limits,
+            NbdLimits::default(),
+            "a fresh default is another budget"
+        );
     }
 
     #[test]
@@ -91,6 +123,7 @@ mod tests {
             handshake_timeout: Duration::from_secs(1),
             min_block_size: 1000,
             preferred_block_size: 0,
+            ..NbdLimits::default()
         });
         assert_eq!(e.min_block, 1024);
         assert_eq!(e.preferred_block, 1024);

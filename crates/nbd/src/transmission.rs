@@ -1,8 +1,11 @@
 //! The transmission phase. The reader (this task) reads requests continuously, validates
 //! each, and spawns one local task per request; replies go through the writer task and may
-//! complete out of order. A semaphore of `max_in_flight` permits, taken before a request is
-//! read and released when its reply is written, stops reading at the limit (backpressure).
+//! complete out of order. Two things stop reading (backpressure), both held until the
+//! request's reply is written: a semaphore of `max_in_flight` permits, taken before a request
+//! is read, and the request's payload bytes from the budget (`budget.rs`), taken after its
+//! header and before its payload is read or the read executed.
 
+use crate::budget::Ledger;
 use crate::execute::{execute, Outcome};
 use crate::limits::Effective;
 use crate::negotiate::Session;
@@ -11,7 +14,7 @@ use crate::reply::{self, Encoded};
 use crate::request::{validate, Params};
 use crate::signal::{wait_readable, wait_shutdown, Readiness};
 use crate::violation::{Violation, ViolationLog};
-use crate::writer::{write_replies, Outgoing};
+use crate::writer::{write_replies, Outgoing, Slot};
 use crate::NbdError;
 use ashlar_core::BlockDevice;
 use bytes::{BufMut, Bytes, BytesMut};
@@ -19,7 +22,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncBufRead, AsyncReadExt, AsyncWrite};
-use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, watch, Semaphore};
 use tokio::task::JoinHandle;
 
 /// A write larger than the advertised maximum but at most this big is read and thrown away
@@ -38,15 +41,6 @@ enum End {
     Shutdown,
     /// The writer failed (the client is gone); nothing more can be answered.
     WriterGone,
-}
-
-/// One request as read off the wire.
-enum Incoming {
-    Disc,
-    Request {
-        header: RequestHeader,
-        payload: Bytes,
-    },
 }
 
 /// What every request task needs, shared by `Rc` (tasks stay on this thread).
@@ -87,7 +81,8 @@ where
         replies,
     });
     let permits = Arc::new(Semaphore::new(limits.max_in_flight));
-    let ended = read_requests(&mut reader, &connection, &permits, shutdown, log).await;
+    let ledger = Ledger::new(limits.budget.clone(), limits.allowance);
+    let ended = read_requests(&mut reader, &connection, &permits, &ledger, shutdown, log).await;
     // Request tasks hold their own clones; the writer ends once the last one has replied.
     drop(connection);
     finish(writer, ended).await
@@ -97,6 +92,7 @@ async fn read_requests<D, Rd>(
     reader: &mut Rd,
     connection: &Rc<Connection<D>>,
     permits: &Arc<Semaphore>,
+    ledger: &Rc<Ledger>,
     shutdown: &mut watch::Receiver<bool>,
     log: &mut ViolationLog,
 ) -> Result<End, NbdError>
@@ -105,6 +101,7 @@ where
     Rd: AsyncBufRead + Unpin,
 {
     let replies = &connection.replies;
+    let max_request = connection.params.max_request;
     loop {
         if *shutdown.borrow() {
             return Ok(End::Shutdown);
@@ -129,47 +126,71 @@ where
             Readiness::Shutdown => return Ok(End::Shutdown),
         }
         // A request has started; only shutdown cuts it short (it is then dropped unanswered).
-        let incoming = tokio::select! {
+        let header = tokio::select! {
             biased;
             _ = wait_shutdown(shutdown) => return Ok(End::Shutdown),
-            incoming = read_request(reader, connection.params.max_request, log) => incoming?,
+            header = read_header(reader, log) => header?,
         };
-        match incoming {
-            Incoming::Disc => return Ok(End::ClientDone),
-            Incoming::Request { header, payload } => {
-                dispatch(connection, header, payload, permit, log)
-            }
+        if header.command == Command::Disc {
+            return Ok(End::ClientDone);
         }
+        // The payload's bytes are reserved before the payload is read (or the read executed):
+        // without budget, the connection stops reading here until some is released.
+        let bytes = payload_bytes(&header, max_request);
+        let charge = match ledger.try_take(bytes) {
+            Some(charge) => charge,
+            None => tokio::select! {
+                biased;
+                _ = replies.closed() => return Ok(End::WriterGone),
+                _ = wait_shutdown(shutdown) => return Ok(End::Shutdown),
+                charge = ledger.take(bytes) => charge,
+            },
+        };
+        let payload = if header.command == Command::Write {
+            tokio::select! {
+                biased;
+                _ = wait_shutdown(shutdown) => return Ok(End::Shutdown),
+                payload = read_write_payload(reader, &header, max_request, log) => payload?,
+            }
+        } else {
+            Bytes::new()
+        };
+        let slot = Slot {
+            in_flight: permit,
+            budget: charge,
+        };
+        dispatch(connection, header, payload, slot, log);
     }
 }
 
-async fn read_request<Rd: AsyncBufRead + Unpin>(
+/// Payload bytes a request holds in memory, to be reserved from the budget: a WRITE's data
+/// and a READ's reply data. Requests larger than the maximum hold none (an oversized write's
+/// payload is skipped, an oversized read is refused), nor do the other commands.
+fn payload_bytes(header: &RequestHeader, max_request: u32) -> u32 {
+    match header.command {
+        Command::Write | Command::Read if header.length <= max_request => header.length,
+        _ => 0,
+    }
+}
+
+async fn read_header<Rd: AsyncBufRead + Unpin>(
     reader: &mut Rd,
-    max_request: u32,
     log: &mut ViolationLog,
-) -> Result<Incoming, NbdError> {
+) -> Result<RequestHeader, NbdError> {
     let mut raw = [0u8; REQUEST_HEADER_LEN];
     if let Err(error) = reader.read_exact(&mut raw).await {
         return Err(truncated(error, "a request header", log));
     }
-    let header = match proto::decode_request_header(&raw) {
-        Ok(header) => header,
+    match proto::decode_request_header(&raw) {
+        Ok(header) => Ok(header),
         Err(DecodeError::BadMagic(magic)) => {
             log.report(
                 Violation::RequestMagic,
                 &format_args!("request magic {magic:#x}"),
             );
-            return Err(NbdError::BadRequestMagic(magic as u32));
+            Err(NbdError::BadRequestMagic(magic as u32))
         }
-        Err(DecodeError::Short) => return Err(NbdError::Truncated("a request header")),
-    };
-    match header.command {
-        Command::Disc => Ok(Incoming::Disc),
-        Command::Write => read_write_payload(reader, header, max_request, log).await,
-        _ => Ok(Incoming::Request {
-            header,
-            payload: Bytes::new(),
-        }),
+        Err(DecodeError::Short) => Err(NbdError::Truncated("a request header")),
     }
 }
 
@@ -178,10 +199,10 @@ async fn read_request<Rd: AsyncBufRead + Unpin>(
 /// since reading it would let one request hold the connection for gigabytes.
 async fn read_write_payload<Rd: AsyncBufRead + Unpin>(
     reader: &mut Rd,
-    header: RequestHeader,
+    header: &RequestHeader,
     max_request: u32,
     log: &mut ViolationLog,
-) -> Result<Incoming, NbdError> {
+) -> Result<Bytes, NbdError> {
     let length = header.length;
     let read = if length <= max_request {
         read_payload(reader, length as usize).await
@@ -199,10 +220,7 @@ async fn read_write_payload<Rd: AsyncBufRead + Unpin>(
             limit: max_request,
         });
     };
-    match read {
-        Ok(payload) => Ok(Incoming::Request { header, payload }),
-        Err(error) => Err(truncated(error, "a write payload", log)),
-    }
+    read.map_err(|error| truncated(error, "a write payload", log))
 }
 
 /// Reads exactly `length` bytes without zero-filling the buffer first.
@@ -248,7 +266,7 @@ fn dispatch<D: BlockDevice + 'static>(
     connection: &Rc<Connection<D>>,
     header: RequestHeader,
     payload: Bytes,
-    permit: OwnedSemaphorePermit,
+    slot: Slot,
     log: &mut ViolationLog,
 ) {
     let refused = validate(&header, &connection.params, connection.device.size_bytes()).err();
@@ -268,10 +286,10 @@ fn dispatch<D: BlockDevice + 'static>(
         if let Some(result) = connection.device.read_now(header.offset, header.length) {
             let outcome = crate::execute::read_outcome(result, header.offset, header.length);
             let reply = encode(connection, &header, outcome);
-            // The permit normally guarantees room; should the queue be full anyway, the reply
+            // The in-flight permit normally guarantees room; should the queue be full anyway, the reply
             // waits for room rather than being lost. Closed means the writer is gone.
             if let Err(mpsc::error::TrySendError::Full(outgoing)) =
-                connection.replies.try_send(Outgoing { reply, permit })
+                connection.replies.try_send(Outgoing { reply, slot })
             {
                 let replies = connection.replies.clone();
                 tokio::task::spawn_local(async move {
@@ -288,8 +306,8 @@ fn dispatch<D: BlockDevice + 'static>(
             None => execute(&connection.device, &header, payload).await,
         };
         let reply = encode(&connection, &header, outcome);
-        // Fails only when the writer is gone (client left); the permit is released either way.
-        let _ = connection.replies.send(Outgoing { reply, permit }).await;
+        // Fails only when the writer is gone (client left); the slot is released either way.
+        let _ = connection.replies.send(Outgoing { reply, slot }).await;
     });
 }
 

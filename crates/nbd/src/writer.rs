@@ -1,6 +1,7 @@
 //! The one task that writes replies. Request tasks hand it complete replies over a bounded
 //! channel, so two replies never interleave on the socket whatever order they finish in.
 
+use crate::budget::Charge;
 use crate::reply::Encoded;
 use tokio::io::{AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
@@ -9,12 +10,20 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit};
 /// many bytes; larger payloads bypass the buffer.
 const WRITE_BUFFER_BYTES: usize = 256 * 1024;
 
-/// A reply ready to go out, with the in-flight permit of its request. The permit is released
-/// only once the reply is handed to the socket, so the in-flight limit also bounds replies
-/// queued behind a client that does not read.
+/// A reply ready to go out, with what its request holds. Both are released only once the
+/// reply is handed to the socket, so the limits also bound replies queued behind a client
+/// that does not read.
 pub(crate) struct Outgoing {
     pub reply: Encoded,
-    pub permit: OwnedSemaphorePermit,
+    pub slot: Slot,
+}
+
+/// What a request holds from the moment the reader starts on it until its reply is written:
+/// its in-flight permit and its payload bytes' share of the request budget.
+#[allow(dead_code)] // held for what dropping them releases
+pub(crate) struct Slot {
+    pub in_flight: OwnedSemaphorePermit,
+    pub budget: Charge,
 }
 
 /// Writes replies until every sender is gone, then closes the write side.
@@ -37,8 +46,12 @@ async fn write_one<W: AsyncWrite + Unpin>(
     out: &mut BufWriter<W>,
     outgoing: Outgoing,
 ) -> std::io::Result<()> {
-    out.write_all(&outgoing.reply.head).await?;
-    out.write_all(&outgoing.reply.data).await?;
-    drop(outgoing.permit);
+    let Outgoing { reply, slot } = outgoing;
+    out.write_all(&reply.head).await?;
+    out.write_all(&reply.data).await?;
+    // The data is copied out (to the socket or the fixed write buffer): release it, then the
+    // request's in-flight permit and budget.
+    drop(reply);
+    drop(slot);
     Ok(())
 }

@@ -1,0 +1,356 @@
+//! Node-wide limits against hostile numbers of clients, through real sockets:
+//!
+//! - `--nbd-request-budget`: connections that each send a maximal (32 MiB) write and stall one
+//!   byte short of its end hold at most the budget in memory; the rest wait, unread, while
+//!   well-behaved clients' small I/O goes on; once the stallers leave, large writes work.
+//! - `--max-connections`: a connection over the limit is closed at once; the others are
+//!   unaffected, and a slot freed by any kind of connection end is usable again.
+
+mod common;
+
+use common::nbd::{request_bytes, NbdConn, CMD_WRITE};
+use common::{ashlar, run_bounded, wait_until, CmdOut, Node, Rng, MIB};
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const VDISK: &str = "limits";
+
+/// The resident set size of a process, from /proc/PID/status.
+fn rss_bytes(pid: i32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read status");
+    let line = status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .expect("VmRSS in /proc/PID/status");
+    let kib: u64 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .expect("VmRSS value");
+    kib * 1024
+}
+
+/// A client that sends a 32 MiB write and all of its payload but the last byte, from its own
+/// thread (the write blocks once the node stops reading). `sent` counts clients whose whole
+/// partial payload left their socket; `control` is a handle to shut the socket down.
+struct Staller {
+    control: TcpStream,
+    thread: std::thread::JoinHandle<()>,
+}
+
+const WRITE_BYTES: u32 = 32 << 20;
+
+fn stall(node: &Node, offset: u64, payload: Arc<Vec<u8>>, sent: Arc<AtomicUsize>) -> Staller {
+    let mut conn = NbdConn::connect(node.nbd_addr(), VDISK).expect("staller connects");
+    // A backstop only: the test shuts the socket down long before.
+    conn.stream
+        .set_write_timeout(Some(Duration::from_secs(120)))
+        .unwrap();
+    conn.stream
+        .set_read_timeout(Some(Duration::from_secs(120)))
+        .unwrap();
+    let control = conn.stream.try_clone().unwrap();
+    let thread = std::thread::spawn(move || {
+        let header = request_bytes(CMD_WRITE, 0, 1, offset, WRITE_BYTES, &[]);
+        if conn.stream.write_all(&header).is_ok() && conn.stream.write_all(&payload[..]).is_ok() {
+            sent.fetch_add(1, Ordering::SeqCst);
+        }
+        // Stall: hold the connection (and whatever the node reserved for it) until shut down.
+        let _ = conn.stream.read(&mut [0u8; 1]);
+    });
+    Staller { control, thread }
+}
+
+#[test]
+fn stalled_maximal_writes_hold_no_more_than_the_request_budget() {
+    const BUDGET: u64 = 64 * MIB;
+    const STALLERS: usize = 40;
+    let mut node = Node::start_with(&[
+        "--ensure-vdisk",
+        "limits:256M",
+        "--nbd-request-budget",
+        "64M",
+    ]);
+    let pid = node.pid();
+    // A well-behaved client, warmed up before the baseline is taken.
+    let mut good = NbdConn::connect(node.nbd_addr(), VDISK).expect("connect");
+    let block = Rng::new(1).bytes(4096);
+    good.write_ok(200 * MIB, &block);
+    assert_eq!(good.read_ok(200 * MIB, 4096), block);
+    let baseline = rss_bytes(pid);
+
+    // 40 clients each start a 32 MiB write and stop one byte short of its end. Without a
+    // node-wide budget each would hold its 32 MiB: 1.25 GiB. With 64 MiB of budget, two get
+    // theirs reserved and read; the others wait, their payloads unread in the kernel.
+    let payload = Arc::new(vec![0xabu8; WRITE_BYTES as usize - 1]);
+    let sent = Arc::new(AtomicUsize::new(0));
+    let stallers: Vec<Staller> = (0..STALLERS)
+        .map(|i| {
+            stall(
+                &node,
+                (i as u64 % 4) * 32 * MIB,
+                payload.clone(),
+                sent.clone(),
+            )
+        })
+        .collect();
+    assert!(
+        wait_until(Duration::from_secs(60), || sent.load(Ordering::SeqCst) >= 2),
+        "the node should read the payloads the budget has room for"
+    );
+
+    // Meanwhile: RSS stays within the budget, and small I/O of other clients is served (it
+    // fits in each connection's allowance, so clients holding the budget cannot starve it).
+    let bound = baseline + BUDGET + 64 * MIB;
+    let mut peak = rss_bytes(pid);
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let mut round = 0u64;
+    while Instant::now() < deadline {
+        round += 1;
+        let data = Rng::new(round).bytes(4096);
+        let offset = 192 * MIB + (round % 256) * 4096;
+        good.write_ok(offset, &data);
+        assert_eq!(good.read_ok(offset, 4096), data);
+        peak = peak.max(rss_bytes(pid));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut fresh = NbdConn::connect(node.nbd_addr(), VDISK).expect("a new client connects");
+    assert_eq!(fresh.read_ok(200 * MIB, 4096), block);
+    fresh.disconnect();
+    let qemu = CmdOut::from_output(run_bounded(
+        "qemu-io",
+        &["-r", "-f", "raw", "-c", "read -P 0 0 64k", &node.uri(VDISK)],
+        30,
+    ));
+    qemu.assert_ok("qemu-io reads 64 KiB while stalled writers hold the budget");
+    peak = peak.max(rss_bytes(pid));
+    assert_eq!(
+        sent.load(Ordering::SeqCst),
+        2,
+        "only the writes the 64 MiB budget holds may have been read"
+    );
+    assert!(
+        peak < bound,
+        "RSS peaked at {} MiB: baseline {} MiB + budget 64 MiB + 64 MiB slack = {} MiB",
+        peak / MIB,
+        baseline / MIB,
+        bound / MIB
+    );
+    eprintln!(
+        "RSS baseline {} MiB, peak with {STALLERS} stalled 32 MiB writes {} MiB",
+        baseline / MIB,
+        peak / MIB
+    );
+
+    // The stallers leave: their reservations return, none of their writes was applied, and a
+    // maximal write (which needs the shared budget) succeeds.
+    for staller in &stallers {
+        let _ = staller.control.shutdown(Shutdown::Both);
+    }
+    for staller in stallers {
+        staller.thread.join().unwrap();
+    }
+    let big = Rng::new(99).bytes(WRITE_BYTES as usize);
+    good.write_ok(128 * MIB, &big);
+    assert!(
+        good.read_ok(128 * MIB, WRITE_BYTES) == big,
+        "32 MiB read back"
+    );
+    for i in 0..4 {
+        assert_eq!(
+            good.read_ok(i * 32 * MIB + 32 * MIB - 4096, 4096),
+            vec![0u8; 4096],
+            "a write missing its last byte must not be applied"
+        );
+    }
+    good.disconnect();
+    node.assert_alive();
+    assert!(!node.log().contains("panicked"), "{}", node.log());
+}
+
+/// True if the peer closed `stream` (EOF or reset) within `limit` without sending a byte.
+fn closed_without_greeting(stream: &mut TcpStream, limit: Duration) -> bool {
+    stream.set_read_timeout(Some(limit)).unwrap();
+    let mut buf = [0u8; 64];
+    match stream.read(&mut buf) {
+        Ok(0) => true,
+        Ok(n) => panic!("a refused connection got {n} bytes: {:02x?}", &buf[..n]),
+        Err(e) => !matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ),
+    }
+}
+
+fn assert_works(conn: &mut NbdConn, seed: u64) {
+    let data = Rng::new(seed).bytes(4096);
+    let offset = (seed % 64) * 64 * 1024;
+    conn.write_ok(offset, &data);
+    assert_eq!(conn.read_ok(offset, 4096), data);
+}
+
+/// Connects until the node accepts (a slot is freed only once the node has seen the end of
+/// the connection that held it), bounded.
+fn connect_when_free(node: &Node) -> NbdConn {
+    let mut conn = None;
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            conn = NbdConn::connect(node.nbd_addr(), VDISK).ok();
+            conn.is_some()
+        }),
+        "a freed connection slot should be usable again"
+    );
+    conn.unwrap()
+}
+
+#[test]
+fn connections_over_the_limit_are_closed_at_once() {
+    // One shard on two reactors: every other connection moves after its handshake, so the
+    // count is checked across hand-overs too.
+    let mut node = Node::start_with(&[
+        "--ensure-vdisk",
+        "limits:64M",
+        "--default-shards",
+        "1",
+        "--max-connections",
+        "4",
+    ]);
+    node.sigterm_and_wait();
+    node.rust_log = "info,ashlar=debug".to_string();
+    node.restart();
+
+    let mut conns: Vec<NbdConn> = (0..4)
+        .map(|_| NbdConn::connect(node.nbd_addr(), VDISK).expect("connect"))
+        .collect();
+    for (i, conn) in conns.iter_mut().enumerate() {
+        assert_works(conn, i as u64);
+    }
+    assert!(
+        node.log().contains("moved next to its shards"),
+        "some of the connections should have moved reactors"
+    );
+
+    // The fifth, and a burst after it: closed at once, one warning for all of them.
+    let started = Instant::now();
+    for _ in 0..10 {
+        let mut extra = TcpStream::connect(node.nbd_addr()).unwrap();
+        assert!(
+            closed_without_greeting(&mut extra, Duration::from_secs(5)),
+            "a connection over the limit must be closed at once"
+        );
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "refusals took {:?}",
+        started.elapsed()
+    );
+    let warnings = node
+        .log()
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("connection limit reached"))
+        .count();
+    assert_eq!(warnings, 1, "one rate-limited warning:\n{}", node.log());
+    assert!(
+        node.log().contains("limit=4"),
+        "the warning names the limit:\n{}",
+        node.log()
+    );
+
+    // The four are unaffected.
+    for (i, conn) in conns.iter_mut().enumerate() {
+        assert_works(conn, 10 + i as u64);
+    }
+
+    // Every way a connection ends frees its slot, moved or not: NBD_CMD_DISC, the client
+    // vanishing, a protocol violation, and a connection that never finishes its handshake.
+    let disc = conns.remove(0);
+    disc.disconnect();
+    conns.push(connect_when_free(&node));
+    drop(conns.remove(0));
+    conns.push(connect_when_free(&node));
+    let mut violator = conns.remove(0);
+    let mut request = request_bytes(CMD_WRITE, 0, 1, 0, 4096, &[]);
+    request[0..4].copy_from_slice(&0xdead_beef_u32.to_be_bytes());
+    violator.stream.write_all(&request).unwrap();
+    assert!(common::nbd::closed_by_peer(
+        &mut violator.stream,
+        Duration::from_secs(10)
+    ));
+    conns.push(connect_when_free(&node));
+    // A raw connection in its handshake holds a slot too; closing it frees the slot.
+    let mut last = conns.remove(0);
+    assert_works(&mut last, 20);
+    last.disconnect();
+    let raw = connect_raw_when_free(&node);
+    let mut over = TcpStream::connect(node.nbd_addr()).unwrap();
+    assert!(
+        closed_without_greeting(&mut over, Duration::from_secs(5)),
+        "the raw connection holds the fourth slot"
+    );
+    drop(raw);
+    conns.push(connect_when_free(&node));
+    for (i, conn) in conns.iter_mut().enumerate() {
+        assert_works(conn, 30 + i as u64);
+    }
+    assert_eq!(conns.len(), 4);
+    for conn in conns {
+        conn.disconnect();
+    }
+    assert!(node.sigterm_and_wait().success());
+}
+
+/// A TCP connection that got the NBD greeting (so the node counts it), bounded.
+fn connect_raw_when_free(node: &Node) -> TcpStream {
+    let mut raw = None;
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            let mut stream = TcpStream::connect(node.nbd_addr()).unwrap();
+            stream
+                .set_read_timeout(Some(Duration::from_secs(5)))
+                .unwrap();
+            let mut greeting = [0u8; 18];
+            if stream.read_exact(&mut greeting).is_ok() {
+                raw = Some(stream);
+            }
+            raw.is_some()
+        }),
+        "a freed slot should take a raw connection"
+    );
+    raw.unwrap()
+}
+
+#[test]
+fn limit_flags_are_explained_and_checked() {
+    let help = ashlar(&["node", "--help"]);
+    help.assert_ok("ashlar node --help");
+    let text = help.stdout.split_whitespace().collect::<Vec<_>>().join(" ");
+    for needle in [
+        "--nbd-request-budget <SIZE>",
+        "whole node holds in memory",
+        "[default: 256M]",
+        "--max-connections <N>",
+        "closed at once",
+        "[default: 1024]",
+    ] {
+        assert!(
+            text.contains(needle),
+            "node --help lacks {needle:?}:\n{}",
+            help.stdout
+        );
+    }
+    // Refused before anything is started: one error line, exit 1.
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().to_str().unwrap();
+    let node = |flags: &[&str]| {
+        let mut args = vec!["node", "--data-dir", data, "--nbd-listen", "127.0.0.1:0"];
+        args.extend_from_slice(flags);
+        ashlar(&args)
+    };
+    node(&["--max-connections", "0"]).assert_cli_error("--max-connections must be at least 1");
+    node(&["--nbd-request-budget", "512K"]).assert_cli_error("between 1M and 1T");
+    node(&["--nbd-request-budget", "2T"]).assert_cli_error("between 1M and 1T");
+    node(&["--nbd-request-budget", "lots"]).assert_cli_error("--nbd-request-budget");
+}
