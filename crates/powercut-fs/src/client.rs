@@ -33,7 +33,10 @@ pub fn binary_path() -> io::Result<PathBuf> {
         if path.is_file() {
             return Ok(path);
         }
-        return Err(io::Error::other(format!("{BINARY_ENV}={} is not a file", path.display())));
+        return Err(io::Error::other(format!(
+            "{BINARY_ENV}={} is not a file",
+            path.display()
+        )));
     }
     let exe = std::env::current_exe()?;
     let mut profile_dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
@@ -45,18 +48,25 @@ pub fn binary_path() -> io::Result<PathBuf> {
         return Ok(candidate);
     }
     // Build it into the same target dir.
-    let target_dir = profile_dir.parent().map(Path::to_path_buf).unwrap_or_default();
+    let target_dir = profile_dir
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default();
     let release = profile_dir.file_name().is_some_and(|n| n == "release");
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);
-    cmd.args(["build", "-p", "ashlar-powercut-fs", "--bin", BINARY_NAME]).arg("--target-dir").arg(&target_dir);
+    cmd.args(["build", "-p", "ashlar-powercut-fs", "--bin", BINARY_NAME])
+        .arg("--target-dir")
+        .arg(&target_dir);
     if release {
         cmd.arg("--release");
     }
     if let Some(dir) = option_env!("CARGO_MANIFEST_DIR") {
         cmd.current_dir(dir);
     }
-    let status = cmd.status().map_err(|e| io::Error::other(format!("running cargo to build {BINARY_NAME}: {e}")))?;
+    let status = cmd
+        .status()
+        .map_err(|e| io::Error::other(format!("running cargo to build {BINARY_NAME}: {e}")))?;
     if !status.success() || !candidate.is_file() {
         return Err(io::Error::other(format!(
             "{BINARY_NAME} is not next to the test executable ({}) and `cargo build -p ashlar-powercut-fs` did not produce it ({status})",
@@ -76,7 +86,10 @@ pub fn check_environment() -> io::Result<()> {
     }
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
-    if !root && !Path::new("/usr/bin/fusermount3").exists() && !Path::new("/bin/fusermount3").exists() {
+    if !root
+        && !Path::new("/usr/bin/fusermount3").exists()
+        && !Path::new("/bin/fusermount3").exists()
+    {
         return Err(io::Error::other(
             "powercut-fs needs root, or fusermount3 (Debian package fuse3) to mount as another user",
         ));
@@ -86,10 +99,20 @@ pub fn check_environment() -> io::Result<()> {
 
 /// Is `path` a mount point now (per /proc/self/mountinfo)?
 pub fn is_mounted(path: &Path) -> bool {
-    let Ok(path) = path.canonicalize() else { return false };
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else { return false };
-    let want = path.to_string_lossy().replace('\\', "\\134").replace(' ', "\\040").replace('\t', "\\011").replace('\n', "\\012");
-    info.lines().any(|l| l.split(' ').nth(4) == Some(want.as_str()))
+    let Ok(path) = path.canonicalize() else {
+        return false;
+    };
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    let want = path
+        .to_string_lossy()
+        .replace('\\', "\\134")
+        .replace(' ', "\\040")
+        .replace('\t', "\\011")
+        .replace('\n', "\\012");
+    info.lines()
+        .any(|l| l.split(' ').nth(4) == Some(want.as_str()))
 }
 
 /// A mounted powercut filesystem. Dropping it unmounts cleanly (everything pending becomes
@@ -105,7 +128,10 @@ pub struct PowercutFs {
 impl PowercutFs {
     /// Mounts `backing` at `mountpoint` with the binary [`binary_path`] finds, and returns once
     /// the mount is live.
-    pub fn mount(backing: impl AsRef<Path>, mountpoint: impl AsRef<Path>) -> io::Result<PowercutFs> {
+    pub fn mount(
+        backing: impl AsRef<Path>,
+        mountpoint: impl AsRef<Path>,
+    ) -> io::Result<PowercutFs> {
         PowercutFs::mount_with_binary(&binary_path()?, backing, mountpoint)
     }
 
@@ -120,7 +146,10 @@ impl PowercutFs {
         let backing = backing.as_ref().to_path_buf();
         let mountpoint = mountpoint.as_ref().to_path_buf();
         if is_mounted(&mountpoint) {
-            return Err(io::Error::other(format!("{} is already a mount point", mountpoint.display())));
+            return Err(io::Error::other(format!(
+                "{} is already a mount point",
+                mountpoint.display()
+            )));
         }
         let mut child = Command::new(binary)
             .arg(&backing)
@@ -134,20 +163,30 @@ impl PowercutFs {
         let stdin = child.stdin.take();
         let stdout = child.stdout.take().expect("piped");
         let (tx, lines) = mpsc::channel();
-        std::thread::Builder::new().name("powercut-fs-stdout".into()).spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
+        std::thread::Builder::new()
+            .name("powercut-fs-stdout".into())
+            .spawn(move || {
+                for line in BufReader::new(stdout).lines() {
+                    let Ok(line) = line else { break };
+                    if tx.send(line).is_err() {
+                        break;
+                    }
                 }
-            }
-        })?;
-        let mut fs = PowercutFs { child: Some(child), stdin, lines, backing, mountpoint };
+            })?;
+        let mut fs = PowercutFs {
+            child: Some(child),
+            stdin,
+            lines,
+            backing,
+            mountpoint,
+        };
         match fs.lines.recv_timeout(MOUNT_TIMEOUT) {
             Ok(line) if line == "ready" => {}
             Ok(line) => {
                 fs.kill();
-                return Err(io::Error::other(format!("powercut-fs: unexpected first line {line:?}")));
+                return Err(io::Error::other(format!(
+                    "powercut-fs: unexpected first line {line:?}"
+                )));
             }
             Err(_) => {
                 let status = fs.kill();
@@ -182,7 +221,10 @@ impl PowercutFs {
     }
 
     fn command(&mut self, line: &str) -> io::Result<String> {
-        let stdin = self.stdin.as_mut().ok_or_else(|| io::Error::other("powercut-fs already finished"))?;
+        let stdin = self
+            .stdin
+            .as_mut()
+            .ok_or_else(|| io::Error::other("powercut-fs already finished"))?;
         writeln!(stdin, "{line}")?;
         stdin.flush()?;
         let deadline = Instant::now() + COMMAND_TIMEOUT;
@@ -217,31 +259,42 @@ impl PowercutFs {
         let line = self.command("unmount")?;
         self.wait_exit()?;
         if line != "unmounted" {
-            return Err(io::Error::other(format!("powercut-fs: unexpected answer {line:?}")));
+            return Err(io::Error::other(format!(
+                "powercut-fs: unexpected answer {line:?}"
+            )));
         }
         Ok(())
     }
 
     fn wait_exit(&mut self) -> io::Result<()> {
         self.stdin = None;
-        let Some(mut child) = self.child.take() else { return Ok(()) };
+        let Some(mut child) = self.child.take() else {
+            return Ok(());
+        };
         let deadline = Instant::now() + COMMAND_TIMEOUT;
         loop {
             if let Some(status) = child.try_wait()? {
                 if !status.success() {
-                    return Err(io::Error::other(format!("powercut-fs exited with {status}")));
+                    return Err(io::Error::other(format!(
+                        "powercut-fs exited with {status}"
+                    )));
                 }
                 break;
             }
             if Instant::now() > deadline {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(io::Error::other("powercut-fs did not exit after finishing; killed"));
+                return Err(io::Error::other(
+                    "powercut-fs did not exit after finishing; killed",
+                ));
             }
             std::thread::sleep(Duration::from_millis(10));
         }
         if is_mounted(&self.mountpoint) {
-            return Err(io::Error::other(format!("{} is still mounted after powercut-fs exited", self.mountpoint.display())));
+            return Err(io::Error::other(format!(
+                "{} is still mounted after powercut-fs exited",
+                self.mountpoint.display()
+            )));
         }
         Ok(())
     }

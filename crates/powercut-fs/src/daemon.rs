@@ -60,7 +60,13 @@ fn parse_args(args: Vec<String>) -> Result<Args, String> {
     }
     let mountpoint = positional.pop().expect("two");
     let backing = positional.pop().expect("two");
-    Ok(Args { backing, mountpoint, seed, fsync_backing, unmount_on_eof })
+    Ok(Args {
+        backing,
+        mountpoint,
+        seed,
+        fsync_backing,
+        unmount_on_eof,
+    })
 }
 
 enum Action {
@@ -119,7 +125,9 @@ impl Control {
 
 /// Detaches the mount even if files on it are still open (their users get errors).
 fn lazy_unmount(mountpoint: &Path) {
-    let Ok(c) = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes()) else { return };
+    let Ok(c) = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes()) else {
+        return;
+    };
     // SAFETY: umount2 on a NUL-terminated path.
     if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0 {
         return;
@@ -127,9 +135,16 @@ fn lazy_unmount(mountpoint: &Path) {
     let err = std::io::Error::last_os_error();
     match err.raw_os_error() {
         Some(libc::EPERM) => {
-            let status = std::process::Command::new("fusermount3").arg("-u").arg("-z").arg(mountpoint).status();
+            let status = std::process::Command::new("fusermount3")
+                .arg("-u")
+                .arg("-z")
+                .arg(mountpoint)
+                .status();
             if !matches!(status, Ok(s) if s.success()) {
-                eprintln!("powercut-fs: fusermount3 -u -z {} failed: {status:?}", mountpoint.display());
+                eprintln!(
+                    "powercut-fs: fusermount3 -u -z {} failed: {status:?}",
+                    mountpoint.display()
+                );
             }
         }
         // Not mounted any more: unmounted from outside.
@@ -183,7 +198,10 @@ pub fn main(args: Vec<String>) -> ExitCode {
     let state = match State::load(&args.backing, args.fsync_backing) {
         Ok(s) => Arc::new(Mutex::new(s)),
         Err(e) => {
-            eprintln!("ashlar-powercut-fs: backing dir {}: {e}", args.backing.display());
+            eprintln!(
+                "ashlar-powercut-fs: backing dir {}: {e}",
+                args.backing.display()
+            );
             return ExitCode::from(1);
         }
     };
@@ -194,15 +212,29 @@ pub fn main(args: Vec<String>) -> ExitCode {
         MountOption::DefaultPermissions,
         MountOption::RW,
     ];
-    let session = match Session::new(PowercutFilesystem::new(state.clone()), &args.mountpoint, &config) {
+    let session = match Session::new(
+        PowercutFilesystem::new(state.clone()),
+        &args.mountpoint,
+        &config,
+    ) {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("ashlar-powercut-fs: mounting at {}: {e}", args.mountpoint.display());
+            eprintln!(
+                "ashlar-powercut-fs: mounting at {}: {e}",
+                args.mountpoint.display()
+            );
             return ExitCode::from(1);
         }
     };
-    let mountpoint = args.mountpoint.canonicalize().unwrap_or(args.mountpoint.clone());
-    let control = Arc::new(Control { state, mountpoint, finishing: Mutex::new(()) });
+    let mountpoint = args
+        .mountpoint
+        .canonicalize()
+        .unwrap_or(args.mountpoint.clone());
+    let control = Arc::new(Control {
+        state,
+        mountpoint,
+        finishing: Mutex::new(()),
+    });
 
     let default_cut = match args.seed {
         Some(seed) => CutPolicy::RandomSubset { seed },

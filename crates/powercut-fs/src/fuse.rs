@@ -8,9 +8,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 use fuser::{
-    Errno as FErrno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, KernelConfig,
-    LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry,
-    ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow, WriteFlags,
+    Errno as FErrno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
+    KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
+    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow,
+    WriteFlags,
 };
 
 use crate::model::{Attr, Errno, Kind, SetAttr, State};
@@ -152,7 +153,14 @@ impl Filesystem for PowercutFilesystem {
         reply: ReplyAttr,
     ) {
         let mut st = live_or_reply!(self, reply);
-        let set = SetAttr { mode, uid, gid, size, atime: time_or_now(atime), mtime: time_or_now(mtime) };
+        let set = SetAttr {
+            mode,
+            uid,
+            gid,
+            size,
+            atime: time_or_now(atime),
+            mtime: time_or_now(mtime),
+        };
         match st.setattr(ino.0, &set) {
             Ok(a) => reply.attr(&TTL, &fuse_attr(&a)),
             Err(e) => reply.error(errno(e)),
@@ -181,12 +189,26 @@ impl Filesystem for PowercutFilesystem {
         if mode & libc::S_IFMT != libc::S_IFREG {
             return reply.error(FErrno::from_i32(libc::EOPNOTSUPP));
         }
-        entry(reply, st.create(parent.0, name, mode & !umask, req.uid(), req.gid(), None));
+        entry(
+            reply,
+            st.create(parent.0, name, mode & !umask, req.uid(), req.gid(), None),
+        );
     }
 
-    fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
+    fn mkdir(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        reply: ReplyEntry,
+    ) {
         let mut st = live_or_reply!(self, reply);
-        entry(reply, st.mkdir(parent.0, name, mode & !umask, req.uid(), req.gid()));
+        entry(
+            reply,
+            st.mkdir(parent.0, name, mode & !umask, req.uid(), req.gid()),
+        );
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
@@ -199,9 +221,26 @@ impl Filesystem for PowercutFilesystem {
         empty(reply, st.rmdir(parent.0, name));
     }
 
-    fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
+    fn symlink(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        link_name: &OsStr,
+        target: &Path,
+        reply: ReplyEntry,
+    ) {
         let mut st = live_or_reply!(self, reply);
-        entry(reply, st.create(parent.0, link_name, 0o777, req.uid(), req.gid(), Some(target)));
+        entry(
+            reply,
+            st.create(
+                parent.0,
+                link_name,
+                0o777,
+                req.uid(),
+                req.gid(),
+                Some(target),
+            ),
+        );
     }
 
     fn rename(
@@ -215,10 +254,20 @@ impl Filesystem for PowercutFilesystem {
         reply: ReplyEmpty,
     ) {
         let mut st = live_or_reply!(self, reply);
-        empty(reply, st.rename(parent.0, name, newparent.0, newname, flags.bits()));
+        empty(
+            reply,
+            st.rename(parent.0, name, newparent.0, newname, flags.bits()),
+        );
     }
 
-    fn link(&self, _req: &Request, ino: INodeNo, newparent: INodeNo, newname: &OsStr, reply: ReplyEntry) {
+    fn link(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        newparent: INodeNo,
+        newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
         let mut st = live_or_reply!(self, reply);
         entry(reply, st.link(ino.0, newparent.0, newname));
     }
@@ -268,7 +317,14 @@ impl Filesystem for PowercutFilesystem {
         }
     }
 
-    fn flush(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
         // close() makes nothing durable.
         let _st = live_or_reply!(self, reply);
         reply.ok();
@@ -289,7 +345,14 @@ impl Filesystem for PowercutFilesystem {
         reply.ok();
     }
 
-    fn fsync(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+    fn fsync(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
         let mut st = live_or_reply!(self, reply);
         empty(reply, st.fsync(ino.0));
     }
@@ -302,12 +365,24 @@ impl Filesystem for PowercutFilesystem {
         }
     }
 
-    fn readdir(&self, _req: &Request, ino: INodeNo, fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
         let mut st = live_or_reply!(self, reply);
         match st.readdir(ino.0, fh.0, offset) {
             Ok(entries) => {
                 for (i, e) in entries.iter().enumerate() {
-                    if reply.add(INodeNo(e.ino), offset + i as u64 + 1, file_type(e.file_type), &e.name) {
+                    if reply.add(
+                        INodeNo(e.ino),
+                        offset + i as u64 + 1,
+                        file_type(e.file_type),
+                        &e.name,
+                    ) {
                         break;
                     }
                 }
@@ -317,13 +392,27 @@ impl Filesystem for PowercutFilesystem {
         }
     }
 
-    fn releasedir(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _flags: OpenFlags, reply: ReplyEmpty) {
+    fn releasedir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        reply: ReplyEmpty,
+    ) {
         let mut st = live_or_reply!(self, reply);
         st.releasedir(fh.0);
         reply.ok();
     }
 
-    fn fsyncdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+    fn fsyncdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
         let mut st = live_or_reply!(self, reply);
         empty(reply, st.fsyncdir(ino.0));
     }
@@ -358,14 +447,22 @@ impl Filesystem for PowercutFilesystem {
         let mut st = live_or_reply!(self, reply);
         let attr = match st.create(parent.0, name, mode & !umask, req.uid(), req.gid(), None) {
             Ok(a) => a,
-            Err(Errno(libc::EEXIST)) if flags & libc::O_EXCL == 0 => match st.lookup(parent.0, name) {
-                Ok(a) => a,
-                Err(e) => return reply.error(errno(e)),
-            },
+            Err(Errno(libc::EEXIST)) if flags & libc::O_EXCL == 0 => {
+                match st.lookup(parent.0, name) {
+                    Ok(a) => a,
+                    Err(e) => return reply.error(errno(e)),
+                }
+            }
             Err(e) => return reply.error(errno(e)),
         };
         match st.open(attr.ino) {
-            Ok(fh) => reply.created(&TTL, &fuse_attr(&attr), Generation(0), FileHandle(fh), FopenFlags::FOPEN_DIRECT_IO),
+            Ok(fh) => reply.created(
+                &TTL,
+                &fuse_attr(&attr),
+                Generation(0),
+                FileHandle(fh),
+                FopenFlags::FOPEN_DIRECT_IO,
+            ),
             Err(e) => reply.error(errno(e)),
         }
     }

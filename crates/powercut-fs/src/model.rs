@@ -54,11 +54,18 @@ pub enum Kind {
 /// One data operation not yet durable, in program order.
 #[derive(Clone, Debug)]
 enum Pending {
-    Write { off: u64, data: Vec<u8> },
+    Write {
+        off: u64,
+        data: Vec<u8>,
+    },
     /// truncate / ftruncate / O_TRUNC.
     SetSize(u64),
     /// fallocate with a mode: PUNCH_HOLE|KEEP_SIZE, ZERO_RANGE[|KEEP_SIZE], 0 or KEEP_SIZE.
-    Fallocate { mode: i32, off: u64, len: u64 },
+    Fallocate {
+        mode: i32,
+        off: u64,
+        len: u64,
+    },
 }
 
 impl Pending {
@@ -188,11 +195,23 @@ fn system_time(secs: i64, nsecs: i64) -> SystemTime {
 
 fn timespec(t: Option<Option<SystemTime>>) -> libc::timespec {
     match t {
-        None => libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_OMIT },
-        Some(None) => libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_NOW },
+        None => libc::timespec {
+            tv_sec: 0,
+            tv_nsec: libc::UTIME_OMIT,
+        },
+        Some(None) => libc::timespec {
+            tv_sec: 0,
+            tv_nsec: libc::UTIME_NOW,
+        },
         Some(Some(t)) => match t.duration_since(UNIX_EPOCH) {
-            Ok(d) => libc::timespec { tv_sec: d.as_secs() as libc::time_t, tv_nsec: d.subsec_nanos() as _ },
-            Err(_) => libc::timespec { tv_sec: 0, tv_nsec: 0 },
+            Ok(d) => libc::timespec {
+                tv_sec: d.as_secs() as libc::time_t,
+                tv_nsec: d.subsec_nanos() as _,
+            },
+            Err(_) => libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            },
         },
     }
 }
@@ -209,7 +228,14 @@ fn kind_of(mode: u32) -> Kind {
 /// does not support the mode (so the result reads the same).
 fn backing_fallocate(file: &File, mode: i32, off: u64, len: u64) -> Res<()> {
     // SAFETY: fallocate on an open fd with integer arguments.
-    let ret = unsafe { libc::fallocate(file.as_raw_fd(), mode, off as libc::off_t, len as libc::off_t) };
+    let ret = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            mode,
+            off as libc::off_t,
+            len as libc::off_t,
+        )
+    };
     if ret == 0 {
         return Ok(());
     }
@@ -279,7 +305,10 @@ impl State {
         let backing = backing.canonicalize()?;
         let meta = std::fs::metadata(&backing)?;
         if !meta.is_dir() {
-            return Err(io::Error::other(format!("{} is not a directory", backing.display())));
+            return Err(io::Error::other(format!(
+                "{} is not a directory",
+                backing.display()
+            )));
         }
         let staging = backing.join(STAGING);
         if staging.symlink_metadata().is_ok() {
@@ -382,12 +411,24 @@ impl State {
                 None => {
                     let kind = kind_of(meta.mode());
                     let fd = match kind {
-                        Kind::File => Some(OpenOptions::new().read(true).write(true).custom_flags(libc::O_NOFOLLOW).open(&full)?),
-                        Kind::Other => Some(OpenOptions::new().read(true).custom_flags(libc::O_PATH | libc::O_NOFOLLOW).open(&full)?),
+                        Kind::File => Some(
+                            OpenOptions::new()
+                                .read(true)
+                                .write(true)
+                                .custom_flags(libc::O_NOFOLLOW)
+                                .open(&full)?,
+                        ),
+                        Kind::Other => Some(
+                            OpenOptions::new()
+                                .read(true)
+                                .custom_flags(libc::O_PATH | libc::O_NOFOLLOW)
+                                .open(&full)?,
+                        ),
                         Kind::Dir => None,
                     };
                     let ino = self.alloc_ino();
-                    self.inodes.insert(ino, Inode::new(kind, fd, id, meta.len()));
+                    self.inodes
+                        .insert(ino, Inode::new(kind, fd, id, meta.len()));
                     self.by_backing.insert(id, ino);
                     ino
                 }
@@ -414,7 +455,11 @@ impl State {
             Some(fd) => fd.metadata()?,
             None => self.dir_path(ino)?.symlink_metadata()?,
         };
-        let size = if node.kind == Kind::File { node.live_size } else { meta.len() };
+        let size = if node.kind == Kind::File {
+            node.live_size
+        } else {
+            meta.len()
+        };
         Ok(Attr {
             ino,
             kind: node.kind,
@@ -425,7 +470,11 @@ impl State {
             mtime: system_time(meta.mtime(), meta.mtime_nsec()),
             ctime: system_time(meta.ctime(), meta.ctime_nsec()),
             perm: (meta.mode() & 0o7777) as u16,
-            nlink: if node.kind == Kind::Dir { 2 } else { node.live_links },
+            nlink: if node.kind == Kind::Dir {
+                2
+            } else {
+                node.live_links
+            },
             uid: meta.uid(),
             gid: meta.gid(),
             rdev: meta.rdev() as u32,
@@ -435,7 +484,11 @@ impl State {
     /// Looks a name up and counts the kernel's reference.
     pub fn lookup(&mut self, parent: u64, name: &OsStr) -> Res<Attr> {
         self.ensure_loaded(parent)?;
-        let ino = *self.dir(parent)?.live.get(name).ok_or(Errno(libc::ENOENT))?;
+        let ino = *self
+            .dir(parent)?
+            .live
+            .get(name)
+            .ok_or(Errno(libc::ENOENT))?;
         let attr = self.attr(ino)?;
         self.node_mut(ino)?.lookups += 1;
         Ok(attr)
@@ -450,7 +503,11 @@ impl State {
 
     pub fn setattr(&mut self, ino: u64, set: &SetAttr) -> Res<Attr> {
         let node = self.node(ino)?;
-        let path = if node.fd.is_none() { Some(cpath(&self.dir_path(ino)?)?) } else { None };
+        let path = if node.fd.is_none() {
+            Some(cpath(&self.dir_path(ino)?)?)
+        } else {
+            None
+        };
         let fd = node.fd.as_ref().map(|f| f.as_raw_fd());
         let kind = node.kind;
         if set.size.is_some() {
@@ -491,7 +548,9 @@ impl State {
                 cvt(unsafe {
                     match (fd, &path) {
                         (Some(fd), _) => libc::futimens(fd, times.as_ptr()),
-                        (None, Some(p)) => libc::utimensat(libc::AT_FDCWD, p.as_ptr(), times.as_ptr(), 0),
+                        (None, Some(p)) => {
+                            libc::utimensat(libc::AT_FDCWD, p.as_ptr(), times.as_ptr(), 0)
+                        }
                         _ => 0,
                     }
                 })?;
@@ -563,7 +622,10 @@ impl State {
             }
             Some(target) => {
                 std::os::unix::fs::symlink(target, &path)?;
-                let file = OpenOptions::new().read(true).custom_flags(libc::O_PATH | libc::O_NOFOLLOW).open(&path)?;
+                let file = OpenOptions::new()
+                    .read(true)
+                    .custom_flags(libc::O_PATH | libc::O_NOFOLLOW)
+                    .open(&path)?;
                 (Kind::Other, file)
             }
         };
@@ -634,7 +696,11 @@ impl State {
 
     pub fn unlink(&mut self, parent: u64, name: &OsStr) -> Res<()> {
         self.ensure_loaded(parent)?;
-        let ino = *self.dir(parent)?.live.get(name).ok_or(Errno(libc::ENOENT))?;
+        let ino = *self
+            .dir(parent)?
+            .live
+            .get(name)
+            .ok_or(Errno(libc::ENOENT))?;
         if self.node(ino)?.kind == Kind::Dir {
             return Err(Errno(libc::EISDIR));
         }
@@ -645,7 +711,11 @@ impl State {
 
     pub fn rmdir(&mut self, parent: u64, name: &OsStr) -> Res<()> {
         self.ensure_loaded(parent)?;
-        let ino = *self.dir(parent)?.live.get(name).ok_or(Errno(libc::ENOENT))?;
+        let ino = *self
+            .dir(parent)?
+            .live
+            .get(name)
+            .ok_or(Errno(libc::ENOENT))?;
         if self.node(ino)?.kind != Kind::Dir {
             return Err(Errno(libc::ENOTDIR));
         }
@@ -676,7 +746,8 @@ impl State {
     pub fn rename(&mut self, p1: u64, n1: &OsStr, p2: u64, n2: &OsStr, flags: u32) -> Res<()> {
         let exchange = flags & libc::RENAME_EXCHANGE != 0;
         let noreplace = flags & libc::RENAME_NOREPLACE != 0;
-        if flags & !(libc::RENAME_EXCHANGE | libc::RENAME_NOREPLACE) != 0 || (exchange && noreplace) {
+        if flags & !(libc::RENAME_EXCHANGE | libc::RENAME_NOREPLACE) != 0 || (exchange && noreplace)
+        {
             return Err(Errno(libc::EINVAL));
         }
         self.check_name(p2, n2)?;
@@ -759,7 +830,9 @@ impl State {
     }
 
     fn maybe_drop(&mut self, ino: u64) {
-        let Some(node) = self.inodes.get(&ino) else { return };
+        let Some(node) = self.inodes.get(&ino) else {
+            return;
+        };
         if ino == ROOT
             || node.live_links > 0
             || node.lookups > 0
@@ -788,16 +861,31 @@ impl State {
         let node = self.node(ino)?;
         let parent = node.live_parent.as_ref().map(|(p, _)| *p).unwrap_or(ROOT);
         let mut entries = vec![
-            DirEntry { ino, file_type: libc::S_IFDIR, name: ".".into() },
-            DirEntry { ino: parent, file_type: libc::S_IFDIR, name: "..".into() },
+            DirEntry {
+                ino,
+                file_type: libc::S_IFDIR,
+                name: ".".into(),
+            },
+            DirEntry {
+                ino: parent,
+                file_type: libc::S_IFDIR,
+                name: "..".into(),
+            },
         ];
         for (name, &child) in &self.dir(ino)?.live {
             let file_type = match self.node(child)?.kind {
                 Kind::File => libc::S_IFREG,
                 Kind::Dir => libc::S_IFDIR,
-                Kind::Other => self.attr(child).map(|a| a.file_type).unwrap_or(libc::S_IFREG),
+                Kind::Other => self
+                    .attr(child)
+                    .map(|a| a.file_type)
+                    .unwrap_or(libc::S_IFREG),
             };
-            entries.push(DirEntry { ino: child, file_type, name: name.clone() });
+            entries.push(DirEntry {
+                ino: child,
+                file_type,
+                name: name.clone(),
+            });
         }
         Ok(entries)
     }
@@ -873,9 +961,15 @@ impl State {
 
     pub fn write(&mut self, ino: u64, off: u64, data: &[u8]) -> Res<u32> {
         self.file(ino)?;
-        let end = off.checked_add(data.len() as u64).filter(|&e| e <= i64::MAX as u64).ok_or(Errno(libc::EFBIG))?;
+        let end = off
+            .checked_add(data.len() as u64)
+            .filter(|&e| e <= i64::MAX as u64)
+            .ok_or(Errno(libc::EFBIG))?;
         let node = self.node_mut(ino)?;
-        node.pending.push(Pending::Write { off, data: data.to_vec() });
+        node.pending.push(Pending::Write {
+            off,
+            data: data.to_vec(),
+        });
         node.live_size = node.live_size.max(end);
         Ok(data.len() as u32)
     }
@@ -893,7 +987,10 @@ impl State {
         if len == 0 {
             return Err(Errno(libc::EINVAL));
         }
-        let end = off.checked_add(len).filter(|&e| e <= i64::MAX as u64).ok_or(Errno(libc::EFBIG))?;
+        let end = off
+            .checked_add(len)
+            .filter(|&e| e <= i64::MAX as u64)
+            .ok_or(Errno(libc::EFBIG))?;
         let node = self.node_mut(ino)?;
         node.pending.push(Pending::Fallocate { mode, off, len });
         if !keep {
@@ -944,7 +1041,12 @@ impl State {
             .filter(|(n, i)| d.durable.get(*n) != Some(i))
             .map(|(n, _)| n.clone())
             .collect();
-        names.extend(d.durable.keys().filter(|n| !d.live.contains_key(*n)).cloned());
+        names.extend(
+            d.durable
+                .keys()
+                .filter(|n| !d.live.contains_key(*n))
+                .cloned(),
+        );
         names.sort();
         Ok(names)
     }
@@ -1017,12 +1119,18 @@ impl State {
         } else {
             let last = node.durable_names.len() == 1;
             if last && node.live_links > 0 && !node.staged {
-                let fd = node.fd.as_ref().expect("files and others have fds").as_raw_fd();
+                let fd = node
+                    .fd
+                    .as_ref()
+                    .expect("files and others have fds")
+                    .as_raw_fd();
                 link_fd(fd, &self.staging_path(o))?;
                 self.node_mut(o)?.staged = true;
             }
             std::fs::remove_file(path)?;
-            self.node_mut(o)?.durable_names.retain(|(p, n)| !(*p == dir && n == name));
+            self.node_mut(o)?
+                .durable_names
+                .retain(|(p, n)| !(*p == dir && n == name));
         }
         self.dir_mut(dir)?.durable.remove(name);
         self.maybe_drop(o);
@@ -1042,7 +1150,11 @@ impl State {
                 self.dir_mut(p2)?.durable.remove(&n2);
             }
         } else {
-            let fd = node.fd.as_ref().expect("files and others have fds").as_raw_fd();
+            let fd = node
+                .fd
+                .as_ref()
+                .expect("files and others have fds")
+                .as_raw_fd();
             link_fd(fd, path)?;
             let staged = node.staged;
             if staged {
@@ -1067,7 +1179,10 @@ impl State {
                 s.bytes += node.pending.iter().map(Pending::payload).sum::<u64>();
             }
             if node.dir.as_ref().is_some_and(|d| d.loaded) {
-                s.namespace += self.changed_names(*ino).map(|n| n.len() as u64).unwrap_or(0);
+                s.namespace += self
+                    .changed_names(*ino)
+                    .map(|n| n.len() as u64)
+                    .unwrap_or(0);
             }
         }
         s
@@ -1096,7 +1211,12 @@ impl State {
         for _ in 0..8 {
             last_err = None;
             for ino in self.sorted_inos() {
-                if self.inodes.get(&ino).and_then(|n| n.dir.as_ref()).is_some_and(|d| d.loaded) {
+                if self
+                    .inodes
+                    .get(&ino)
+                    .and_then(|n| n.dir.as_ref())
+                    .is_some_and(|d| d.loaded)
+                {
                     if let Err(e) = self.sync_dir(ino) {
                         last_err = Some(e);
                     }
@@ -1159,7 +1279,8 @@ impl State {
                         Pending::Write { off, data } => {
                             let end = off + data.len() as u64;
                             let sectors = sectors(*off, end);
-                            let kept: Vec<(u64, u64)> = sectors.iter().copied().filter(|_| rng.coin()).collect();
+                            let kept: Vec<(u64, u64)> =
+                                sectors.iter().copied().filter(|_| rng.coin()).collect();
                             if kept.is_empty() {
                                 report.writes_dropped += 1;
                             } else {
@@ -1195,7 +1316,10 @@ impl State {
                     _ => apply_to_backing(fd, op),
                 };
                 if let Err(e) = result {
-                    eprintln!("powercut-fs: cut: applying a kept write to inode {ino} failed: errno {}", e.0);
+                    eprintln!(
+                        "powercut-fs: cut: applying a kept write to inode {ino} failed: errno {}",
+                        e.0
+                    );
                 }
             }
             if self.fsync_backing {
@@ -1208,30 +1332,78 @@ impl State {
 
         if keep_all {
             if let Err(e) = self.sync_all_dirs() {
-                eprintln!("powercut-fs: cut: keep-all could not apply every directory entry: errno {}", e.0);
+                eprintln!(
+                    "powercut-fs: cut: keep-all could not apply every directory entry: errno {}",
+                    e.0
+                );
             }
             status = self.status();
             report.namespace_kept = report.namespace_pending - status.namespace;
             report.namespace_dropped = status.namespace;
         } else if random_names {
+            // Entry changes that share an inode (the two names of a rename, a rename over an
+            // existing name) form one operation: kept or lost together, as a journaling
+            // filesystem commits a rename whole.
+            let mut changes: Vec<(u64, OsString, Option<u64>, Option<u64>)> = Vec::new();
             for dir in self.sorted_inos() {
-                if !self.inodes.get(&dir).and_then(|n| n.dir.as_ref()).is_some_and(|d| d.loaded) {
+                if !self
+                    .inodes
+                    .get(&dir)
+                    .and_then(|n| n.dir.as_ref())
+                    .is_some_and(|d| d.loaded)
+                {
                     continue;
                 }
-                let Ok(names) = self.changed_names(dir) else { continue };
+                let Ok(names) = self.changed_names(dir) else {
+                    continue;
+                };
+                let Ok(d) = self.dir(dir) else { continue };
                 for name in names {
-                    // An earlier change (a directory removed with its contents, a directory
-                    // moved) may have settled this one already.
-                    let Ok(d) = self.dir(dir) else { break };
-                    let new = d.live.get(&name).copied();
-                    if d.durable.get(&name).copied() == new {
-                        continue;
-                    }
-                    if rng.coin() {
-                        if let Err(e) = self.apply_entry(dir, &name, new) {
-                            eprintln!("powercut-fs: cut: keeping entry {name:?} failed: errno {}", e.0);
+                    let (old, new) = (d.durable.get(&name).copied(), d.live.get(&name).copied());
+                    changes.push((dir, name, old, new));
+                }
+            }
+            let mut group: Vec<usize> = (0..changes.len()).collect();
+            fn root(group: &mut [usize], mut i: usize) -> usize {
+                while group[i] != i {
+                    group[i] = group[group[i]];
+                    i = group[i];
+                }
+                i
+            }
+            let mut by_inode: HashMap<u64, usize> = HashMap::new();
+            for (i, (_, _, old, new)) in changes.iter().enumerate() {
+                for ino in [old, new].into_iter().flatten() {
+                    match by_inode.get(ino) {
+                        Some(&j) => {
+                            let (a, b) = (root(&mut group, i), root(&mut group, j));
+                            group[a] = b;
+                        }
+                        None => {
+                            by_inode.insert(*ino, i);
                         }
                     }
+                }
+            }
+            let mut keep_group: HashMap<usize, bool> = HashMap::new();
+            for (i, (dir, name, _, _)) in changes.iter().enumerate() {
+                let g = root(&mut group, i);
+                let keep = *keep_group.entry(g).or_insert_with(|| rng.coin());
+                if !keep {
+                    continue;
+                }
+                // An earlier change (a directory removed with its contents, a directory moved)
+                // may have settled this one already.
+                let Ok(d) = self.dir(*dir) else { continue };
+                let new = d.live.get(name).copied();
+                if d.durable.get(name).copied() == new {
+                    continue;
+                }
+                if let Err(e) = self.apply_entry(*dir, name, new) {
+                    eprintln!(
+                        "powercut-fs: cut: keeping entry {name:?} failed: errno {}",
+                        e.0
+                    );
                 }
             }
             let left = self.status().namespace;
@@ -1273,14 +1445,30 @@ fn sectors(off: u64, end: u64) -> Vec<(u64, u64)> {
 fn link_fd(fd: libc::c_int, path: &Path) -> Res<()> {
     let to = cpath(path)?;
     // SAFETY: linkat with valid fds and NUL-terminated paths.
-    let ret = unsafe { libc::linkat(fd, c"".as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::AT_EMPTY_PATH) };
+    let ret = unsafe {
+        libc::linkat(
+            fd,
+            c"".as_ptr(),
+            libc::AT_FDCWD,
+            to.as_ptr(),
+            libc::AT_EMPTY_PATH,
+        )
+    };
     if ret == 0 {
         return Ok(());
     }
     // Without CAP_DAC_READ_SEARCH, AT_EMPTY_PATH fails: go through /proc instead.
     let from = CString::new(format!("/proc/self/fd/{fd}")).expect("no NUL");
     // SAFETY: as above.
-    cvt(unsafe { libc::linkat(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::AT_SYMLINK_FOLLOW) })
+    cvt(unsafe {
+        libc::linkat(
+            libc::AT_FDCWD,
+            from.as_ptr(),
+            libc::AT_FDCWD,
+            to.as_ptr(),
+            libc::AT_SYMLINK_FOLLOW,
+        )
+    })
 }
 
 #[cfg(test)]
@@ -1290,20 +1478,46 @@ mod tests {
     #[test]
     fn sectors_cut_at_absolute_boundaries() {
         assert_eq!(sectors(0, 1024), vec![(0, 512), (512, 1024)]);
-        assert_eq!(sectors(100, 1100), vec![(100, 512), (512, 1024), (1024, 1100)]);
+        assert_eq!(
+            sectors(100, 1100),
+            vec![(100, 512), (512, 1024), (1024, 1100)]
+        );
         assert_eq!(sectors(5, 6), vec![(5, 6)]);
     }
 
     #[test]
     fn overlay_applies_in_order() {
         let mut buf = vec![1u8; 8];
-        overlay(&mut buf, 4, &Pending::Write { off: 2, data: vec![9; 4] });
+        overlay(
+            &mut buf,
+            4,
+            &Pending::Write {
+                off: 2,
+                data: vec![9; 4],
+            },
+        );
         assert_eq!(buf, [9, 9, 1, 1, 1, 1, 1, 1]);
         overlay(&mut buf, 4, &Pending::SetSize(10));
         assert_eq!(buf, [9, 9, 1, 1, 1, 1, 0, 0]);
-        overlay(&mut buf, 4, &Pending::Fallocate { mode: libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, off: 5, len: 2 });
+        overlay(
+            &mut buf,
+            4,
+            &Pending::Fallocate {
+                mode: libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                off: 5,
+                len: 2,
+            },
+        );
         assert_eq!(buf, [9, 0, 0, 1, 1, 1, 0, 0]);
-        overlay(&mut buf, 4, &Pending::Fallocate { mode: 0, off: 0, len: 100 });
+        overlay(
+            &mut buf,
+            4,
+            &Pending::Fallocate {
+                mode: 0,
+                off: 0,
+                len: 100,
+            },
+        );
         assert_eq!(buf, [9, 0, 0, 1, 1, 1, 0, 0]);
     }
 }

@@ -101,7 +101,9 @@ impl CutReport {
     }
 
     pub(crate) fn parse(line: &str) -> Result<CutReport, String> {
-        let rest = line.strip_prefix("cut ").ok_or_else(|| format!("not a cut report: {line:?}"))?;
+        let rest = line
+            .strip_prefix("cut ")
+            .ok_or_else(|| format!("not a cut report: {line:?}"))?;
         let mut r = CutReport::default();
         for (key, value) in pairs(rest)? {
             let slot = match key {
@@ -162,7 +164,9 @@ impl PendingStatus {
     }
 
     pub(crate) fn parse(line: &str) -> Result<PendingStatus, String> {
-        let rest = line.strip_prefix("status ").ok_or_else(|| format!("not a status line: {line:?}"))?;
+        let rest = line
+            .strip_prefix("status ")
+            .ok_or_else(|| format!("not a status line: {line:?}"))?;
         let mut s = PendingStatus::default();
         for (key, value) in pairs(rest)? {
             match key {
@@ -180,8 +184,12 @@ impl PendingStatus {
 fn pairs(text: &str) -> Result<Vec<(&str, u64)>, String> {
     text.split_whitespace()
         .map(|kv| {
-            let (k, v) = kv.split_once('=').ok_or_else(|| format!("bad field {kv:?}"))?;
-            let v = v.parse::<u64>().map_err(|e| format!("bad value in {kv:?}: {e}"))?;
+            let (k, v) = kv
+                .split_once('=')
+                .ok_or_else(|| format!("bad field {kv:?}"))?;
+            let v = v
+                .parse::<u64>()
+                .map_err(|e| format!("bad value in {kv:?}: {e}"))?;
             Ok((k, v))
         })
         .collect()
@@ -220,7 +228,12 @@ mod tests {
             namespace_dropped: 4,
         };
         assert_eq!(CutReport::parse(&r.to_line()), Ok(r));
-        let s = PendingStatus { writes: 1, bytes: 2, files: 3, namespace: 4 };
+        let s = PendingStatus {
+            writes: 1,
+            bytes: 2,
+            files: 3,
+            namespace: 4,
+        };
         assert_eq!(PendingStatus::parse(&s.to_line()), Ok(s));
     }
 }

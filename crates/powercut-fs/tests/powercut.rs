@@ -21,7 +21,11 @@ fn dirs() -> Dirs {
     let mnt = tmp.path().join("mnt");
     fs::create_dir(&backing).unwrap();
     fs::create_dir(&mnt).unwrap();
-    Dirs { _tmp: tmp, backing, mnt }
+    Dirs {
+        _tmp: tmp,
+        backing,
+        mnt,
+    }
 }
 
 fn mount(d: &Dirs) -> PowercutFs {
@@ -31,11 +35,19 @@ fn mount(d: &Dirs) -> PowercutFs {
 }
 
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) | 1).collect()
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) | 1)
+        .collect()
 }
 
 fn write_file(path: &Path, data: &[u8]) -> File {
-    let f = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path).unwrap();
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .unwrap();
     f.write_all_at(data, 0).unwrap();
     f
 }
@@ -59,7 +71,10 @@ fn fallocate(f: &File, mode: i32, off: u64, len: u64) -> std::io::Result<()> {
 }
 
 fn names(dir: &Path) -> Vec<String> {
-    let mut v: Vec<String> = fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let mut v: Vec<String> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
     v.sort();
     v
 }
@@ -77,7 +92,7 @@ fn drop_all_keeps_exactly_what_was_made_durable() {
     fs::create_dir(d.backing.join("existing")).unwrap();
     fs::write(d.backing.join("existing/inner"), &old).unwrap();
 
-    let fs1 = mount(&d);
+    let mut fs1 = mount(&d);
     let m = &d.mnt;
     let new = pattern(2, 5000);
 
@@ -85,15 +100,21 @@ fn drop_all_keeps_exactly_what_was_made_durable() {
     let f = write_file(&m.join("synced.bin"), &new);
     f.sync_all().unwrap();
     drop(f);
-    // A new file fsynced whose directory is never fsynced... (root gets fsynced below, so
-    // use a subdirectory that is itself durable but never fsynced after the create.)
+    // A new directory, made durable by the root fsync below.
     fs::create_dir(m.join("dir")).unwrap();
     // An existing file overwritten without fsync: old content after the cut.
     write_file(&m.join("old.bin"), &new);
     // An existing file overwritten with fsync: new content (its entry was already durable).
-    write_file(&m.join("old-synced.bin"), &new).sync_data().unwrap();
+    write_file(&m.join("old-synced.bin"), &new)
+        .sync_data()
+        .unwrap();
     // A truncate without fsync is lost.
-    OpenOptions::new().write(true).open(m.join("truncated.bin")).unwrap().set_len(10).unwrap();
+    OpenOptions::new()
+        .write(true)
+        .open(m.join("truncated.bin"))
+        .unwrap()
+        .set_len(10)
+        .unwrap();
     // An unlink without fsyncdir is lost; with it, durable.
     fs::remove_file(m.join("victim.bin")).unwrap();
     // A rename without fsyncdir is lost.
@@ -113,7 +134,9 @@ fn drop_all_keeps_exactly_what_was_made_durable() {
     write_file(&m.join("dir/lost"), &new).sync_all().unwrap();
     // A new subdirectory whose parent entry is never made durable, with durable contents.
     fs::create_dir(m.join("existing/newdir")).unwrap();
-    write_file(&m.join("existing/newdir/f"), &new).sync_all().unwrap();
+    write_file(&m.join("existing/newdir/f"), &new)
+        .sync_all()
+        .unwrap();
     sync_dir(&m.join("existing/newdir"));
     // Unsynced overwrite of a file in an existing dir.
     write_file(&m.join("existing/inner"), &new);
@@ -125,42 +148,78 @@ fn drop_all_keeps_exactly_what_was_made_durable() {
     assert!(m.join("ren-dst").exists() && !m.join("ren-src").exists());
     assert_eq!(read(&m.join("dir/lost")), new);
     assert_eq!(read(&m.join("existing/newdir/f")), new);
-    let pending = {
-        let mut fs1 = fs1;
-        let p = fs1.pending().unwrap();
-        assert!(p.writes >= 3, "pending writes: {p:?}");
-        assert!(p.namespace >= 4, "pending names: {p:?}");
-        let report = fs1.cut(CutPolicy::DropAll).unwrap();
-        assert_eq!(report.writes_kept + report.writes_torn, 0, "{report:?}");
-        assert_eq!(report.writes_dropped, p.writes, "{report:?}");
-        assert_eq!(report.namespace_kept, 0, "{report:?}");
-        p
-    };
+    let p = fs1.pending().unwrap();
+    assert!(p.writes >= 3, "pending writes: {p:?}");
+    assert!(p.namespace >= 4, "pending names: {p:?}");
+    let report = fs1.cut(CutPolicy::DropAll).unwrap();
+    assert_eq!(report.writes_kept + report.writes_torn, 0, "{report:?}");
+    assert_eq!(report.writes_dropped, p.writes, "{report:?}");
+    assert_eq!(report.namespace_kept, 0, "{report:?}");
+    assert_eq!(report.namespace_dropped, p.namespace, "{report:?}");
     assert!(!ashlar_powercut_fs::is_mounted(m), "the cut unmounts");
-    assert!(!d.backing.join(ashlar_powercut_fs::STAGING).exists(), "the cut removes staging");
+    assert!(
+        !d.backing.join(ashlar_powercut_fs::STAGING).exists(),
+        "the cut removes staging"
+    );
 
     let _fs2 = mount(&d);
-    assert_eq!(read(&m.join("synced.bin")), new, "fsynced file in fsynced dir");
+    assert_eq!(
+        read(&m.join("synced.bin")),
+        new,
+        "fsynced file in fsynced dir"
+    );
     assert_eq!(read(&m.join("old.bin")), old, "unsynced overwrite is lost");
     let mut expect = new.clone();
     expect.extend_from_slice(&old[new.len()..]);
-    assert_eq!(read(&m.join("old-synced.bin")), expect, "fsynced overwrite of a durable file");
-    assert_eq!(read(&m.join("truncated.bin")), old, "unsynced truncate is lost");
-    assert!(!m.join("victim.bin").exists(), "unlink followed by fsyncdir is durable");
-    assert_eq!(read(&m.join("victim-synced.bin")), old, "unlink without fsyncdir is lost");
-    assert!(!m.join("ren-src").exists() && m.join("ren-dst").exists(), "rename made durable by fsyncdir");
-    assert!(!m.join("unsynced-entry.bin").exists(), "a file fsynced but whose directory was not is gone");
+    assert_eq!(
+        read(&m.join("old-synced.bin")),
+        expect,
+        "fsynced overwrite of a durable file"
+    );
+    assert_eq!(
+        read(&m.join("truncated.bin")),
+        old,
+        "unsynced truncate is lost"
+    );
+    assert!(
+        !m.join("victim.bin").exists(),
+        "unlink followed by fsyncdir is durable"
+    );
+    assert_eq!(
+        read(&m.join("victim-synced.bin")),
+        old,
+        "unlink without fsyncdir is lost"
+    );
+    assert!(
+        !m.join("ren-src").exists() && m.join("ren-dst").exists(),
+        "rename made durable by fsyncdir"
+    );
+    assert!(
+        !m.join("unsynced-entry.bin").exists(),
+        "a file fsynced but whose directory was not is gone"
+    );
     assert_eq!(read(&m.join("dir/kept")), new);
     assert!(!m.join("dir/lost").exists());
-    assert!(!m.join("existing/newdir").exists(), "a directory whose parent was not fsynced is gone");
+    assert!(
+        !m.join("existing/newdir").exists(),
+        "a directory whose parent was not fsynced is gone"
+    );
     assert_eq!(read(&m.join("existing/inner")), old);
     assert_eq!(
         names(m),
-        ["dir", "existing", "old-synced.bin", "old.bin", "ren-dst", "synced.bin", "truncated.bin", "victim-synced.bin"]
+        [
+            "dir",
+            "existing",
+            "old-synced.bin",
+            "old.bin",
+            "ren-dst",
+            "synced.bin",
+            "truncated.bin",
+            "victim-synced.bin"
+        ]
     );
     assert_eq!(names(&m.join("dir")), ["kept"]);
     assert_eq!(names(&m.join("existing")), ["inner"]);
-    let _ = pending;
 }
 
 #[test]
@@ -194,7 +253,11 @@ fn data_of_a_file_created_meanwhile_lands_when_its_directory_is_synced() {
     let mut want_a = a.clone();
     want_a[10..13].copy_from_slice(b"XYZ");
     assert_eq!(read(&m.join("a")), want_a);
-    assert_eq!(read(&m.join("b")), b"", "the name is durable, the unsynced data is not");
+    assert_eq!(
+        read(&m.join("b")),
+        b"",
+        "the name is durable, the unsynced data is not"
+    );
     assert_eq!(read(&m.join("c")), a);
     assert_eq!(names(m), ["a", "b", "c"]);
 }
@@ -206,9 +269,13 @@ fn reads_see_pending_writes_truncates_and_holes() {
     fs::write(d.backing.join("f"), &old).unwrap();
     let fs1 = mount(&d);
     let path = d.mnt.join("f");
-    let f = OpenOptions::new().read(true).write(true).open(&path).unwrap();
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
     let mut model = old.clone();
-    let mut apply = |model: &mut Vec<u8>, off: usize, data: &[u8]| {
+    let apply = |model: &mut Vec<u8>, off: usize, data: &[u8]| {
         if model.len() < off + data.len() {
             model.resize(off + data.len(), 0);
         }
@@ -233,7 +300,13 @@ fn reads_see_pending_writes_truncates_and_holes() {
     assert_eq!(read(&path), model);
     assert_eq!(fs::metadata(&path).unwrap().len(), 9004);
     // Punch a hole over pending and durable bytes.
-    fallocate(&f, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, 1500, 1000).unwrap();
+    fallocate(
+        &f,
+        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+        1500,
+        1000,
+    )
+    .unwrap();
     model[1500..2500].fill(0);
     assert_eq!(read(&path), model);
     // Reads at odd offsets and sizes.
@@ -244,7 +317,11 @@ fn reads_see_pending_writes_truncates_and_holes() {
     f.sync_all().unwrap();
     drop(f);
     fs1.cut(CutPolicy::DropAll).unwrap();
-    assert_eq!(read(&d.backing.join("f")), model, "backing holds the synced state");
+    assert_eq!(
+        read(&d.backing.join("f")),
+        model,
+        "backing holds the synced state"
+    );
     let _fs2 = mount(&d);
     assert_eq!(read(&path), model);
 }
@@ -257,8 +334,16 @@ fn punch_hole_and_preallocation() {
     fs::write(d.backing.join("g"), &old).unwrap();
     let fs1 = mount(&d);
     let m = &d.mnt;
-    let f = OpenOptions::new().read(true).write(true).open(m.join("f")).unwrap();
-    let g = OpenOptions::new().read(true).write(true).open(m.join("g")).unwrap();
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.join("f"))
+        .unwrap();
+    let g = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.join("g"))
+        .unwrap();
     let keep = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
     // Durable punch in f, pending punch in g.
     fallocate(&f, keep, 65536, 262144).unwrap();
@@ -267,7 +352,11 @@ fn punch_hole_and_preallocation() {
     punched[65536..65536 + 262144].fill(0);
     assert_eq!(read(&m.join("f")), punched);
     assert_eq!(read(&m.join("g")), punched);
-    assert_eq!(fs::metadata(m.join("f")).unwrap().len(), old.len() as u64, "KEEP_SIZE keeps the size");
+    assert_eq!(
+        fs::metadata(m.join("f")).unwrap().len(),
+        old.len() as u64,
+        "KEEP_SIZE keeps the size"
+    );
     f.sync_data().unwrap();
     // Punching without KEEP_SIZE is refused, as on every Linux filesystem.
     let err = fallocate(&f, libc::FALLOC_FL_PUNCH_HOLE, 0, 4096).unwrap_err();
@@ -282,8 +371,7 @@ fn punch_hole_and_preallocation() {
     h.sync_all().unwrap();
     sync_dir(m);
     // A pending preallocation is lost at the cut.
-    let g2 = &g;
-    fallocate(g2, 0, 0, 3 << 20).unwrap();
+    fallocate(&g, 0, 0, 3 << 20).unwrap();
     assert_eq!(fs::metadata(m.join("g")).unwrap().len(), 3 << 20);
     // Unsupported modes fail cleanly.
     let err = fallocate(&f, libc::FALLOC_FL_COLLAPSE_RANGE, 0, 4096).unwrap_err();
@@ -299,7 +387,11 @@ fn punch_hole_and_preallocation() {
     );
     let _fs2 = mount(&d);
     assert_eq!(read(&m.join("f")), punched, "durable punch");
-    assert_eq!(read(&m.join("g")), old, "pending punch and preallocation are lost");
+    assert_eq!(
+        read(&m.join("g")),
+        old,
+        "pending punch and preallocation are lost"
+    );
     assert_eq!(fs::metadata(m.join("h")).unwrap().len(), 100_000);
 }
 
@@ -315,10 +407,18 @@ fn random_cuts_leave_every_sector_old_or_new() {
         fs::write(d.backing.join("disjoint"), &old).unwrap();
         fs::write(d.backing.join("overlap"), &old).unwrap();
         fs::write(d.backing.join("synced"), &old).unwrap();
+        for k in 0..4 {
+            fs::write(d.backing.join(format!("victim{k}")), b"old victim").unwrap();
+        }
+        fs::write(d.backing.join("ren-a"), b"renamed").unwrap();
+        fs::write(d.backing.join("replace"), b"old version").unwrap();
         let fs1 = mount(&d);
         let m = &d.mnt;
         // Disjoint writes of assorted sizes and alignments.
-        let dj = OpenOptions::new().write(true).open(m.join("disjoint")).unwrap();
+        let dj = OpenOptions::new()
+            .write(true)
+            .open(m.join("disjoint"))
+            .unwrap();
         let mut writes = Vec::new();
         let mut off = 100usize;
         for k in 0..40usize {
@@ -332,7 +432,10 @@ fn random_cuts_leave_every_sector_old_or_new() {
             off += len + (k % 3) * 300;
         }
         // Overlapping writes: the result of each byte is old or one of the writes covering it.
-        let ov = OpenOptions::new().write(true).open(m.join("overlap")).unwrap();
+        let ov = OpenOptions::new()
+            .write(true)
+            .open(m.join("overlap"))
+            .unwrap();
         let mut ov_writes = Vec::new();
         for k in 0..30usize {
             let off = (k * 7919 + seed as usize * 1237) % (size - 8192);
@@ -342,17 +445,38 @@ fn random_cuts_leave_every_sector_old_or_new() {
             ov_writes.push((off, len, value));
         }
         // A synced file: intact whatever the cut does.
-        let sy = OpenOptions::new().write(true).open(m.join("synced")).unwrap();
+        let sy = OpenOptions::new()
+            .write(true)
+            .open(m.join("synced"))
+            .unwrap();
         let synced_data = pattern(seed as u8, size);
         sy.write_all_at(&synced_data, 0).unwrap();
         sy.sync_data().unwrap();
         // A file created without a directory sync: if its name survives, its bytes are zero or
         // its single write's, and never past its written size.
         write_file(&m.join("newfile"), &vec![0x55; 10_000]);
+        // Namespace changes, none made durable: each survives whole or not at all.
+        for k in 0..4 {
+            fs::remove_file(m.join(format!("victim{k}"))).unwrap();
+            write_file(
+                &m.join(format!("created{k}")),
+                format!("created {k}").as_bytes(),
+            )
+            .sync_all()
+            .unwrap();
+        }
+        fs::rename(m.join("ren-a"), m.join("ren-b")).unwrap();
+        write_file(&m.join("replace.tmp"), b"new version")
+            .sync_all()
+            .unwrap();
+        fs::rename(m.join("replace.tmp"), m.join("replace")).unwrap();
         drop((dj, ov, sy));
         let report = fs1.cut(CutPolicy::RandomSubset { seed }).unwrap();
         eprintln!("seed {seed}: {report}");
-        assert_eq!(report.writes_kept + report.writes_torn + report.writes_dropped, report.writes_pending);
+        assert_eq!(
+            report.writes_kept + report.writes_torn + report.writes_dropped,
+            report.writes_pending
+        );
         totals.writes_kept += report.writes_kept;
         totals.writes_torn += report.writes_torn;
         totals.writes_dropped += report.writes_dropped;
@@ -367,7 +491,10 @@ fn random_cuts_leave_every_sector_old_or_new() {
             owner[off..off + len].fill(value);
         }
         for (i, (&g, &o)) in got.iter().zip(&owner).enumerate() {
-            assert!(g == 0xAA || (o != 0 && g == o), "seed {seed}: disjoint byte {i} is {g:#x}, want 0xaa or {o:#x}");
+            assert!(
+                g == 0xAA || (o != 0 && g == o),
+                "seed {seed}: disjoint byte {i} is {g:#x}, want 0xaa or {o:#x}"
+            );
         }
         // Sector atomicity: within one write, one 512-byte sector is all old or all new.
         for &(off, len, value) in &writes {
@@ -385,18 +512,73 @@ fn random_cuts_leave_every_sector_old_or_new() {
         let got = read(&m.join("overlap"));
         assert_eq!(got.len(), size);
         for (i, &g) in got.iter().enumerate() {
-            let ok = g == 0xAA || ov_writes.iter().any(|&(off, len, v)| v == g && i >= off && i < off + len);
-            assert!(ok, "seed {seed}: overlap byte {i} is {g:#x}: neither old nor written there");
+            let ok = g == 0xAA
+                || ov_writes
+                    .iter()
+                    .any(|&(off, len, v)| v == g && i >= off && i < off + len);
+            assert!(
+                ok,
+                "seed {seed}: overlap byte {i} is {g:#x}: neither old nor written there"
+            );
         }
-        assert_eq!(read(&m.join("synced")), synced_data, "seed {seed}: fsynced data");
+        assert_eq!(
+            read(&m.join("synced")),
+            synced_data,
+            "seed {seed}: fsynced data"
+        );
         if m.join("newfile").exists() {
             let got = read(&m.join("newfile"));
-            assert!(got.len() <= 10_000 && got.iter().all(|&x| x == 0 || x == 0x55), "seed {seed}: newfile");
+            assert!(
+                got.len() <= 10_000 && got.iter().all(|&x| x == 0 || x == 0x55),
+                "seed {seed}: newfile"
+            );
+        }
+        for k in 0..4 {
+            let victim = m.join(format!("victim{k}"));
+            assert!(
+                !victim.exists() || read(&victim) == b"old victim",
+                "seed {seed}: victim{k}"
+            );
+            let created = m.join(format!("created{k}"));
+            assert!(
+                !created.exists() || read(&created) == format!("created {k}").as_bytes(),
+                "seed {seed}: created{k}"
+            );
+        }
+        let (a, b) = (m.join("ren-a"), m.join("ren-b"));
+        assert!(
+            a.exists() != b.exists(),
+            "seed {seed}: a rename is kept or lost whole"
+        );
+        assert_eq!(read(if a.exists() { &a } else { &b }), b"renamed");
+        let replaced = read(&m.join("replace"));
+        assert!(
+            replaced == b"old version" || replaced == b"new version",
+            "seed {seed}: replace is {replaced:?}"
+        );
+        assert!(
+            !m.join("replace.tmp").exists(),
+            "seed {seed}: replace.tmp was never durable"
+        );
+        for name in names(m) {
+            let known = [
+                "disjoint", "overlap", "synced", "newfile", "ren-a", "ren-b", "replace",
+            ]
+            .contains(&name.as_str())
+                || name.starts_with("victim")
+                || name.starts_with("created");
+            assert!(known, "seed {seed}: unexpected name {name:?} after the cut");
         }
     }
     eprintln!("totals: {totals:?}");
-    assert!(totals.writes_kept > 0 && totals.writes_torn > 0 && totals.writes_dropped > 0, "{totals:?}");
-    assert!(totals.namespace_kept > 0 && totals.namespace_dropped > 0, "{totals:?}");
+    assert!(
+        totals.writes_kept > 0 && totals.writes_torn > 0 && totals.writes_dropped > 0,
+        "{totals:?}"
+    );
+    assert!(
+        totals.namespace_kept > 0 && totals.namespace_dropped > 0,
+        "{totals:?}"
+    );
 }
 
 #[test]
@@ -409,7 +591,11 @@ fn keep_all_and_clean_unmount_make_everything_durable() {
     fs::write(m.join("g"), b"two").unwrap();
     fs::rename(m.join("g"), m.join("a/g")).unwrap();
     let report = fs1.cut(CutPolicy::KeepAll).unwrap();
-    assert_eq!(report.writes_dropped + report.namespace_dropped, 0, "{report:?}");
+    assert_eq!(
+        report.writes_dropped + report.namespace_dropped,
+        0,
+        "{report:?}"
+    );
     let fs2 = mount(&d);
     assert_eq!(read(&m.join("a/b/f")), b"one");
     assert_eq!(read(&m.join("a/g")), b"two");
@@ -484,9 +670,12 @@ fn the_cut_cuts_off_open_files_and_o_direct_works() {
     let mut keep_open = File::open(m.join("f")).unwrap();
     fs1.cut(CutPolicy::DropAll).unwrap();
     let mut buf = [0u8; 16];
-    let err = keep_open.read(&mut buf).expect_err("reading through the cut mount must fail");
+    let err = keep_open
+        .read(&mut buf)
+        .expect_err("reading through the cut mount must fail");
     assert!(
-        matches!(err.raw_os_error(), Some(libc::ENOTCONN) | Some(libc::EIO)) || err.kind() == ErrorKind::NotConnected,
+        matches!(err.raw_os_error(), Some(libc::ENOTCONN) | Some(libc::EIO))
+            || err.kind() == ErrorKind::NotConnected,
         "{err}"
     );
     drop((f, keep_open));
@@ -499,6 +688,8 @@ fn mounting_twice_on_one_mountpoint_is_refused() {
     let d = dirs();
     let _fs1 = mount(&d);
     let bin = Path::new(env!("CARGO_BIN_EXE_ashlar-powercut-fs"));
-    let err = PowercutFs::mount_with_binary(bin, &d.backing, &d.mnt).err().expect("second mount refused");
+    let err = PowercutFs::mount_with_binary(bin, &d.backing, &d.mnt)
+        .err()
+        .expect("second mount refused");
     assert!(err.to_string().contains("already a mount point"), "{err}");
 }
