@@ -4,6 +4,7 @@ use std::io::{self, BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::protocol::{CutPolicy, CutReport, PendingStatus};
@@ -28,6 +29,18 @@ const COMMAND_TIMEOUT: Duration = Duration::from_secs(120);
 /// Note: a binary found next to the test executable is used as it is; after changing this
 /// crate, run `cargo test --workspace` or build `-p ashlar-powercut-fs` so it is not stale.
 pub fn binary_path() -> io::Result<PathBuf> {
+    // Found (or built) once per test process; concurrent callers wait for the first.
+    static FOUND: Mutex<Option<PathBuf>> = Mutex::new(None);
+    let mut found = FOUND.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(path) = found.as_ref() {
+        return Ok(path.clone());
+    }
+    let path = find_or_build_binary()?;
+    *found = Some(path.clone());
+    Ok(path)
+}
+
+fn find_or_build_binary() -> io::Result<PathBuf> {
     if let Some(path) = std::env::var_os(BINARY_ENV) {
         let path = PathBuf::from(path);
         if path.is_file() {

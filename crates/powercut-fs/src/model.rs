@@ -510,6 +510,9 @@ impl State {
         };
         let fd = node.fd.as_ref().map(|f| f.as_raw_fd());
         let kind = node.kind;
+        if set.size.is_some_and(|s| s > i64::MAX as u64) {
+            return Err(Errno(libc::EFBIG));
+        }
         if set.size.is_some() {
             match kind {
                 Kind::File => {}
@@ -1170,6 +1173,65 @@ impl State {
 
     // ---------------------------------------------------------------- status, sync, cut
 
+    /// A directory's path in the live tree, for messages.
+    fn live_path(&self, dir: u64) -> String {
+        let mut parts = Vec::new();
+        let mut ino = dir;
+        while ino != ROOT {
+            match self.inodes.get(&ino).and_then(|n| n.live_parent.as_ref()) {
+                Some((parent, name)) => {
+                    parts.push(name.to_string_lossy().into_owned());
+                    ino = *parent;
+                }
+                None => {
+                    parts.push(format!("<removed directory {ino}>"));
+                    break;
+                }
+            }
+        }
+        parts.reverse();
+        parts.join("/")
+    }
+
+    /// Every pending entry change, described for a person.
+    fn describe_changes(&self) -> Vec<(u64, OsString, String)> {
+        let mut out = Vec::new();
+        for dir in self.sorted_inos() {
+            let Some(d) = self.inodes.get(&dir).and_then(|n| n.dir.as_ref()) else {
+                continue;
+            };
+            if !d.loaded {
+                continue;
+            }
+            let Ok(names) = self.changed_names(dir) else {
+                continue;
+            };
+            for name in names {
+                let kind = |ino: Option<&u64>| match ino
+                    .and_then(|i| self.inodes.get(i))
+                    .map(|n| n.kind)
+                {
+                    Some(Kind::Dir) => "directory",
+                    Some(Kind::File) => "file",
+                    _ => "entry",
+                };
+                let what = match (d.durable.get(&name), d.live.get(&name)) {
+                    (None, new) => format!("new {}", kind(new)),
+                    (old, None) => format!("removed {}", kind(old)),
+                    (_, new) => format!("replaced by another {}", kind(new)),
+                };
+                let path = self.live_path(dir);
+                let full = if path.is_empty() {
+                    name.to_string_lossy().into_owned()
+                } else {
+                    format!("{path}/{}", name.to_string_lossy())
+                };
+                out.push((dir, name, format!("{full} ({what})")));
+            }
+        }
+        out
+    }
+
     pub fn status(&self) -> PendingStatus {
         let mut s = PendingStatus::default();
         for (ino, node) in &self.inodes {
@@ -1245,6 +1307,7 @@ impl State {
         };
         let keep_all = policy == CutPolicy::KeepAll;
         let mut status = self.status();
+        let changes_before = self.describe_changes();
         report.writes_pending = status.writes;
         report.bytes_pending = status.bytes;
         report.namespace_pending = status.namespace;
@@ -1411,6 +1474,25 @@ impl State {
             report.namespace_kept = report.namespace_pending - report.namespace_dropped;
         } else {
             report.namespace_dropped = report.namespace_pending;
+        }
+        // Name what was lost: the first thing to look at when a test finds a file missing.
+        let lost: Vec<&String> = changes_before
+            .iter()
+            .filter(|(dir, name, _)| {
+                self.dir(*dir)
+                    .map(|d| d.durable.get(name) != d.live.get(name))
+                    .unwrap_or(true)
+            })
+            .map(|(_, _, what)| what)
+            .collect();
+        for what in lost.iter().take(50) {
+            eprintln!("powercut-fs: cut: lost directory entry change: {what}");
+        }
+        if lost.len() > 50 {
+            eprintln!(
+                "powercut-fs: cut: ... and {} more lost directory entry changes",
+                lost.len() - 50
+            );
         }
         if let Err(e) = std::fs::remove_dir_all(&self.staging) {
             eprintln!("powercut-fs: cut: removing {}: {e}", self.staging.display());

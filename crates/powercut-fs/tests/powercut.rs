@@ -693,3 +693,76 @@ fn mounting_twice_on_one_mountpoint_is_refused() {
         .expect("second mount refused");
     assert!(err.to_string().contains("already a mount point"), "{err}");
 }
+
+/// The command-line daemon without the library: SIGUSR1 cuts with the `--seed` policy (here
+/// none: drop-all), SIGTERM unmounts cleanly.
+#[test]
+fn signals_cut_and_unmount() {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    let d = dirs();
+    fs::write(d.backing.join("f"), b"old").unwrap();
+    let start = || {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ashlar-powercut-fs"))
+            .arg(&d.backing)
+            .arg(&d.mnt)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        assert_eq!(
+            lines.next().unwrap().unwrap(),
+            "ready",
+            "stdin at EOF must not end the daemon"
+        );
+        (child, lines)
+    };
+    let signal = |child: &std::process::Child, sig| {
+        // SAFETY: kill on the pid of our own child.
+        assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, sig) }, 0);
+    };
+
+    let (mut child, mut lines) = start();
+    fs::write(d.mnt.join("f"), b"new").unwrap();
+    assert_eq!(read(&d.mnt.join("f")), b"new");
+    signal(&child, libc::SIGUSR1);
+    let line = lines.next().unwrap().unwrap();
+    assert!(line.starts_with("cut writes_pending="), "{line}");
+    assert!(child.wait().unwrap().success());
+    assert!(!ashlar_powercut_fs::is_mounted(&d.mnt));
+    assert_eq!(read(&d.backing.join("f")), b"old");
+
+    let (mut child, mut lines) = start();
+    fs::write(d.mnt.join("f"), b"newer").unwrap();
+    signal(&child, libc::SIGTERM);
+    assert_eq!(lines.next().unwrap().unwrap(), "unmounted");
+    assert!(child.wait().unwrap().success());
+    assert!(!ashlar_powercut_fs::is_mounted(&d.mnt));
+    assert_eq!(read(&d.backing.join("f")), b"newer");
+}
+
+/// Directories with more entries than one readdir reply holds list completely.
+#[test]
+fn large_directories_list_completely() {
+    let d = dirs();
+    for i in 0..300 {
+        fs::write(
+            d.backing
+                .join(format!("durable-{i:04}-with-a-longish-name")),
+            b"x",
+        )
+        .unwrap();
+    }
+    let _fs1 = mount(&d);
+    for i in 0..300 {
+        fs::write(
+            d.mnt.join(format!("pending-{i:04}-with-a-longish-name")),
+            b"y",
+        )
+        .unwrap();
+    }
+    let listed = names(&d.mnt);
+    assert_eq!(listed.len(), 600);
+    assert!(listed.iter().all(|n| n != ashlar_powercut_fs::STAGING));
+}
