@@ -306,12 +306,20 @@ impl Filesystem for PowercutFilesystem {
         offset: u64,
         data: &[u8],
         _write_flags: WriteFlags,
-        _flags: OpenFlags,
+        flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
         let mut st = live_or_reply!(self, reply);
+        // O_SYNC/O_DSYNC opens and RWF_DSYNC/RWF_SYNC writes arrive with O_DSYNC set: such a
+        // write is durable when it returns (with everything written to the file before it,
+        // as a real flush would do).
+        let sync = flags.0 & libc::O_DSYNC != 0;
         match st.write(ino.0, offset, data) {
+            Ok(n) if sync => match st.fsync(ino.0) {
+                Ok(()) => reply.written(n),
+                Err(e) => reply.error(errno(e)),
+            },
             Ok(n) => reply.written(n),
             Err(e) => reply.error(errno(e)),
         }

@@ -766,3 +766,44 @@ fn large_directories_list_completely() {
     assert_eq!(listed.len(), 600);
     assert!(listed.iter().all(|n| n != ashlar_powercut_fs::STAGING));
 }
+
+/// O_DSYNC opens and RWF_DSYNC writes are durable when they return; plain writes on the same
+/// file that came later are not.
+#[test]
+fn o_dsync_writes_are_durable() {
+    let d = dirs();
+    fs::write(d.backing.join("f"), vec![b'.'; 4096]).unwrap();
+    fs::write(d.backing.join("g"), vec![b'.'; 4096]).unwrap();
+    let fs1 = mount(&d);
+    let f = OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_DSYNC)
+        .open(d.mnt.join("f"))
+        .unwrap();
+    f.write_all_at(b"dsync", 0).unwrap();
+    let g = OpenOptions::new()
+        .write(true)
+        .open(d.mnt.join("g"))
+        .unwrap();
+    let data = b"rwf-dsync";
+    let iov = libc::iovec {
+        iov_base: data.as_ptr() as *mut libc::c_void,
+        iov_len: data.len(),
+    };
+    // SAFETY: pwritev2 with one valid iovec on an open fd.
+    let n = unsafe { libc::pwritev2(g.as_raw_fd(), &iov, 1, 0, libc::RWF_DSYNC) };
+    assert_eq!(
+        n,
+        data.len() as isize,
+        "{}",
+        std::io::Error::last_os_error()
+    );
+    g.write_all_at(b"plain", 100).unwrap();
+    drop((f, g));
+    fs1.cut(CutPolicy::DropAll).unwrap();
+    let _fs2 = mount(&d);
+    assert_eq!(&read(&d.mnt.join("f"))[..6], b"dsync.");
+    let g = read(&d.mnt.join("g"));
+    assert_eq!(&g[..10], b"rwf-dsync.");
+    assert_eq!(&g[100..105], b".....", "a later plain write is not durable");
+}
