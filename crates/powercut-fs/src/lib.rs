@@ -18,6 +18,8 @@ mod model;
 mod protocol;
 mod rng;
 
-pub use client::{binary_path, check_environment, is_mounted, PowercutFs, BINARY_ENV, BINARY_NAME};
+pub use client::{
+    binary_path, check_environment, is_mounted, MountOptions, PowercutFs, BINARY_ENV, BINARY_NAME,
+};
 pub use model::STAGING;
 pub use protocol::{CutPolicy, CutReport, PendingStatus};

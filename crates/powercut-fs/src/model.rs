@@ -186,11 +186,13 @@ fn cvt(ret: libc::c_int) -> Res<()> {
 }
 
 fn system_time(secs: i64, nsecs: i64) -> SystemTime {
-    if secs >= 0 {
-        UNIX_EPOCH + Duration::new(secs as u64, nsecs as u32)
+    let nanos = Duration::from_nanos(nsecs.clamp(0, 999_999_999) as u64);
+    let t = if secs >= 0 {
+        UNIX_EPOCH.checked_add(Duration::from_secs(secs as u64))
     } else {
-        UNIX_EPOCH - Duration::from_secs(secs.unsigned_abs()) + Duration::from_nanos(nsecs as u64)
-    }
+        UNIX_EPOCH.checked_sub(Duration::from_secs(secs.unsigned_abs()))
+    };
+    t.and_then(|t| t.checked_add(nanos)).unwrap_or(UNIX_EPOCH)
 }
 
 fn timespec(t: Option<Option<SystemTime>>) -> libc::timespec {
