@@ -244,7 +244,7 @@ impl SimFs {
                     live_len: file.live.len(),
                     durable_len: file.durable.len(),
                     allocated_bytes: file.live.allocated_bytes(),
-                    pending_changes: file.pending.len() + file.limbo.len(),
+                    pending_changes: file.pending.len(),
                     entry_durable: dir.durable.get(name) == Some(&ino),
                 });
             }

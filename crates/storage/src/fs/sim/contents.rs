@@ -172,9 +172,17 @@ impl Contents {
             .collect()
     }
 
-    /// Truncates or extends to `len`; bytes past the new size are gone.
+    /// Truncates or extends to `len`. Truncation drops the bytes past the new size; extension
+    /// keeps whatever is stored past the old size (nothing, except while a power cut applies
+    /// changes out of order: then it is data the disk really holds there).
     pub(crate) fn set_len(&mut self, len: u64) {
+        if len < self.len {
+            self.clear_past(len);
+        }
         self.len = len;
+    }
+
+    fn clear_past(&mut self, len: u64) {
         let first_gone = len.div_ceil(BLOCK_BYTES);
         let doomed: Vec<u64> = self.blocks.range(first_gone..).map(|(&i, _)| i).collect();
         for index in doomed {
@@ -187,7 +195,7 @@ impl Contents {
 
     /// Drops anything stored past the size (after changes were applied out of order).
     pub(crate) fn normalize(&mut self) {
-        self.set_len(self.len);
+        self.clear_past(self.len);
     }
 
     /// Every byte up to the size.
@@ -214,23 +222,31 @@ pub(crate) enum Change {
     Alloc { block: u64 },
     /// A whole block punched out: it reads as zeros and is free.
     Dealloc { block: u64 },
-    /// The file size set (by an extending write, fallocate or set_len).
+    /// The file size grown (by a write, fallocate or set_len). Size changes are journaled
+    /// metadata: they reach the disk in order.
     Len(u64),
+    /// The file size cut (set_len): the bytes past it are gone.
+    Truncate(u64),
 }
 
 impl Change {
+    pub(crate) fn is_size(&self) -> bool {
+        matches!(self, Change::Len(_) | Change::Truncate(_))
+    }
+
     pub(crate) fn apply(&self, contents: &mut Contents) {
         match self {
             Change::Sector { offset, bytes } => contents.store(bytes, *offset),
             Change::Alloc { block } => contents.alloc_block(*block),
             Change::Dealloc { block } => contents.dealloc_blocks(*block..*block + 1),
-            Change::Len(len) => contents.set_len(*len),
+            Change::Len(len) | Change::Truncate(len) => contents.set_len(*len),
         }
     }
 
     /// Whether `earlier`, if the disk applied it after `self`, could undo any of `self`'s
     /// effect. Once `self` is durable, such an `earlier` change can no longer reach the disk:
-    /// a disk never writes an old version of a sector over a newer one it already holds.
+    /// a disk never writes an old version of a sector over a newer one it already holds, and
+    /// a journal never replays an older size over a newer one.
     pub(crate) fn supersedes(&self, earlier: &Change) -> bool {
         match (self, earlier) {
             (Change::Sector { offset, bytes }, other) => {
@@ -240,13 +256,23 @@ impl Change {
                 overwrites(other, block * BLOCK_BYTES..(block + 1) * BLOCK_BYTES)
             }
             (Change::Alloc { .. }, _) => false,
-            (Change::Len(_), Change::Len(_)) => true,
-            (Change::Len(_), _) => false,
+            (Change::Len(_), other) => other.is_size(),
+            (Change::Truncate(len), other) => other.is_size() || reaches_past(other, *len),
         }
     }
 }
 
-/// Whether applying `change` could alter bytes of `range` (or the size below its end).
+/// Whether data change `change` stores anything at or past `len` (a truncation to `len` made
+/// it dead: the kernel drops truncated pages instead of writing them).
+fn reaches_past(change: &Change, len: u64) -> bool {
+    match change {
+        Change::Sector { offset, bytes } => offset + bytes.len() as u64 > len,
+        Change::Alloc { block } => (block + 1) * BLOCK_BYTES > len,
+        Change::Dealloc { .. } | Change::Len(_) | Change::Truncate(_) => false,
+    }
+}
+
+/// Whether applying data change `change` could alter bytes of `range`.
 fn overwrites(change: &Change, range: Range<u64>) -> bool {
     match change {
         Change::Sector { offset, bytes } => {
@@ -256,8 +282,7 @@ fn overwrites(change: &Change, range: Range<u64>) -> bool {
             let start = block * BLOCK_BYTES;
             start < range.end && range.start < start + BLOCK_BYTES
         }
-        Change::Alloc { .. } => false,
-        Change::Len(len) => *len < range.end,
+        Change::Alloc { .. } | Change::Len(_) | Change::Truncate(_) => false,
     }
 }
 

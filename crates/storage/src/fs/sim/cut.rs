@@ -12,9 +12,10 @@ pub enum CutPolicy {
     /// Everything survives, as if the kernel wrote every dirty page and committed every
     /// directory change before dying: a process crash (kill -9), not a power cut.
     KeepAll,
-    /// Each pending data change (one sector of a write, one block of a punch or fallocate, a
-    /// size change) is kept or dropped independently, the kept ones applied in a random
-    /// order; each directory keeps a random prefix of its pending entry changes. The same
+    /// Each pending data change (one sector of a write, one block of a punch or fallocate) is
+    /// kept or dropped independently, the kept ones applied in a random order; size changes
+    /// (metadata, journaled in order) keep a random prefix, interleaved with the data at
+    /// random; each directory keeps a random prefix of its pending entry changes. The same
     /// seed on the same history gives the same outcome.
     Random { seed: u64 },
 }
@@ -67,23 +68,43 @@ struct Chooser {
 }
 
 impl Chooser {
-    /// The kept changes of a file, in the order the disk applies them.
+    /// The kept changes of a file, in the order the disk applied them: a random subset of the
+    /// data changes in a random order, interleaved with an ordered prefix of the size changes.
     fn file_changes(&mut self, changes: Vec<Change>, report: &mut CutReport) -> Vec<Change> {
         let total = changes.len() as u64;
-        let mut kept: Vec<Change> = match self.policy {
+        let kept = match self.policy {
             CutPolicy::DropAll => Vec::new(),
             CutPolicy::KeepAll => changes,
-            CutPolicy::Random { .. } => changes.into_iter().filter(|_| self.rng.coin()).collect(),
+            CutPolicy::Random { .. } => self.random_changes(changes),
         };
-        if let CutPolicy::Random { .. } = self.policy {
-            for i in (1..kept.len()).rev() {
-                let j = self.rng.up_to(i);
-                kept.swap(i, j);
-            }
-        }
         report.changes_kept += kept.len() as u64;
         report.changes_dropped += total - kept.len() as u64;
         kept
+    }
+
+    fn random_changes(&mut self, changes: Vec<Change>) -> Vec<Change> {
+        let (mut sizes, data): (Vec<Change>, Vec<Change>) =
+            changes.into_iter().partition(Change::is_size);
+        let mut data: Vec<Change> = data.into_iter().filter(|_| self.rng.coin()).collect();
+        for i in (1..data.len()).rev() {
+            data.swap(i, self.rng.up_to(i));
+        }
+        sizes.truncate(self.rng.up_to(sizes.len()));
+        let mut out = Vec::with_capacity(data.len() + sizes.len());
+        let (mut data, mut sizes) = (data.into_iter().peekable(), sizes.into_iter().peekable());
+        while data.peek().is_some() || sizes.peek().is_some() {
+            let from_sizes = match (data.peek(), sizes.peek()) {
+                (Some(_), Some(_)) => self.rng.coin(),
+                (None, _) => true,
+                (_, None) => false,
+            };
+            out.extend(if from_sizes {
+                sizes.next()
+            } else {
+                data.next()
+            });
+        }
+        out
     }
 
     /// How many of a directory's pending entry changes (oldest first) the disk kept.
@@ -160,11 +181,12 @@ impl Disk {
 }
 
 fn cut_file(file: &mut FileNode, chooser: &mut Chooser, report: &mut CutReport) {
-    let mut changes = std::mem::take(&mut file.limbo);
-    changes.append(&mut file.pending);
+    let changes = std::mem::take(&mut file.pending)
+        .into_iter()
+        .map(|p| p.change)
+        .collect();
     let kept = chooser.file_changes(changes, report);
     if chooser.policy == CutPolicy::KeepAll {
-        // Limbo changes may be older or newer than pending ones: the live copy is the truth.
         file.durable = file.live.clone();
         return;
     }

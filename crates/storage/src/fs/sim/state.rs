@@ -22,15 +22,30 @@ pub(super) fn errno(code: i32) -> io::Error {
 /// A namespace change of one directory, applied atomically: names set (`Some`) or removed.
 pub(super) type NsOp = Vec<(String, Option<Ino>)>;
 
+/// A change not durable yet.
+#[derive(Debug)]
+pub(super) struct Pending {
+    pub(super) change: Change,
+    /// Its sync failed: still visible, never made durable by a later sync, kept or dropped by
+    /// a power cut (Linux marks the pages clean after a writeback error).
+    pub(super) failed: bool,
+}
+
+impl Pending {
+    fn new(change: Change) -> Pending {
+        Pending {
+            change,
+            failed: false,
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 pub(super) struct FileNode {
     pub(super) live: Contents,
     pub(super) durable: Contents,
     /// Changes since the durable copy, oldest first.
-    pub(super) pending: Vec<Change>,
-    /// Changes whose sync failed: still visible, never made durable by a later sync, kept or
-    /// dropped by a power cut (Linux marks pages clean after a writeback error).
-    pub(super) limbo: Vec<Change>,
+    pub(super) pending: Vec<Pending>,
 }
 
 #[derive(Debug, Default)]
@@ -479,23 +494,27 @@ impl Disk {
             changes.push(Change::Len(file.live.len()));
         }
         if !durable {
-            file.pending.extend(changes);
+            file.pending.extend(changes.into_iter().map(Pending::new));
             return Ok(());
         }
         if self.faults.should_fail(FaultClass::Sync, path) {
-            self.file_mut(ino)?.limbo.extend(changes);
+            let failed = changes.into_iter().map(|change| Pending {
+                failed: !change.is_size(),
+                change,
+            });
+            self.file_mut(ino)?.pending.extend(failed);
             return Err(errno(libc::EIO));
         }
-        make_durable(self.file_mut(ino)?, changes, range.end);
+        make_durable(self.file_mut(ino)?, changes);
         Ok(())
     }
 
     pub(super) fn sync_data(&mut self, ino: Ino, path: &Path) -> io::Result<()> {
         self.faults.count(path, |c| c.syncs += 1);
         if self.faults.should_fail(FaultClass::Sync, path) {
-            let file = self.file_mut(ino)?;
-            let failed = std::mem::take(&mut file.pending);
-            file.limbo.extend(failed);
+            for pending in &mut self.file_mut(ino)?.pending {
+                pending.failed = !pending.change.is_size();
+            }
             return Err(errno(libc::EIO));
         }
         self.file(ino)?;
@@ -503,16 +522,11 @@ impl Disk {
         Ok(())
     }
 
-    /// Makes every pending change of a file durable, in order.
+    /// Makes every pending change of a file durable, in order, except the data changes of
+    /// failed syncs.
     fn sync_file(&mut self, ino: Ino) {
-        let Ok(file) = self.file_mut(ino) else { return };
-        let pending = std::mem::take(&mut file.pending);
-        for change in &pending {
-            change.apply(&mut file.durable);
-        }
-        if !file.limbo.is_empty() {
-            file.limbo
-                .retain(|old| !pending.iter().any(|new| new.supersedes(old)));
+        if let Ok(file) = self.file_mut(ino) {
+            commit(file, |pending| !pending.failed);
         }
     }
 
@@ -540,7 +554,7 @@ impl Disk {
         let clipped = range.start..range.end.min(file.live.len());
         file.live.punch(range);
         let changes = punch_changes(&file.live, clipped, sector);
-        file.pending.extend(changes);
+        file.pending.extend(changes.into_iter().map(Pending::new));
         Ok(())
     }
 
@@ -569,7 +583,7 @@ impl Disk {
         if file.live.len() > old_len {
             changes.push(Change::Len(file.live.len()));
         }
-        file.pending.extend(changes);
+        file.pending.extend(changes.into_iter().map(Pending::new));
         Ok(())
     }
 
@@ -580,8 +594,13 @@ impl Disk {
         }
         self.check_fault(FaultClass::Write, path)?;
         let file = self.file_mut(ino)?;
+        let old_len = file.live.len();
         file.live.set_len(len);
-        file.pending.push(Change::Len(len));
+        if len < old_len {
+            file.pending.push(Pending::new(Change::Truncate(len)));
+        } else if len > old_len {
+            file.pending.push(Pending::new(Change::Len(len)));
+        }
         Ok(())
     }
 }
@@ -606,16 +625,31 @@ fn punch_changes(live: &Contents, range: Range<u64>, sector: u64) -> Vec<Change>
     changes
 }
 
-/// Applies a durable write's `changes` to the durable copy, with the size covering `end`, and
-/// forgets older changes they supersede (the disk cannot write those over them any more).
-fn make_durable(file: &mut FileNode, mut changes: Vec<Change>, end: u64) {
-    if file.durable.len() < end && !changes.iter().any(|c| matches!(c, Change::Len(_))) {
-        changes.push(Change::Len(file.live.len()));
-    }
+/// Applies a durable write's `changes` to the durable copy, after every pending size change
+/// (the inode's size is journaled metadata: committing it commits the older sizes, in order,
+/// so the durable size becomes the live one), and forgets the older changes they supersede.
+fn make_durable(file: &mut FileNode, changes: Vec<Change>) {
+    commit(file, |pending| pending.change.is_size());
     for change in &changes {
         change.apply(&mut file.durable);
     }
-    let superseded = |old: &Change| changes.iter().any(|new| new.supersedes(old));
-    file.pending.retain(|old| !superseded(old));
-    file.limbo.retain(|old| !superseded(old));
+    file.pending
+        .retain(|old| !changes.iter().any(|new| new.supersedes(&old.change)));
+}
+
+/// Applies the pending changes `chosen` picks to the durable copy, oldest first, and removes
+/// them; of the others, drops those an applied change that came after them supersedes.
+fn commit(file: &mut FileNode, chosen: impl Fn(&Pending) -> bool) {
+    let mut left: Vec<Pending> = Vec::new();
+    for pending in std::mem::take(&mut file.pending) {
+        if !chosen(&pending) {
+            left.push(pending);
+            continue;
+        }
+        pending.change.apply(&mut file.durable);
+        if !left.is_empty() {
+            left.retain(|old| !pending.change.supersedes(&old.change));
+        }
+    }
+    file.pending = left;
 }
