@@ -641,7 +641,7 @@ async fn random_cuts_leave_every_sector_old_or_new() {
     let (mut kept, mut dropped) = (0, 0);
     for seed in 0..200u64 {
         let (fs, files) = disk_with(&names).await;
-        let sector = if seed % 4 == 0 { 512 } else { 4096 };
+        let sector = if seed.is_multiple_of(4) { 512 } else { 4096 };
         fs.set_sector_bytes(sector).unwrap();
         let mut models: Vec<Model> = names.iter().map(|_| Model::new(sector)).collect();
         let mut dice = Dice(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
@@ -666,5 +666,8 @@ async fn random_cuts_leave_every_sector_old_or_new() {
             models[i].check(&got, seed, name);
         }
     }
-    assert!(kept > 1000 && dropped > 1000, "kept {kept}, dropped {dropped}");
+    assert!(
+        kept > 1000 && dropped > 1000,
+        "kept {kept}, dropped {dropped}"
+    );
 }

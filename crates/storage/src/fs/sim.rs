@@ -14,9 +14,13 @@
 //!   and are recorded as pending changes of the file: one per sector a write touched (the
 //!   sector's whole contents just after the write, as a page writeback would send it), one
 //!   per block punched out or allocated, one per size change. `sync_data` makes them all
-//!   durable. `write_durable_at` makes its own sectors (and a size covering them) durable at
-//!   once; other pending changes stay pending, but older ones to the same sectors can no
-//!   longer reach the disk (a disk never writes an old version of a sector over a newer one).
+//!   durable, in order. `write_durable_at` makes its own sectors durable at once, and the
+//!   file size with them; other pending data changes stay pending, but older ones to the same
+//!   sectors can no longer reach the disk (a disk never writes an old version of a sector
+//!   over a newer one).
+//! - **Sizes** are journaled metadata: they reach the disk in order, so committing one (a
+//!   `write_durable_at`) commits the older ones too, and a truncation kills older pending
+//!   data past the new end (the kernel drops truncated pages instead of writing them).
 //! - **Sectors.** Ashlar assumes that an aligned 4 KiB write is atomic (4Kn devices, and the
 //!   kernel's page writeback of a 4 KiB page, give that): a power cut tears writes at
 //!   `sector_bytes` granularity (default 4096; [`SimFs::set_sector_bytes`] takes 512 to 4096
@@ -28,17 +32,21 @@
 //!   syncs the parent of each directory it makes, as `StdFs` does: that parent's other pending
 //!   entry changes become durable too.
 //! - **Power cut** ([`SimFs::power_cut`]). Pending data changes are kept or dropped one by one
-//!   and the kept ones applied in any order; a directory keeps an order-preserving prefix of
-//!   its pending entry changes (a journaling filesystem commits them in order; per directory is
-//!   stricter than one global journal, so it covers it). Then live = durable, every inode no
-//!   durable entry reaches is gone (a file whose data was synced but whose entry was not is
-//!   lost), and every handle opened before the cut fails all further calls with `EIO`: the
-//!   process that held them is dead.
-//! - **Failed syncs.** A `sync_data` that fails (injected) leaves the file's pending changes
-//!   visible but never makes them durable later: a later successful `sync_data` does not
-//!   cover them, and a power cut keeps or drops each. This is what Linux does after a
-//!   writeback error (the pages are marked clean), so retrying an fsync proves nothing. A
-//!   failed `sync_dir` changes nothing.
+//!   and the kept ones applied in any order, interleaved with an ordered prefix of the size
+//!   changes; a directory keeps an order-preserving prefix of its pending entry changes (a
+//!   journaling filesystem commits them in order; per directory is stricter than one global
+//!   journal, so it covers it). Then live = durable, every inode no durable entry reaches is
+//!   gone (a file whose data was synced but whose entry was not is lost), and every handle
+//!   opened before the cut fails all further calls with `EIO`: the process that held them is
+//!   dead. So after a cut every sector below the file's size holds its durable value or one
+//!   that some pending change gave it; one exception: a truncation to a size inside a sector
+//!   zeros the rest of that sector even where the sector's newer data was dropped.
+//! - **Failed syncs.** A `sync_data` that fails (injected) leaves the file's pending data
+//!   changes visible but never makes them durable later: a later successful `sync_data` does
+//!   not cover them, and a power cut keeps or drops each. This is what Linux does after a
+//!   writeback error (the pages are marked clean), so retrying an fsync proves nothing; a
+//!   rewrite of the same sectors does. Size changes are not lost (they are in the journal).
+//!   A failed `sync_dir` changes nothing.
 //! - **Faults** apply to file data calls (reads: `read_at`; writes: `write_at`,
 //!   `write_durable_at`, `punch_hole`, `allocate`, `set_len`; syncs: `sync_data`, `sync_dir`
 //!   and the flush of `write_durable_at`) and fail them with `EIO` before they change
@@ -48,9 +56,9 @@
 //!   count against the capacity (default 1 TiB); directories are free. A write or allocation
 //!   that would exceed it fails with `ENOSPC` and changes nothing.
 //!
-//! Errors are raw OS errors (`ENOENT`, `ENOTDIR`, `EISDIR`, `ENOTEMPTY`, `EINVAL`, `ENOSPC`,
-//! `EIO`), as the kernel returns them. Relative paths are taken from the root; `..` is
-//! resolved lexically. There are no symlinks, hard links or permissions.
+//! Errors are raw OS errors (`ENOENT`, `ENOTDIR`, `EISDIR`, `ENOTEMPTY`, `EBUSY`, `EINVAL`,
+//! `EFBIG`, `ENOSPC`, `EIO`), as the kernel returns them. Relative paths are taken from the
+//! root; `..` is resolved lexically. There are no symlinks, hard links or permissions.
 
 mod contents;
 mod cut;

@@ -188,7 +188,7 @@ impl Contents {
         for index in doomed {
             self.blocks.remove(&index);
         }
-        if len % BLOCK_BYTES != 0 {
+        if !len.is_multiple_of(BLOCK_BYTES) {
             self.zero_within(len..first_gone * BLOCK_BYTES);
         }
     }

@@ -457,8 +457,8 @@ impl Disk {
     }
 
     fn check_alignment(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        let aligned = offset % DIRECT_IO_ALIGNMENT_BYTES == 0
-            && buf.len() as u64 % DIRECT_IO_ALIGNMENT_BYTES == 0;
+        let aligned = offset.is_multiple_of(DIRECT_IO_ALIGNMENT_BYTES)
+            && (buf.len() as u64).is_multiple_of(DIRECT_IO_ALIGNMENT_BYTES);
         if self.mode == IoMode::Direct && !aligned {
             return Err(errno(libc::EINVAL));
         }
