@@ -59,6 +59,33 @@
 //! Errors are raw OS errors (`ENOENT`, `ENOTDIR`, `EISDIR`, `ENOTEMPTY`, `EBUSY`, `EINVAL`,
 //! `EFBIG`, `ENOSPC`, `EIO`), as the kernel returns them. Relative paths are taken from the
 //! root; `..` is resolved lexically. There are no symlinks, hard links or permissions.
+//!
+//! # Example
+//!
+//! ```
+//! use ashlar_storage::fs::sim::{CutPolicy, Times};
+//! use ashlar_storage::fs::{DiskFile, Filesystem, IoMode, SimFs};
+//! use std::path::Path;
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+//! let fs = SimFs::new(IoMode::Direct);
+//! let dir = Path::new("/disk0/oplog");
+//! fs.create_dir_all(dir).await?;
+//! let file = fs.open(&dir.join("seg-1"), true).await?;
+//! fs.sync_dir(dir).await?;
+//! file.write_at(&[1u8; 4096], 0).await?;
+//! file.write_durable_at(&[2u8; 4096], 4096).await?;
+//! fs.fail_syncs(Some(dir), Times::Next(1));
+//! assert!(file.sync_data().await.is_err());
+//! assert_eq!(fs.op_counts(Some(dir)).syncs, 1);
+//! fs.power_cut(CutPolicy::DropAll);
+//! assert!(file.len().await.is_err()); // the process died with the power
+//! let durable = fs.read_live(&dir.join("seg-1"))?;
+//! assert_eq!(&durable[..4096], &[0u8; 4096][..]); // its sync failed
+//! assert_eq!(&durable[4096..], &[2u8; 4096][..]);
+//! # std::io::Result::Ok(())
+//! # }).unwrap();
+//! ```
 
 mod contents;
 mod cut;
@@ -491,6 +518,7 @@ impl Filesystem for SimFs {
     }
 
     async fn free_bytes(&self, path: &Path) -> io::Result<u64> {
+        self.delay(&normalize(path)).await;
         self.lock().free_bytes(path)
     }
 }

@@ -89,6 +89,7 @@ impl Faults {
     pub(crate) fn add_rule(&mut self, class: FaultClass, prefix: Option<PathBuf>, times: Times) {
         let remaining = match times {
             Times::Always => None,
+            Times::Next(0) => return,
             Times::Next(n) => Some(n),
         };
         self.rules.push(Rule {
