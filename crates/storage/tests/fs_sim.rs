@@ -432,6 +432,15 @@ async fn bad_arguments_are_errors_not_panics() {
         Some(libc::EBUSY)
     );
     f.read_at(&mut buf, 1 << 40).await.unwrap();
+    f.punch_hole(1 << 40, 1 << 40).await.unwrap(); // past the end: nothing to do
+    f.write_at(b"x", 1 << 40).await.unwrap(); // sparse
+    f.punch_hole(0, (1 << 40) + 1).await.unwrap(); // cheap: holes need no change
+    assert_eq!(
+        fs.files()[0].pending_changes,
+        2,
+        "one byte written, one block freed"
+    );
+    assert_eq!(errno(fs.read_live(Path::new("/d/f"))), Some(libc::EFBIG));
 }
 
 #[test]

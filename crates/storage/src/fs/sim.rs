@@ -302,18 +302,19 @@ impl SimFs {
     }
 
     /// The durable copy of the file `path` names (live namespace): its bytes up to its
-    /// durable size.
+    /// durable size (`EFBIG` past 4 GiB).
     pub fn read_durable(&self, path: &Path) -> io::Result<Vec<u8>> {
         let disk = self.lock();
         let ino = disk.lookup(&components(path)?)?;
-        Ok(disk.file(ino)?.durable.to_vec())
+        whole(&disk.file(ino)?.durable)
     }
 
-    /// The live copy of the file at `path`, up to its size (no faults, no counting).
+    /// The live copy of the file at `path`, up to its size (no faults, no counting; `EFBIG`
+    /// past 4 GiB).
     pub fn read_live(&self, path: &Path) -> io::Result<Vec<u8>> {
         let disk = self.lock();
         let ino = disk.lookup(&components(path)?)?;
-        Ok(disk.file(ino)?.live.to_vec())
+        whole(&disk.file(ino)?.live)
     }
 
     /// Calls made on paths under `prefix` (all if `None`) since the start or the last reset.
@@ -333,6 +334,16 @@ impl SimFs {
             tokio::time::sleep(delay).await;
         }
     }
+}
+
+/// Largest file [`SimFs::read_live`] and [`SimFs::read_durable`] return whole.
+const WHOLE_FILE_LIMIT_BYTES: u64 = 1 << 32;
+
+fn whole(contents: &contents::Contents) -> io::Result<Vec<u8>> {
+    if contents.len() > WHOLE_FILE_LIMIT_BYTES {
+        return Err(errno(libc::EFBIG));
+    }
+    Ok(contents.to_vec())
 }
 
 /// Visits every entry reachable from the root through live (or durable) entries, once per

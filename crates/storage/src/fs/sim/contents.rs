@@ -36,6 +36,17 @@ impl Contents {
         self.blocks.len() as u64 * BLOCK_BYTES
     }
 
+    /// Indexes of the allocated blocks meeting `range`.
+    pub(crate) fn allocated_in(&self, range: &Range<u64>) -> Vec<u64> {
+        if range.start >= range.end {
+            return Vec::new();
+        }
+        self.blocks
+            .range(block_range(range))
+            .map(|(&index, _)| index)
+            .collect()
+    }
+
     /// Blocks of `range` that are not allocated yet.
     pub(crate) fn missing_blocks(&self, range: &Range<u64>) -> u64 {
         let blocks = block_range(range);

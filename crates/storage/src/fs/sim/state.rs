@@ -552,8 +552,12 @@ impl Disk {
         let sector = self.sector_bytes;
         let file = self.file_mut(ino)?;
         let clipped = range.start..range.end.min(file.live.len());
+        let mut blocks = file.live.allocated_in(&clipped);
+        blocks.extend(file.durable.allocated_in(&clipped));
+        blocks.sort_unstable();
+        blocks.dedup();
         file.live.punch(range);
-        let changes = punch_changes(&file.live, clipped, sector);
+        let changes = punch_changes(&file.live, &blocks, clipped, sector);
         file.pending.extend(changes.into_iter().map(Pending::new));
         Ok(())
     }
@@ -605,23 +609,20 @@ impl Disk {
     }
 }
 
-/// Changes recording a punch of `range` (already clipped to the size) into `live`.
-fn punch_changes(live: &Contents, range: Range<u64>, sector: u64) -> Vec<Change> {
-    if range.start >= range.end {
-        return Vec::new();
+/// Changes recording a punch of `range` (already clipped to the size) into `live`, for the
+/// `blocks` of the range that either copy had allocated (punching a hole in a hole is no
+/// change): a whole block is freed; a partial one gets its sectors rewritten.
+fn punch_changes(live: &Contents, blocks: &[u64], range: Range<u64>, sector: u64) -> Vec<Change> {
+    let mut changes = Vec::new();
+    for &block in blocks {
+        let start = block * BLOCK_BYTES;
+        let part = range.start.max(start)..range.end.min(start + BLOCK_BYTES);
+        if part == (start..start + BLOCK_BYTES) {
+            changes.push(Change::Dealloc { block });
+        } else {
+            changes.extend(sector_changes(live, part, sector));
+        }
     }
-    let first_full = range.start.div_ceil(BLOCK_BYTES);
-    let end_full = range.end / BLOCK_BYTES;
-    if first_full >= end_full {
-        return sector_changes(live, range, sector);
-    }
-    let mut changes = sector_changes(live, range.start..first_full * BLOCK_BYTES, sector);
-    changes.extend((first_full..end_full).map(|block| Change::Dealloc { block }));
-    changes.extend(sector_changes(
-        live,
-        end_full * BLOCK_BYTES..range.end,
-        sector,
-    ));
     changes
 }
 
