@@ -569,6 +569,21 @@ impl Model {
         self.change(len.min(old), len.max(old), |live| {
             live.resize(len as usize, 0)
         });
+        let within = (len % self.sector) as usize;
+        if len < old && within != 0 {
+            // The documented exception: the truncation reaches the disk with the rest of its
+            // sector zeroed, over whatever value the sector has there.
+            let values = self.allowed.get_mut(&(len / self.sector)).unwrap();
+            let trimmed: Vec<Vec<u8>> = values
+                .iter()
+                .map(|v| {
+                    let mut t = v.clone();
+                    t[within..].fill(0);
+                    t
+                })
+                .collect();
+            values.extend(trimmed);
+        }
     }
 
     fn sync(&mut self) {
@@ -629,7 +644,10 @@ async fn random_step(dice: &mut Dice, fs: &SimFs, file: &SimFile, model: &mut Mo
             model.punch(offset, length);
         }
         16..=17 => {
-            let len = dice.roll(SPAN / model.sector) * model.sector;
+            let len = match dice.roll(2) {
+                0 => dice.roll(SPAN / model.sector) * model.sector,
+                _ => dice.roll(SPAN),
+            };
             file.set_len(len).await.unwrap();
             model.set_len(len);
         }

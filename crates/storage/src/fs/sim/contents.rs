@@ -254,47 +254,83 @@ impl Change {
         }
     }
 
-    /// Whether `earlier`, if the disk applied it after `self`, could undo any of `self`'s
-    /// effect. Once `self` is durable, such an `earlier` change can no longer reach the disk:
-    /// a disk never writes an old version of a sector over a newer one it already holds, and
-    /// a journal never replays an older size over a newer one.
-    pub(crate) fn supersedes(&self, earlier: &Change) -> bool {
-        match (self, earlier) {
-            (Change::Sector { offset, bytes }, other) => {
-                overwrites(other, *offset..*offset + bytes.len() as u64)
+    /// What becomes of `self`, an older pending change, once the `newer` change is durable.
+    /// The disk cannot apply an older change over a newer one any more (it never writes an old
+    /// version of a sector over a newer one it holds, and the journal never replays an older
+    /// size), so what of `self` could undo `newer` goes; the rest stays pending.
+    pub(crate) fn fate_after(&self, newer: &Change) -> Fate {
+        match newer {
+            Change::Len(_) | Change::Truncate(_) if self.is_size() => Fate::Drop,
+            Change::Truncate(len) => self.truncated(*len),
+            Change::Sector { offset, bytes } => {
+                let end = offset + bytes.len() as u64;
+                self.overwritten(*offset..end, Some(bytes.len() as u64))
             }
-            (Change::Dealloc { block }, other) => {
-                overwrites(other, block * BLOCK_BYTES..(block + 1) * BLOCK_BYTES)
+            Change::Dealloc { block } => {
+                self.overwritten(block * BLOCK_BYTES..(block + 1) * BLOCK_BYTES, None)
             }
-            (Change::Alloc { .. }, _) => false,
-            (Change::Len(_), other) => other.is_size(),
-            (Change::Truncate(len), other) => other.is_size() || reaches_past(other, *len),
+            Change::Alloc { .. } | Change::Len(_) => Fate::Keep,
+        }
+    }
+
+    /// Fate of `self` after a newer write of `range` (sectors of `sector` bytes, or a freed
+    /// block when `None`).
+    fn overwritten(&self, range: Range<u64>, sector: Option<u64>) -> Fate {
+        match self {
+            Change::Sector { offset, bytes } => {
+                match *offset < range.end && range.start < offset + bytes.len() as u64 {
+                    true => Fate::Drop,
+                    false => Fate::Keep,
+                }
+            }
+            Change::Dealloc { block } => {
+                let whole = block * BLOCK_BYTES..(block + 1) * BLOCK_BYTES;
+                match (whole.start < range.end && range.start < whole.end, sector) {
+                    (false, _) => Fate::Keep,
+                    (true, None) => Fate::Drop,
+                    // The rest of the block was still punched: zeros, sector by sector.
+                    (true, Some(sector)) => Fate::Replace(
+                        whole
+                            .step_by(sector as usize)
+                            .filter(|at| !(range.start < at + sector && *at < range.end))
+                            .map(|at| Change::Sector {
+                                offset: at,
+                                bytes: vec![0u8; sector as usize].into(),
+                            })
+                            .collect(),
+                    ),
+                }
+            }
+            Change::Alloc { .. } | Change::Len(_) | Change::Truncate(_) => Fate::Keep,
+        }
+    }
+
+    /// Fate of `self` after a newer truncation to `len`: the kernel drops truncated pages and
+    /// zeros the tail of the one the new end falls in.
+    fn truncated(&self, len: u64) -> Fate {
+        match self {
+            Change::Sector { offset, .. } if *offset >= len => Fate::Drop,
+            Change::Sector { offset, bytes } if offset + bytes.len() as u64 > len => {
+                let mut trimmed = bytes.to_vec();
+                trimmed[(len - offset) as usize..].fill(0);
+                Fate::Replace(vec![Change::Sector {
+                    offset: *offset,
+                    bytes: trimmed.into(),
+                }])
+            }
+            Change::Alloc { block } if block * BLOCK_BYTES >= len => Fate::Drop,
+            _ => Fate::Keep,
         }
     }
 }
 
-/// Whether data change `change` stores anything at or past `len` (a truncation to `len` made
-/// it dead: the kernel drops truncated pages instead of writing them).
-fn reaches_past(change: &Change, len: u64) -> bool {
-    match change {
-        Change::Sector { offset, bytes } => offset + bytes.len() as u64 > len,
-        Change::Alloc { block } => (block + 1) * BLOCK_BYTES > len,
-        Change::Dealloc { .. } | Change::Len(_) | Change::Truncate(_) => false,
-    }
-}
-
-/// Whether applying data change `change` could alter bytes of `range`.
-fn overwrites(change: &Change, range: Range<u64>) -> bool {
-    match change {
-        Change::Sector { offset, bytes } => {
-            *offset < range.end && range.start < *offset + bytes.len() as u64
-        }
-        Change::Dealloc { block } => {
-            let start = block * BLOCK_BYTES;
-            start < range.end && range.start < start + BLOCK_BYTES
-        }
-        Change::Alloc { .. } | Change::Len(_) | Change::Truncate(_) => false,
-    }
+/// What becomes of an older pending change once a newer one is durable.
+#[derive(Debug)]
+pub(crate) enum Fate {
+    Keep,
+    Drop,
+    /// Only part of it can still reach the disk: these changes.
+    Replace(Vec<Change>),
 }
 
 #[cfg(test)]

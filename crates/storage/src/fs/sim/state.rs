@@ -1,7 +1,7 @@
 //! The simulated disk's state: inodes (files and directories), each with a live and a durable
 //! copy, and the operations of the trait applied to them.
 
-use super::contents::{Change, Contents, BLOCK_BYTES};
+use super::contents::{Change, Contents, Fate, BLOCK_BYTES};
 use super::faults::{FaultClass, Faults};
 use crate::fs::{DirEntry, IoMode, DIRECT_IO_ALIGNMENT_BYTES};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -628,18 +628,17 @@ fn punch_changes(live: &Contents, blocks: &[u64], range: Range<u64>, sector: u64
 
 /// Applies a durable write's `changes` to the durable copy, after every pending size change
 /// (the inode's size is journaled metadata: committing it commits the older sizes, in order,
-/// so the durable size becomes the live one), and forgets the older changes they supersede.
+/// so the durable size becomes the live one), and updates the older pending changes.
 fn make_durable(file: &mut FileNode, changes: Vec<Change>) {
     commit(file, |pending| pending.change.is_size());
     for change in &changes {
         change.apply(&mut file.durable);
+        file.pending = survivors(std::mem::take(&mut file.pending), change);
     }
-    file.pending
-        .retain(|old| !changes.iter().any(|new| new.supersedes(&old.change)));
 }
 
 /// Applies the pending changes `chosen` picks to the durable copy, oldest first, and removes
-/// them; of the others, drops those an applied change that came after them supersedes.
+/// them; the others (older ones) become what can still reach the disk after them.
 fn commit(file: &mut FileNode, chosen: impl Fn(&Pending) -> bool) {
     let mut left: Vec<Pending> = Vec::new();
     for pending in std::mem::take(&mut file.pending) {
@@ -649,8 +648,24 @@ fn commit(file: &mut FileNode, chosen: impl Fn(&Pending) -> bool) {
         }
         pending.change.apply(&mut file.durable);
         if !left.is_empty() {
-            left.retain(|old| !pending.change.supersedes(&old.change));
+            left = survivors(left, &pending.change);
         }
     }
     file.pending = left;
+}
+
+/// What of the `older` pending changes can still reach the disk once `newer` is durable.
+fn survivors(older: Vec<Pending>, newer: &Change) -> Vec<Pending> {
+    let mut out = Vec::with_capacity(older.len());
+    for pending in older {
+        match pending.change.fate_after(newer) {
+            Fate::Keep => out.push(pending),
+            Fate::Drop => {}
+            Fate::Replace(changes) => out.extend(changes.into_iter().map(|change| Pending {
+                change,
+                failed: pending.failed,
+            })),
+        }
+    }
+    out
 }
