@@ -19,8 +19,10 @@
 //!   sectors can no longer reach the disk (a disk never writes an old version of a sector
 //!   over a newer one).
 //! - **Sizes** are journaled metadata: they reach the disk in order, so committing one (a
-//!   `write_durable_at`) commits the older ones too, and a truncation kills older pending
-//!   data past the new end (the kernel drops truncated pages instead of writing them).
+//!   `write_durable_at`) commits the older ones too. A truncation frees the blocks past the
+//!   new end and kills older pending data there (the kernel drops truncated pages instead of
+//!   writing them); the zeros it puts in the rest of the last block are sector writes of
+//!   their own, which a cut may drop like any other.
 //! - **Sectors.** Ashlar assumes that an aligned 4 KiB write is atomic (4Kn devices, and the
 //!   kernel's page writeback of a 4 KiB page, give that): a power cut tears writes at
 //!   `sector_bytes` granularity (default 4096; [`SimFs::set_sector_bytes`] takes 512 to 4096
@@ -39,8 +41,7 @@
 //!   gone (a file whose data was synced but whose entry was not is lost), and every handle
 //!   opened before the cut fails all further calls with `EIO`: the process that held them is
 //!   dead. So after a cut every sector below the file's size holds its durable value or one
-//!   that some pending change gave it; one exception: a truncation to a size inside a sector
-//!   zeros the rest of that sector even where the sector's newer data was dropped.
+//!   that some pending change gave it.
 //! - **Failed syncs.** A `sync_data` that fails (injected) leaves the file's pending data
 //!   changes visible but never makes them durable later: a later successful `sync_data` does
 //!   not cover them, and a power cut keeps or drops each. This is what Linux does after a

@@ -204,6 +204,18 @@ impl Contents {
         }
     }
 
+    /// A size change as the disk sees it: growing just sets the size (exposing whatever the
+    /// disk holds there); shrinking frees the blocks wholly past the new size, but the block
+    /// it falls in keeps its bytes: the kernel zeros that tail in the page cache, and the
+    /// zeros reach the disk as sector writes of their own.
+    pub(crate) fn resize_on_disk(&mut self, len: u64) {
+        if len < self.len {
+            let first_gone = len.div_ceil(BLOCK_BYTES);
+            self.dealloc_blocks(first_gone..u64::MAX);
+        }
+        self.len = len;
+    }
+
     /// Drops anything stored past the size (after changes were applied out of order).
     pub(crate) fn normalize(&mut self) {
         self.clear_past(self.len);
@@ -236,7 +248,8 @@ pub(crate) enum Change {
     /// The file size grown (by a write, fallocate or set_len). Size changes are journaled
     /// metadata: they reach the disk in order.
     Len(u64),
-    /// The file size cut (set_len): the bytes past it are gone.
+    /// The file size cut (set_len): blocks wholly past it are freed. The zeros the kernel
+    /// puts in the rest of the last block are `Sector` changes recorded after it.
     Truncate(u64),
 }
 
@@ -250,7 +263,7 @@ impl Change {
             Change::Sector { offset, bytes } => contents.store(bytes, *offset),
             Change::Alloc { block } => contents.alloc_block(*block),
             Change::Dealloc { block } => contents.dealloc_blocks(*block..*block + 1),
-            Change::Len(len) | Change::Truncate(len) => contents.set_len(*len),
+            Change::Len(len) | Change::Truncate(len) => contents.resize_on_disk(*len),
         }
     }
 
@@ -305,19 +318,12 @@ impl Change {
         }
     }
 
-    /// Fate of `self` after a newer truncation to `len`: the kernel drops truncated pages and
-    /// zeros the tail of the one the new end falls in.
+    /// Fate of `self` after a newer truncation to `len`: the kernel drops the pages wholly
+    /// past it instead of writing them. (The sector the new end falls in may still reach the
+    /// disk with its old tail; the truncation's own zeroing of that tail is a newer change.)
     fn truncated(&self, len: u64) -> Fate {
         match self {
             Change::Sector { offset, .. } if *offset >= len => Fate::Drop,
-            Change::Sector { offset, bytes } if offset + bytes.len() as u64 > len => {
-                let mut trimmed = bytes.to_vec();
-                trimmed[(len - offset) as usize..].fill(0);
-                Fate::Replace(vec![Change::Sector {
-                    offset: *offset,
-                    bytes: trimmed.into(),
-                }])
-            }
             Change::Alloc { block } if block * BLOCK_BYTES >= len => Fate::Drop,
             _ => Fate::Keep,
         }

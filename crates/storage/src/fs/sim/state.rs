@@ -597,13 +597,15 @@ impl Disk {
             return Err(errno(libc::EFBIG));
         }
         self.check_fault(FaultClass::Write, path)?;
+        let sector = self.sector_bytes;
         let file = self.file_mut(ino)?;
         let old_len = file.live.len();
         file.live.set_len(len);
-        if len < old_len {
-            file.pending.push(Pending::new(Change::Truncate(len)));
-        } else if len > old_len {
+        if len > old_len {
             file.pending.push(Pending::new(Change::Len(len)));
+        } else if len < old_len {
+            let changes = truncate_changes(file, len, sector);
+            file.pending.extend(changes.into_iter().map(Pending::new));
         }
         Ok(())
     }
@@ -622,6 +624,20 @@ fn punch_changes(live: &Contents, blocks: &[u64], range: Range<u64>, sector: u64
         } else {
             changes.extend(sector_changes(live, part, sector));
         }
+    }
+    changes
+}
+
+/// Changes recording a truncation to `len` (already applied to the live copy): the size, then
+/// the zeros the kernel wrote over the rest of the block the new end falls in, if either copy
+/// has that block.
+fn truncate_changes(file: &FileNode, len: u64, sector: u64) -> Vec<Change> {
+    let mut changes = vec![Change::Truncate(len)];
+    let tail = len..len.next_multiple_of(BLOCK_BYTES);
+    let block_start = tail.start - tail.start % BLOCK_BYTES;
+    let has_block = |c: &Contents| !c.allocated_in(&(block_start..block_start + 1)).is_empty();
+    if !tail.is_empty() && (has_block(&file.live) || has_block(&file.durable)) {
+        changes.extend(sector_changes(&file.live, tail, sector));
     }
     changes
 }
