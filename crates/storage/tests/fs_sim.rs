@@ -571,6 +571,14 @@ impl Model {
         });
     }
 
+    /// fallocate up to `end`: the size grows, the bytes stay.
+    fn allocate(&mut self, end: u64) {
+        let old = self.live.len() as u64;
+        if end > old {
+            self.set_len(end);
+        }
+    }
+
     fn sync(&mut self) {
         self.durable = self.live.clone();
         self.allowed.clear();
@@ -635,6 +643,10 @@ async fn random_step(dice: &mut Dice, fs: &SimFs, file: &SimFile, model: &mut Mo
             };
             file.set_len(len).await.unwrap();
             model.set_len(len);
+        }
+        18 => {
+            file.allocate(offset, length).await.unwrap();
+            model.allocate(offset + length);
         }
         _ => {
             file.sync_data().await.unwrap();
