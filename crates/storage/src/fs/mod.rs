@@ -17,13 +17,16 @@
 //!   keeps its own copy alive until the kernel is done with it, so a dropped future never
 //!   lets the kernel touch freed memory.
 //!
-//! All types here are single-threaded: one reactor thread owns each open file.
+//! All types here are single-threaded: one reactor thread owns each open file. (The simulated
+//! disk is `Send + Sync` so that controllers on several reactors can share one.)
 
+pub mod sim;
 pub mod std_fs;
 
 use std::io;
 use std::path::{Path, PathBuf};
 
+pub use sim::{SimFile, SimFs};
 pub use std_fs::{StdFs, StdFsFile};
 
 /// Offsets and lengths of O_DIRECT writes are multiples of this (the largest logical sector
