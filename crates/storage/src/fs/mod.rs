@@ -20,11 +20,13 @@
 //! All types here are single-threaded: one reactor thread owns each open file.
 
 pub mod std_fs;
+pub mod uring;
 
 use std::io;
 use std::path::{Path, PathBuf};
 
 pub use std_fs::{StdFs, StdFsFile};
+pub use uring::{UringConfig, UringFile, UringFs};
 
 /// Offsets and lengths of O_DIRECT writes are multiples of this (the largest logical sector
 /// size in common use; 4 KiB is also Ashlar's block size).
