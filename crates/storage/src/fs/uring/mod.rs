@@ -5,7 +5,8 @@
 //! the calling thread's ring, created on the first operation of that thread and driven by the
 //! thread's own tokio runtime: the ring's fd is registered with the runtime, and the futures
 //! waiting on it reap completions and wake one another on the same thread (see `ring.rs`). It
-//! needs no driver task and no `LocalSet`, only a tokio runtime with I/O enabled. A reactor
+//! needs no driver task and no `LocalSet`, only a tokio runtime with I/O enabled (outside any
+//! runtime, a future that has to wait blocks its thread in `io_uring_enter`). A reactor
 //! that spins (its poll window) may call [`reap_completions`] on each turn to pick up
 //! completions as soon as they land. Opening, renaming, listing, removing, truncating and
 //! `statvfs` run on tokio's blocking pool; `len` is an `fstat` on the calling thread (it does
@@ -307,7 +308,9 @@ impl UringFile {
 
     async fn write_with_flags(&self, buf: &[u8], offset: u64, rw_flags: i32) -> io::Result<()> {
         checked_end(offset, buf.len() as u64)?;
-        if self.direct() && (offset % ALIGN != 0 || buf.len() as u64 % ALIGN != 0) {
+        if self.direct()
+            && !(offset.is_multiple_of(ALIGN) && (buf.len() as u64).is_multiple_of(ALIGN))
+        {
             // The kernel's own answer to a misaligned O_DIRECT write.
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }

@@ -19,7 +19,7 @@ pub(super) struct AlignedBuf {
 impl AlignedBuf {
     /// `len` must be a non-zero multiple of [`BUFFER_ALIGN_BYTES`].
     pub(super) fn new(len: usize) -> AlignedBuf {
-        assert!(len > 0 && len % BUFFER_ALIGN_BYTES == 0);
+        assert!(len > 0 && len.is_multiple_of(BUFFER_ALIGN_BYTES));
         let layout = Self::layout(len);
         // SAFETY: the layout has a non-zero size (asserted above).
         let raw = unsafe { alloc::alloc_zeroed(layout) };

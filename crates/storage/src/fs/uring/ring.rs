@@ -160,6 +160,8 @@ struct State {
     next_waiter_id: u64,
     leader: Option<Leader>,
     to_wake: Vec<Waker>,
+    /// Operations handed to the ring whose completion has not been reaped.
+    in_kernel: usize,
     /// Submissions the kernel has not taken yet (it refused for now); retried on every poll.
     unsubmitted: bool,
     submit_error_logged: bool,
@@ -195,6 +197,7 @@ impl Ring {
                 next_waiter_id: 0,
                 leader: None,
                 to_wake: Vec::new(),
+                in_kernel: 0,
                 unsubmitted: false,
                 submit_error_logged: false,
             },
@@ -238,13 +241,8 @@ impl Ring {
     /// Registers `cx`'s waker for the next completion. `Ready(Ok)` means completions may have
     /// arrived since the last reap (the readiness was consumed: reap, then poll again).
     fn poll_notifier(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let handle = match tokio::runtime::Handle::try_current() {
-            Ok(handle) => handle,
-            Err(_) => {
-                return Poll::Ready(Err(io::Error::other(
-                    "UringFs needs a tokio runtime (with I/O enabled) on this thread",
-                )))
-            }
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return self.block_for_completion(cx);
         };
         let current = self.notifier.as_ref().map(|(id, _)| *id);
         if current != Some(handle.id()) {
@@ -270,6 +268,21 @@ impl Ring {
                 self.notifier = None;
                 Poll::Ready(Err(e))
             }
+        }
+    }
+
+    /// Outside a tokio runtime nothing would wake us: block the thread until a completion
+    /// arrives, if any is due; else ask to be polled again (the operations we wait for are
+    /// held by other futures between two steps).
+    fn block_for_completion(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.state.in_kernel == 0 {
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        match self.uring.submit_and_wait(1) {
+            Ok(_) => Poll::Ready(Ok(())),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Poll::Ready(Ok(())),
+            Err(e) => Poll::Ready(Err(e)),
         }
     }
 
@@ -311,9 +324,11 @@ impl State {
         match std::mem::replace(slot, Slot::Vacant) {
             Slot::Waiting { waker, held } => {
                 *slot = Slot::Done { result, held };
+                self.in_kernel -= 1;
                 self.to_wake.extend(waker);
             }
             Slot::Abandoned { held } => {
+                self.in_kernel -= 1;
                 self.vacant.push(index);
                 self.release(held.grant);
             }
@@ -570,6 +585,7 @@ impl Op {
         let index = with_existing_ring(|ring| {
             let held = Held { grant, _file: file };
             let index = ring.state.occupy(Slot::Waiting { waker: None, held });
+            ring.state.in_kernel += 1;
             let entry = entry.user_data(index as u64);
             // SAFETY: the caller guarantees the entry's pointers point into the grant's
             // buffer, which now belongs to slot `index` and stays there (at a fixed address:
