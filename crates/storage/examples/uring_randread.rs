@@ -70,7 +70,7 @@ fn main() {
                 let mut x = (worker + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
                 let mut buf = vec![0u8; BLOCK as usize];
                 let mut n = 0u64;
-                while n % 64 != 0 || Instant::now() < stop {
+                while !n.is_multiple_of(64) || Instant::now() < stop {
                     x ^= x << 13;
                     x ^= x >> 7;
                     x ^= x << 17;

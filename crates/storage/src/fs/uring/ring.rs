@@ -585,19 +585,37 @@ impl Op {
         let index = with_existing_ring(|ring| {
             let held = Held { grant, _file: file };
             let index = ring.state.occupy(Slot::Waiting { waker: None, held });
-            ring.state.in_kernel += 1;
             let entry = entry.user_data(index as u64);
-            // SAFETY: the caller guarantees the entry's pointers point into the grant's
-            // buffer, which now belongs to slot `index` and stays there (at a fixed address:
-            // only the `AlignedBuf` handle moves) until this entry's completion is reaped.
-            // The fd is kept open by the same slot. The queue has room: every queued entry
-            // holds an in-flight slot, and there are at most as many as queue entries.
-            let pushed = unsafe { ring.uring.submission().push(&entry) };
-            debug_assert!(pushed.is_ok(), "submission queue full");
+            let mut pushed = false;
+            for _ in 0..2 {
+                // SAFETY: the caller guarantees the entry's pointers point into the grant's
+                // buffer, which now belongs to slot `index` and stays there (at a fixed
+                // address: only the `AlignedBuf` handle moves) until this entry's completion
+                // is reaped. The fd is kept open by the same slot.
+                pushed = unsafe { ring.uring.submission().push(&entry) }.is_ok();
+                if pushed {
+                    break;
+                }
+                // Cannot happen (every queued entry holds one of at most `sq_entries`
+                // in-flight slots), but if the queue is full, submitting makes room.
+                ring.flush();
+            }
+            if !pushed {
+                // The kernel never saw the entry: take everything back.
+                let Slot::Waiting { held, .. } =
+                    std::mem::replace(&mut ring.state.slots[index], Slot::Vacant)
+                else {
+                    unreachable!("occupied above")
+                };
+                ring.state.vacant.push(index);
+                ring.state.release(held.grant);
+                return Err(io::Error::other("io_uring submission queue full"));
+            }
+            ring.state.in_kernel += 1;
             ring.flush();
-            index
+            Ok(index)
         })
-        .ok_or_else(|| io::Error::other("io_uring of this thread is gone"))?;
+        .ok_or_else(|| io::Error::other("io_uring of this thread is gone"))??;
         Ok(Op {
             index,
             finished: false,
