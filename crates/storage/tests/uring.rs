@@ -440,6 +440,28 @@ fn dropped_in_flight_operations_do_not_corrupt() {
     });
 }
 
+/// A thread that ends with operations in flight (futures dropped, or leaked) waits for the
+/// kernel before freeing its ring and buffers.
+#[test]
+fn thread_exit_with_operations_in_flight() {
+    let dir = direct_dir();
+    let path = dir.path().join("f");
+    on_fresh_thread(move || async move {
+        let file = open_direct(&direct_fs(), &path).await;
+        file.write_at(&pattern(8 << 20, 13), 0).await.unwrap();
+        let mut dropped = vec![0u8; 8 << 20];
+        {
+            let mut read = pin!(file.read_at(&mut dropped, 0));
+            let _ = poll_once(read.as_mut());
+        }
+        let leaked: &'static mut [u8] = vec![0u8; 8 << 20].leak();
+        let mut read = Box::pin(file.read_at(leaked, 0));
+        let _ = poll_once(read.as_mut());
+        std::mem::forget(read);
+        assert!(thread_stats().unwrap().in_flight_ops >= 1);
+    });
+}
+
 /// A future waiting for admission (pool exhausted) may be dropped too.
 #[test]
 fn dropped_waiters_for_admission_leave_no_trace() {
