@@ -1,5 +1,5 @@
-//! The thread's io_uring, and the two futures that wait on it: [`Acquire`] (admission: an
-//! in-flight slot and a bounce buffer) and [`Op`] (one submitted operation).
+//! The thread's io_uring: its slots of operations in flight, its admission queue, and how the
+//! futures of `op.rs` ([`super::op::Acquire`], [`super::op::Op`]) wait on it.
 //!
 //! There is no driver task. The ring's fd is registered with the thread's tokio runtime
 //! (`AsyncFd`), and whichever future is waiting registers its own waker there; tokio keeps only
@@ -15,17 +15,14 @@
 //! any later poll or by [`reap_completions`]), and only then is the buffer reused. A thread
 //! that exits with operations in flight waits for them before its ring and buffers go.
 
-use super::pool::{AlignedBuf, Grant, Pool};
+use super::pool::{Grant, Pool};
 use super::UringConfig;
 use io_uring::{squeue, IoUring};
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::fs::File;
-use std::future::Future;
 use std::io;
-use std::marker::PhantomData;
 use std::os::fd::{AsRawFd, RawFd};
-use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
@@ -36,12 +33,9 @@ thread_local! {
     static RING: RefCell<Option<Ring>> = const { RefCell::new(None) };
 }
 
-/// Makes the futures and guards of this module `!Send`: they refer to this thread's ring.
-type NotSend = PhantomData<*const ()>;
-
 /// Runs `f` on this thread's ring, creating the ring with `config` on first use, then wakes
 /// the futures `f` completed (after the ring is released, so a waker may do anything).
-fn with_ring<R>(config: &UringConfig, f: impl FnOnce(&mut Ring) -> R) -> io::Result<R> {
+pub(super) fn with_ring<R>(config: &UringConfig, f: impl FnOnce(&mut Ring) -> R) -> io::Result<R> {
     let (out, wake) = RING.with(|cell| -> io::Result<_> {
         let mut slot = cell.borrow_mut();
         let ring = match slot.as_mut() {
@@ -57,7 +51,7 @@ fn with_ring<R>(config: &UringConfig, f: impl FnOnce(&mut Ring) -> R) -> io::Res
 
 /// Like [`with_ring`] but never creates the ring, and does nothing (returns `None`) when the
 /// ring is gone (thread exit) or busy: for destructors and the reactor's spin loop.
-fn with_existing_ring<R>(f: impl FnOnce(&mut Ring) -> R) -> Option<R> {
+pub(super) fn with_existing_ring<R>(f: impl FnOnce(&mut Ring) -> R) -> Option<R> {
     let (out, wake) = RING
         .try_with(|cell| {
             let mut slot = cell.try_borrow_mut().ok()?;
@@ -135,14 +129,14 @@ enum Leader {
 }
 
 /// A future waiting for admission.
-struct Waiter {
+pub(super) struct Waiter {
     id: u64,
     bytes: usize,
     waker: RefCell<Option<Waker>>,
     grant: RefCell<Option<Grant>>,
 }
 
-struct Ring {
+pub(super) struct Ring {
     /// The ring's fd registered with the runtime this thread runs now (declared before
     /// `uring`, so it is dropped first).
     notifier: Option<(tokio::runtime::Id, AsyncFd<RingFd>)>,
@@ -417,280 +411,158 @@ impl Drop for Ring {
     }
 }
 
-/// The caller's side of a [`Grant`]: an admitted operation's slot and bounce buffer. Dropping
-/// it gives both back.
-pub(super) struct OwnedGrant {
-    grant: Option<Grant>,
-    _not_send: NotSend,
-}
-
-impl OwnedGrant {
-    fn new(grant: Grant) -> OwnedGrant {
-        OwnedGrant {
-            grant: Some(grant),
-            _not_send: PhantomData,
-        }
-    }
-
-    fn buf_ref(&self) -> Option<&AlignedBuf> {
-        self.grant.as_ref().and_then(|g| g.buf.as_ref())
-    }
-
-    /// The bounce buffer (empty for a grant of 0 bytes).
-    pub(super) fn buf(&self) -> &[u8] {
-        self.buf_ref().map(AlignedBuf::as_slice).unwrap_or(&[])
-    }
-
-    pub(super) fn buf_mut(&mut self) -> &mut [u8] {
-        match self.grant.as_mut().and_then(|g| g.buf.as_mut()) {
-            Some(buf) => buf.as_mut_slice(),
-            None => &mut [],
-        }
-    }
-
-    /// Address of byte `at` of the bounce buffer, for the kernel.
-    pub(super) fn ptr_at(&mut self, at: usize) -> *mut u8 {
-        let buf = self
-            .grant
-            .as_mut()
-            .and_then(|g| g.buf.as_mut())
-            .expect("grant has a buffer");
-        assert!(at <= buf.len());
-        // SAFETY: `at` is within the allocation (checked above).
-        unsafe { buf.as_mut_ptr().add(at) }
-    }
-}
-
-impl Drop for OwnedGrant {
-    fn drop(&mut self) {
-        if let Some(grant) = self.grant.take() {
-            // At thread exit the ring is gone: the grant's buffer is simply freed.
-            with_existing_ring(|ring| ring.state.release(grant));
-        }
-    }
-}
-
-/// Waits for an in-flight slot and a bounce buffer of at least `bytes` (none for 0), in FIFO
-/// order with the thread's other waiters.
-pub(super) fn acquire(config: &UringConfig, bytes: usize) -> Acquire {
-    Acquire {
-        config: *config,
-        bytes,
-        waiter: None,
-        _not_send: PhantomData,
-    }
-}
-
-pub(super) struct Acquire {
-    config: UringConfig,
-    bytes: usize,
-    waiter: Option<Rc<Waiter>>,
-    _not_send: NotSend,
-}
-
-impl Future for Acquire {
-    type Output = io::Result<OwnedGrant>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.get_mut();
-        let polled = with_ring(&this.config, |ring| {
-            let waiter = match &this.waiter {
-                Some(waiter) => waiter.clone(),
-                None => {
-                    if ring.state.waiters.is_empty() {
-                        if let Some(grant) = ring.state.pool.try_grant(this.bytes) {
-                            return Poll::Ready(Ok(grant));
-                        }
-                        // Full: completions may be waiting to be reaped.
-                        ring.flush();
-                        ring.reap();
-                        if let Some(grant) = ring.state.pool.try_grant(this.bytes) {
-                            return Poll::Ready(Ok(grant));
-                        }
-                    }
-                    let waiter = Rc::new(Waiter {
-                        id: ring.state.next_waiter_id,
-                        bytes: this.bytes,
-                        waker: RefCell::new(None),
-                        grant: RefCell::new(None),
-                    });
-                    ring.state.next_waiter_id += 1;
-                    ring.state.waiters.push_back(waiter.clone());
-                    this.waiter = Some(waiter.clone());
-                    waiter
-                }
-            };
-            let me = Leader::Waiter(waiter.id);
-            *waiter.waker.borrow_mut() = Some(cx.waker().clone());
-            ring.flush();
-            ring.reap();
-            let waited = ring.wait(cx, me, |_| waiter.grant.borrow().is_some());
-            match waited {
-                Poll::Pending => Poll::Pending,
-                Poll::Ready(result) => {
-                    ring.state.hand_off(me);
-                    // On error, drop() takes care of the queue entry.
-                    result?;
-                    let grant = waiter.grant.borrow_mut().take().expect("granted");
-                    Poll::Ready(Ok(grant))
-                }
-            }
-        });
-        match polled {
-            Ok(Poll::Ready(Ok(grant))) => {
-                this.waiter = None;
-                Poll::Ready(Ok(OwnedGrant::new(grant)))
-            }
-            Ok(Poll::Ready(Err(e))) | Err(e) => Poll::Ready(Err(e)),
-            Ok(Poll::Pending) => Poll::Pending,
-        }
-    }
-}
-
-impl Drop for Acquire {
-    fn drop(&mut self) {
-        let Some(waiter) = self.waiter.take() else {
-            return;
-        };
-        with_existing_ring(|ring| {
-            ring.state.waiters.retain(|w| !Rc::ptr_eq(w, &waiter));
-            ring.state.hand_off(Leader::Waiter(waiter.id));
-            if let Some(grant) = waiter.grant.borrow_mut().take() {
-                ring.state.release(grant);
-            }
-        });
-    }
-}
-
-/// One operation submitted to this thread's ring; resolves to the kernel's result (a byte
-/// count or `-errno`) and the grant it was submitted with.
-pub(super) struct Op {
-    index: usize,
-    finished: bool,
-    _not_send: NotSend,
-}
-
-impl Op {
-    /// Submits `entry`, moving `grant` and `file` into the ring until its completion.
+/// Operations and admission, for the futures of `op.rs`.
+impl Ring {
+    /// Queues and submits `entry` (its user data is set here), moving `grant` and `file` into
+    /// a slot until its completion is reaped; returns the slot.
     ///
     /// # Safety
     /// Every pointer in `entry` must point into `grant`'s bounce buffer (or to memory that
     /// otherwise outlives the operation), and its fd must be `file`'s.
-    pub(super) unsafe fn start(
+    pub(super) unsafe fn submit(
+        &mut self,
         entry: squeue::Entry,
-        mut grant: OwnedGrant,
+        grant: Grant,
         file: Arc<File>,
-    ) -> io::Result<Op> {
-        let grant = grant.grant.take().expect("grant not yet used");
-        let index = with_existing_ring(|ring| {
-            let held = Held { grant, _file: file };
-            let index = ring.state.occupy(Slot::Waiting { waker: None, held });
-            let entry = entry.user_data(index as u64);
-            let mut pushed = false;
-            for _ in 0..2 {
-                // SAFETY: the caller guarantees the entry's pointers point into the grant's
-                // buffer, which now belongs to slot `index` and stays there (at a fixed
-                // address: only the `AlignedBuf` handle moves) until this entry's completion
-                // is reaped. The fd is kept open by the same slot.
-                pushed = unsafe { ring.uring.submission().push(&entry) }.is_ok();
-                if pushed {
-                    break;
-                }
-                // Cannot happen (every queued entry holds one of at most `sq_entries`
-                // in-flight slots), but if the queue is full, submitting makes room.
-                ring.flush();
+    ) -> io::Result<usize> {
+        let held = Held { grant, _file: file };
+        let index = self.state.occupy(Slot::Waiting { waker: None, held });
+        let entry = entry.user_data(index as u64);
+        let mut pushed = false;
+        for _ in 0..2 {
+            // SAFETY: the caller guarantees the entry's pointers point into the grant's
+            // buffer, which now belongs to slot `index` and stays there (at a fixed address:
+            // only the `AlignedBuf` handle moves) until this entry's completion is reaped. The
+            // fd is kept open by the same slot.
+            pushed = unsafe { self.uring.submission().push(&entry) }.is_ok();
+            if pushed {
+                break;
             }
-            if !pushed {
-                // The kernel never saw the entry: take everything back.
-                let Slot::Waiting { held, .. } =
-                    std::mem::replace(&mut ring.state.slots[index], Slot::Vacant)
-                else {
-                    unreachable!("occupied above")
-                };
-                ring.state.vacant.push(index);
-                ring.state.release(held.grant);
-                return Err(io::Error::other("io_uring submission queue full"));
-            }
-            ring.state.in_kernel += 1;
-            ring.flush();
-            Ok(index)
-        })
-        .ok_or_else(|| io::Error::other("io_uring of this thread is gone"))??;
-        Ok(Op {
-            index,
-            finished: false,
-            _not_send: PhantomData,
-        })
+            // Cannot happen (every queued entry holds one of at most `sq_entries` in-flight
+            // slots), but if the queue is full, submitting makes room.
+            self.flush();
+        }
+        if !pushed {
+            // The kernel never saw the entry: take everything back.
+            let Slot::Waiting { held, .. } =
+                std::mem::replace(&mut self.state.slots[index], Slot::Vacant)
+            else {
+                unreachable!("occupied above")
+            };
+            self.state.vacant.push(index);
+            self.state.release(held.grant);
+            return Err(io::Error::other("io_uring submission queue full"));
+        }
+        self.state.in_kernel += 1;
+        self.flush();
+        Ok(index)
     }
-}
 
-impl Future for Op {
-    type Output = io::Result<(i32, OwnedGrant)>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.get_mut();
-        assert!(!this.finished, "Op polled after completion");
-        let index = this.index;
-        let polled = with_existing_ring(|ring| {
-            ring.flush();
-            ring.reap();
-            if let Slot::Waiting { waker, .. } = &mut ring.state.slots[index] {
-                match waker {
-                    Some(w) if w.will_wake(cx.waker()) => {}
-                    _ => *waker = Some(cx.waker().clone()),
-                }
+    /// The result (a byte count or `-errno`) and grant of the operation in slot `index` once
+    /// it completed; until then, `cx` is woken when it may have.
+    pub(super) fn poll_op(
+        &mut self,
+        index: usize,
+        cx: &mut Context<'_>,
+    ) -> Poll<io::Result<(i32, Grant)>> {
+        self.flush();
+        self.reap();
+        if let Slot::Waiting { waker, .. } = &mut self.state.slots[index] {
+            match waker {
+                Some(w) if w.will_wake(cx.waker()) => {}
+                _ => *waker = Some(cx.waker().clone()),
             }
-            let me = Leader::Op(index);
-            let waited = ring.wait(cx, me, |state| {
-                matches!(state.slots[index], Slot::Done { .. })
-            });
-            match waited {
-                Poll::Pending => Poll::Pending,
-                Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
-                Poll::Ready(Ok(())) => {
-                    ring.state.hand_off(me);
-                    let Slot::Done { result, held } =
-                        std::mem::replace(&mut ring.state.slots[index], Slot::Vacant)
-                    else {
-                        unreachable!("checked by wait")
-                    };
-                    ring.state.vacant.push(index);
-                    Poll::Ready(Ok((result, held.grant)))
-                }
-            }
-        })
-        .unwrap_or_else(|| Poll::Ready(Err(io::Error::other("io_uring of this thread is gone"))));
-        match polled {
+        }
+        let me = Leader::Op(index);
+        let done = |state: &State| matches!(state.slots[index], Slot::Done { .. });
+        match self.wait(cx, me, done) {
             Poll::Pending => Poll::Pending,
-            Poll::Ready(Ok((result, grant))) => {
-                this.finished = true;
-                Poll::Ready(Ok((result, OwnedGrant::new(grant))))
-            }
-            // Drop abandons the operation; the ring keeps its buffer until it completes.
             Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+            Poll::Ready(Ok(())) => {
+                self.state.hand_off(me);
+                let Slot::Done { result, held } =
+                    std::mem::replace(&mut self.state.slots[index], Slot::Vacant)
+                else {
+                    unreachable!("checked by wait")
+                };
+                self.state.vacant.push(index);
+                Poll::Ready(Ok((result, held.grant)))
+            }
         }
     }
-}
 
-impl Drop for Op {
-    fn drop(&mut self) {
-        if self.finished {
-            return;
-        }
-        let index = self.index;
-        with_existing_ring(|ring| {
-            match std::mem::replace(&mut ring.state.slots[index], Slot::Vacant) {
-                Slot::Waiting { held, .. } => {
-                    ring.state.slots[index] = Slot::Abandoned { held };
-                }
-                Slot::Done { held, .. } => {
-                    ring.state.vacant.push(index);
-                    ring.state.release(held.grant);
-                }
-                other => ring.state.slots[index] = other,
+    /// The future of the operation in slot `index` is gone before its result was taken: the
+    /// slot keeps what the kernel may still use until the completion arrives.
+    pub(super) fn abandon_op(&mut self, index: usize) {
+        match std::mem::replace(&mut self.state.slots[index], Slot::Vacant) {
+            Slot::Waiting { held, .. } => self.state.slots[index] = Slot::Abandoned { held },
+            Slot::Done { held, .. } => {
+                self.state.vacant.push(index);
+                self.state.release(held.grant);
             }
-            ring.state.hand_off(Leader::Op(index));
+            other => self.state.slots[index] = other,
+        }
+        self.state.hand_off(Leader::Op(index));
+    }
+
+    /// A grant of `bytes` now if nobody waits before us and there is room; else our place in
+    /// the queue.
+    pub(super) fn admit(&mut self, bytes: usize) -> Result<Grant, Rc<Waiter>> {
+        if self.state.waiters.is_empty() {
+            if let Some(grant) = self.state.pool.try_grant(bytes) {
+                return Ok(grant);
+            }
+            // Full: completions may be waiting to be reaped.
+            self.flush();
+            self.reap();
+            if let Some(grant) = self.state.pool.try_grant(bytes) {
+                return Ok(grant);
+            }
+        }
+        let waiter = Rc::new(Waiter {
+            id: self.state.next_waiter_id,
+            bytes,
+            waker: RefCell::new(None),
+            grant: RefCell::new(None),
         });
-        self.finished = true;
+        self.state.next_waiter_id += 1;
+        self.state.waiters.push_back(waiter.clone());
+        Err(waiter)
+    }
+
+    /// The grant of a queued `waiter` once it has one; until then, `cx` is woken when it may.
+    pub(super) fn poll_admission(
+        &mut self,
+        waiter: &Waiter,
+        cx: &mut Context<'_>,
+    ) -> Poll<io::Result<Grant>> {
+        let me = Leader::Waiter(waiter.id);
+        *waiter.waker.borrow_mut() = Some(cx.waker().clone());
+        self.flush();
+        self.reap();
+        match self.wait(cx, me, |_| waiter.grant.borrow().is_some()) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(result) => {
+                self.state.hand_off(me);
+                // On error, the caller cancels its place in the queue.
+                result?;
+                let grant = waiter.grant.borrow_mut().take().expect("granted");
+                Poll::Ready(Ok(grant))
+            }
+        }
+    }
+
+    /// `waiter` leaves the queue (its future is gone), giving back a grant it was handed.
+    pub(super) fn cancel_admission(&mut self, waiter: &Rc<Waiter>) {
+        self.state.waiters.retain(|w| !Rc::ptr_eq(w, waiter));
+        self.state.hand_off(Leader::Waiter(waiter.id));
+        if let Some(grant) = waiter.grant.borrow_mut().take() {
+            self.state.release(grant);
+        }
+    }
+
+    /// Takes back a grant that is not in flight.
+    pub(super) fn release(&mut self, grant: Grant) {
+        self.state.release(grant);
     }
 }
