@@ -4,7 +4,7 @@ use crate::fs::DIRECT_IO_ALIGNMENT_BYTES;
 use std::io;
 
 /// Limits of the io_uring backend. They apply per thread; a thread's ring is created with the
-/// configuration of the first [`UringFs`] that does I/O on it.
+/// configuration of the first [`super::UringFs`] that does I/O on it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct UringConfig {
     /// Submission-queue entries of each thread's ring (a power of two, at most 32768); the
