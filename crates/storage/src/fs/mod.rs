@@ -22,12 +22,14 @@
 
 pub mod sim;
 pub mod std_fs;
+pub mod uring;
 
 use std::io;
 use std::path::{Path, PathBuf};
 
 pub use sim::{SimFile, SimFs};
 pub use std_fs::{StdFs, StdFsFile};
+pub use uring::{UringConfig, UringFile, UringFs};
 
 /// Offsets and lengths of O_DIRECT writes are multiples of this (the largest logical sector
 /// size in common use; 4 KiB is also Ashlar's block size).
@@ -47,6 +49,7 @@ pub enum IoMode {
 
 /// One open file. Positional I/O only; every method acts on whole buffers (a short transfer is
 /// retried inside or reported as an error).
+// A file has no `is_empty`: callers ask for its length.
 #[allow(async_fn_in_trait, clippy::len_without_is_empty)]
 pub trait DiskFile {
     /// Fills `buf` from `offset`. Bytes past the end of the file read as zeros.
