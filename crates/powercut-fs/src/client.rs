@@ -137,6 +137,9 @@ pub struct MountOptions {
     /// does not need it (the host does not crash); turning it off makes a node that fsyncs
     /// often much faster on the mount. Default: on.
     pub fsync_backing: bool,
+    /// A cut keeps or drops each aligned piece of this many bytes of a write whole (a power
+    /// of two from 512 to 65536). Default: 512, a disk's smallest sector.
+    pub sector_bytes: u64,
 }
 
 impl Default for MountOptions {
@@ -144,6 +147,7 @@ impl Default for MountOptions {
         MountOptions {
             binary: None,
             fsync_backing: true,
+            sector_bytes: 512,
         }
     }
 }
@@ -206,6 +210,8 @@ impl PowercutFs {
             .arg(&backing)
             .arg(&mountpoint)
             .arg("--unmount-on-eof")
+            .arg("--sector-bytes")
+            .arg(options.sector_bytes.to_string())
             .args(if options.fsync_backing {
                 &[][..]
             } else {

@@ -11,7 +11,7 @@ use crate::fuse::PowercutFilesystem;
 use crate::model::State;
 use crate::protocol::CutPolicy;
 
-const USAGE: &str = "usage: ashlar-powercut-fs BACKING_DIR MOUNTPOINT [--seed N] [--no-backing-fsync] [--unmount-on-eof]
+const USAGE: &str = "usage: ashlar-powercut-fs BACKING_DIR MOUNTPOINT [--seed N] [--sector-bytes N] [--no-backing-fsync] [--unmount-on-eof]
 
 Mounts a passthrough view of BACKING_DIR at MOUNTPOINT that keeps every write not yet made
 durable (fsync, fdatasync, fsyncdir) in memory, and simulates a power cut on request.
@@ -23,6 +23,8 @@ Control (one command per line on stdin, one answer per line on stdout):
 Signals: SIGUSR1 cuts (random subset with --seed N, else drop-all);
          SIGTERM, SIGINT, SIGHUP unmount cleanly.
   --seed N             seed of the SIGUSR1 cut
+  --sector-bytes N     a cut keeps or drops each aligned N-byte piece of a write whole
+                       (power of two, 512..65536; default 512)
   --no-backing-fsync   do not fsync the backing files when data becomes durable (faster; the
                        simulation does not need it unless the host itself crashes)
   --unmount-on-eof     unmount cleanly when stdin reaches end of file (the test library's mode:
@@ -49,6 +51,13 @@ fn parse_args(args: Vec<String>) -> Result<Args, String> {
                 seed = Some(v.parse::<u64>().map_err(|e| format!("--seed {v}: {e}"))?);
             }
             "--no-backing-fsync" => fsync_backing = false,
+            "--sector-bytes" => {
+                let v = it.next().ok_or("--sector-bytes needs a value")?;
+                let bytes = v
+                    .parse::<u64>()
+                    .map_err(|e| format!("--sector-bytes {v}: {e}"))?;
+                crate::model::set_sector_bytes(bytes)?;
+            }
             "--unmount-on-eof" => unmount_on_eof = true,
             "-h" | "--help" => return Err(String::new()),
             a if a.starts_with("--") => return Err(format!("unknown option {a}")),

@@ -28,7 +28,24 @@ use crate::rng::Rng;
 /// Name of the staging dir in the backing root; hidden from the mounted view.
 pub const STAGING: &str = ".powercut-staging";
 pub const ROOT: u64 = 1;
-const SECTOR: u64 = 512;
+/// The unit a cut tears writes at (bytes): a write is kept or dropped whole within each
+/// aligned sector. 512 by default (`--sector-bytes` changes it for the daemon process).
+static SECTOR_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(512);
+
+/// Sets the tear unit of this process's cuts; a power of two from 512 to 65536.
+pub fn set_sector_bytes(bytes: u64) -> Result<(), String> {
+    if !bytes.is_power_of_two() || !(512..=65536).contains(&bytes) {
+        return Err(format!(
+            "sector size {bytes} must be a power of two from 512 to 65536"
+        ));
+    }
+    SECTOR_BYTES.store(bytes, std::sync::atomic::Ordering::Relaxed);
+    Ok(())
+}
+
+fn sector_bytes() -> u64 {
+    SECTOR_BYTES.load(std::sync::atomic::Ordering::Relaxed)
+}
 
 /// An errno.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1513,12 +1530,13 @@ impl State {
     }
 }
 
-/// 512-byte sector pieces of `[off, end)`, cut at absolute sector boundaries.
+/// Sector pieces of `[off, end)`, cut at absolute sector boundaries.
 fn sectors(off: u64, end: u64) -> Vec<(u64, u64)> {
+    let sector = sector_bytes();
     let mut out = Vec::new();
     let mut a = off;
     while a < end {
-        let b = ((a / SECTOR + 1) * SECTOR).min(end);
+        let b = ((a / sector + 1) * sector).min(end);
         out.push((a, b));
         a = b;
     }

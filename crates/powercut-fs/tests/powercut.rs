@@ -39,6 +39,7 @@ fn mount_without_backing_fsync(d: &Dirs) -> PowercutFs {
     let options = MountOptions {
         binary: Some(PathBuf::from(env!("CARGO_BIN_EXE_ashlar-powercut-fs"))),
         fsync_backing: false,
+        ..MountOptions::default()
     };
     PowercutFs::mount_with(&d.backing, &d.mnt, &options)
         .unwrap_or_else(|e| panic!("mounting powercut-fs (needs root and /dev/fuse): {e}"))
