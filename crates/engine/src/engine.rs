@@ -212,11 +212,6 @@ impl<M: MetaStore> Engine<M> {
     /// shard controllers. Returns once every vdisk is ready to serve.
     pub async fn start(config: EngineConfig, meta: M) -> Result<Arc<Self>, EngineError> {
         assert!(!config.disks.is_empty(), "the node needs at least one disk");
-        for disk in &config.disks {
-            std::fs::create_dir_all(&disk.path).map_err(|e| {
-                EngineError::Storage(format!("cannot create {}: {e}", disk.path.display()))
-            })?;
-        }
         let reactors = ReactorPool::start(config.reactors, config.poll_window)
             .map_err(|e| EngineError::Storage(format!("cannot start reactor threads: {e}")))?;
         let per_reactor_cache = config.cache_bytes / reactors.len() as u64;

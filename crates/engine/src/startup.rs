@@ -31,9 +31,14 @@ fn parse_vdisk_dir(name: &str) -> Option<VdiskId> {
         .map(VdiskId)
 }
 
-/// Creates each disk's directory and its vdisk areas, durably.
+/// Creates each disk's directory and its vdisk areas, durably. The disk directory's own
+/// entry is synced even when it exists: whoever made it (a CLI run, an operator) may not have.
 pub async fn prepare_disks<F: Filesystem>(fs: &F, disks: &[Disk]) -> io::Result<()> {
     for disk in disks {
+        fs.create_dir_all(&disk.path).await?;
+        if let Some(parent) = disk.path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            fs.sync_dir(parent).await?;
+        }
         for area in VDISK_AREAS {
             fs.create_dir_all(&disk.path.join(area)).await?;
         }

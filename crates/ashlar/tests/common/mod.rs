@@ -9,6 +9,7 @@
 #![allow(dead_code)]
 
 pub mod nbd;
+pub mod writes;
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
@@ -210,11 +211,16 @@ impl Node {
 
     /// A node with additional `ashlar node` arguments (e.g. `--ensure-vdisk`).
     pub fn start_with(extra_args: &[&str]) -> Node {
+        Node::start_in(None, extra_args)
+    }
+
+    /// A node keeping its data in `data_dir` (default: a fresh directory of its own).
+    pub fn start_in(data_dir: Option<PathBuf>, extra_args: &[&str]) -> Node {
         let root = tempfile::Builder::new()
             .prefix("ashlar-e2e-")
             .tempdir()
             .expect("creating a temporary directory");
-        let data_dir = root.path().join("data");
+        let data_dir = data_dir.unwrap_or_else(|| root.path().join("data"));
         let stderr_path = root.path().join("node.stderr.log");
         let stdout_path = root.path().join("node.stdout.log");
         let mut node = Node {
