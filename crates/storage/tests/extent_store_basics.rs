@@ -65,7 +65,11 @@ fn unaligned_writes_round_trip_across_boundaries_and_survive_reopen() {
         let mut again = vec![0u8; size];
         reopened.read(0, &mut again).await.unwrap();
         assert!(again == model, "read after reopen differs from the model");
-        assert_eq!(reopened.cached_egroups(), 3, "the listing finds every egroup");
+        assert_eq!(
+            reopened.cached_egroups(),
+            3,
+            "the listing finds every egroup"
+        );
         // Holes: an untouched egroup and the zeroed middle are unallocated.
         let runs = reopened.allocation(0, size as u64).await.unwrap();
         assert_eq!(runs.iter().map(|r| r.0).sum::<u64>(), size as u64);
@@ -122,7 +126,10 @@ fn zeros_written_into_absent_egroups_create_nothing() {
     run_local(async {
         let store = ExtentStore::new(StdFs, config(&[dir.path()]));
         store.write(0, &vec![0u8; 1 << 20]).await.unwrap();
-        store.write_zeroes(EGROUP_SPAN_BYTES, 3 << 20).await.unwrap();
+        store
+            .write_zeroes(EGROUP_SPAN_BYTES, 3 << 20)
+            .await
+            .unwrap();
         assert_eq!(store.cached_egroups(), 0);
         assert!(!dir.path().join("extents").exists());
         let mut buf = vec![1u8; 8192];

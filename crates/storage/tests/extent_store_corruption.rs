@@ -6,7 +6,9 @@ mod extent_store_support;
 
 use ashlar_core::VdiskId;
 use ashlar_storage::disk::{Disk, Tier};
-use ashlar_storage::extent_store::{ExtentError, ExtentStore, ExtentStoreConfig, EGROUP_SPAN_BYTES};
+use ashlar_storage::extent_store::{
+    ExtentError, ExtentStore, ExtentStoreConfig, EGROUP_SPAN_BYTES,
+};
 use ashlar_storage::fs::StdFs;
 use extent_store_support::{pattern, run_local};
 use std::path::{Path, PathBuf};
@@ -51,7 +53,11 @@ fn reseal(bytes: &mut [u8], block_at: usize) {
     bytes[block_at + 4092..block_at + 4096].copy_from_slice(&crc.to_le_bytes());
 }
 
-async fn read(store: &ExtentStore<StdFs>, offset: u64, length: usize) -> Result<Vec<u8>, ExtentError> {
+async fn read(
+    store: &ExtentStore<StdFs>,
+    offset: u64,
+    length: usize,
+) -> Result<Vec<u8>, ExtentError> {
     let mut buf = vec![0u8; length];
     store.read(offset, &mut buf).await.map(|()| buf)
 }
@@ -179,7 +185,9 @@ fn a_bad_header_fails_its_egroup_only() {
         }
         let first = read(&store, 0, EGROUP_SPAN_BYTES as usize).await.unwrap();
         assert!(first == data[..EGROUP_SPAN_BYTES as usize]);
-        let third = read(&store, 2 * EGROUP_SPAN_BYTES, MIB as usize).await.unwrap();
+        let third = read(&store, 2 * EGROUP_SPAN_BYTES, MIB as usize)
+            .await
+            .unwrap();
         assert!(third == data[2 * EGROUP_SPAN_BYTES as usize..][..MIB as usize]);
         // Writing into it rewrites the header; the rest of it reads as lost, not as data.
         let fresh = pattern(5, 4096);
@@ -211,13 +219,28 @@ fn a_torn_creation_is_reinitialized_not_an_error() {
             .iter()
             .all(|&b| b == 0));
         let fresh = pattern(6, 8192);
-        store.write(5 * EGROUP_SPAN_BYTES + 4096, &fresh).await.unwrap();
+        store
+            .write(5 * EGROUP_SPAN_BYTES + 4096, &fresh)
+            .await
+            .unwrap();
         store.write(6 * EGROUP_SPAN_BYTES, &fresh).await.unwrap();
         drop(store);
         let store = ExtentStore::new(StdFs, config(dir.path()));
-        assert_eq!(read(&store, 5 * EGROUP_SPAN_BYTES + 4096, 8192).await.unwrap(), fresh);
-        assert_eq!(read(&store, 6 * EGROUP_SPAN_BYTES, 8192).await.unwrap(), fresh);
-        assert!(read(&store, 5 * EGROUP_SPAN_BYTES, 4096).await.unwrap().iter().all(|&b| b == 0));
+        assert_eq!(
+            read(&store, 5 * EGROUP_SPAN_BYTES + 4096, 8192)
+                .await
+                .unwrap(),
+            fresh
+        );
+        assert_eq!(
+            read(&store, 6 * EGROUP_SPAN_BYTES, 8192).await.unwrap(),
+            fresh
+        );
+        assert!(read(&store, 5 * EGROUP_SPAN_BYTES, 4096)
+            .await
+            .unwrap()
+            .iter()
+            .all(|&b| b == 0));
     });
 }
 
@@ -232,7 +255,12 @@ fn a_partial_write_into_a_corrupt_block_poisons_it_until_fully_rewritten() {
         store.write(4 * 4096 + 10, b"partial").await.unwrap();
         for _ in 0..2 {
             match read(&store, 4 * 4096, 4096).await {
-                Err(ExtentError::Poisoned { offset, path, file_offset, .. }) => {
+                Err(ExtentError::Poisoned {
+                    offset,
+                    path,
+                    file_offset,
+                    ..
+                }) => {
                     assert_eq!(offset, 4 * 4096);
                     assert_eq!(path, file);
                     assert_eq!(file_offset, data_offset(0, 4) as u64);
@@ -244,7 +272,10 @@ fn a_partial_write_into_a_corrupt_block_poisons_it_until_fully_rewritten() {
         }
         drop(store);
         let store = ExtentStore::new(StdFs, config(dir.path()));
-        assert!(matches!(read(&store, 4 * 4096, 1).await, Err(ExtentError::Poisoned { .. })));
+        assert!(matches!(
+            read(&store, 4 * 4096, 1).await,
+            Err(ExtentError::Poisoned { .. })
+        ));
         let fresh = pattern(7, 4096);
         store.write(4 * 4096, &fresh).await.unwrap();
         assert_eq!(read(&store, 4 * 4096, 4096).await.unwrap(), fresh);
@@ -268,7 +299,10 @@ fn a_torn_block_is_healed_by_rewriting_the_interrupted_partial_write() {
         let at = data_offset(0, 0);
         edit(&file, |b| b[at..at + 512].copy_from_slice(&old[..512]));
         let store = ExtentStore::new(StdFs, config(dir.path()));
-        assert!(matches!(read(&store, 0, 4096).await, Err(ExtentError::Corrupt { .. })));
+        assert!(matches!(
+            read(&store, 0, 4096).await,
+            Err(ExtentError::Corrupt { .. })
+        ));
         // The oplog re-drains the record: merged over the torn bytes it is exactly `new`.
         store.write(100, &patch).await.unwrap();
         assert_eq!(read(&store, 0, 4096).await.unwrap(), new);
@@ -279,7 +313,10 @@ fn a_torn_block_is_healed_by_rewriting_the_interrupted_partial_write() {
         edit(&file, |b| b[at..at + 512].copy_from_slice(&old[..512]));
         let store = ExtentStore::new(StdFs, config(dir.path()));
         store.write(3000, b"elsewhere").await.unwrap();
-        assert!(matches!(read(&store, 0, 4096).await, Err(ExtentError::Poisoned { .. })));
+        assert!(matches!(
+            read(&store, 0, 4096).await,
+            Err(ExtentError::Poisoned { .. })
+        ));
     });
 }
 
@@ -291,13 +328,21 @@ fn lost_ranges_read_as_lost_until_rewritten() {
         let store = ExtentStore::new(StdFs, config(dir.path()));
         // Partial blocks at both edges are lost too; an absent egroup records the loss.
         store.mark_lost(4096 + 100, 3 * 4096).await.unwrap();
-        store.mark_lost(9 * EGROUP_SPAN_BYTES + 10, 10).await.unwrap();
+        store
+            .mark_lost(9 * EGROUP_SPAN_BYTES + 10, 10)
+            .await
+            .unwrap();
         drop(store);
         let store = ExtentStore::new(StdFs, config(dir.path()));
         let file = egroup_path(dir.path(), 0);
         for block in 1..=4u64 {
             match read(&store, block * 4096 + 7, 1).await {
-                Err(ExtentError::Lost { offset, path, file_offset, .. }) => {
+                Err(ExtentError::Lost {
+                    offset,
+                    path,
+                    file_offset,
+                    ..
+                }) => {
                     assert_eq!(offset, block * 4096);
                     assert_eq!(path, file);
                     assert_eq!(file_offset, data_offset(0, block as usize) as u64);
@@ -306,20 +351,36 @@ fn lost_ranges_read_as_lost_until_rewritten() {
             }
         }
         assert_eq!(read(&store, 0, 4096).await.unwrap(), data[..4096]);
-        assert_eq!(read(&store, 5 * 4096, 4096).await.unwrap(), data[5 * 4096..6 * 4096]);
+        assert_eq!(
+            read(&store, 5 * 4096, 4096).await.unwrap(),
+            data[5 * 4096..6 * 4096]
+        );
         assert!(matches!(
             read(&store, 9 * EGROUP_SPAN_BYTES, 4096).await,
             Err(ExtentError::Lost { .. })
         ));
-        assert_eq!(store.allocation(9 * EGROUP_SPAN_BYTES, 4096).await.unwrap(), vec![(4096, true)]);
+        assert_eq!(
+            store.allocation(9 * EGROUP_SPAN_BYTES, 4096).await.unwrap(),
+            vec![(4096, true)]
+        );
         // A partial write keeps it lost; a full write or a zeroing clears it.
         store.write(4096 + 5, b"xx").await.unwrap();
-        assert!(matches!(read(&store, 4096, 4096).await, Err(ExtentError::Lost { .. })));
+        assert!(matches!(
+            read(&store, 4096, 4096).await,
+            Err(ExtentError::Lost { .. })
+        ));
         let fresh = pattern(8, 4096);
         store.write(4096, &fresh).await.unwrap();
         store.write_zeroes(2 * 4096, 4096).await.unwrap();
         assert_eq!(read(&store, 4096, 4096).await.unwrap(), fresh);
-        assert!(read(&store, 2 * 4096, 4096).await.unwrap().iter().all(|&b| b == 0));
-        assert!(matches!(read(&store, 3 * 4096, 1).await, Err(ExtentError::Lost { .. })));
+        assert!(read(&store, 2 * 4096, 4096)
+            .await
+            .unwrap()
+            .iter()
+            .all(|&b| b == 0));
+        assert!(matches!(
+            read(&store, 3 * 4096, 1).await,
+            Err(ExtentError::Lost { .. })
+        ));
     });
 }

@@ -16,7 +16,7 @@ use super::format::{
 };
 use super::join::try_join_all;
 use super::{io_error, ExtentError};
-use crate::fs::DiskFile;
+use crate::fs::{DiskFile, Filesystem};
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -55,8 +55,9 @@ struct Actions<'a> {
 
 /// Applies `blocks` (egroup block index → action) durably; on error the egroup is left for
 /// `recover` and every block still reads its old or its new content.
-pub(crate) async fn apply_plan<D: DiskFile>(
-    egroup: &Egroup<D>,
+pub(crate) async fn apply_plan<F: Filesystem>(
+    fs: &F,
+    egroup: &Egroup<F::File>,
     blocks: BTreeMap<usize, BlockOp<'_>>,
 ) -> Result<(), ExtentError> {
     let mut touched = 0u8;
@@ -69,7 +70,7 @@ pub(crate) async fn apply_plan<D: DiskFile>(
         }
     }
     egroup.reset_damage(touched);
-    egroup.recover().await?;
+    egroup.recover(fs).await?;
     let mut views: [Option<Vec<u8>>; EXTENTS] = Default::default();
     for (extent, view) in views.iter_mut().enumerate() {
         if with_content & (1 << extent) != 0 {

@@ -17,6 +17,8 @@ use std::path::{Path, PathBuf};
 /// Bit of `unsynced`/`needs_recovery` standing for the header (bits 0..4 are the extents).
 pub(crate) const HEADER_BIT: u8 = 1 << EXTENTS;
 pub(crate) const ALL_BITS: u8 = HEADER_BIT | ((1 << EXTENTS) - 1);
+/// Bit of `needs_recovery`: the file's directory entry may not be durable yet.
+pub(crate) const DIR_BIT: u8 = HEADER_BIT << 1;
 
 pub(crate) struct ExtentState {
     /// The checksum entries, or why the checksum block is unusable.
@@ -54,10 +56,12 @@ pub(crate) fn is_zero(block: &[u8]) -> bool {
 
 impl<D: DiskFile> Egroup<D> {
     /// Creates the egroup file and makes it durable (header and empty checksum blocks synced,
-    /// directory entry synced) before anything is written into it.
+    /// directory entry synced) before anything is written into it. If that fails once the
+    /// file exists, the egroup is returned needing recovery, which redoes all of it before the
+    /// first write (a failed sync may have left a page cache that shows metadata the disk does
+    /// not hold, so a later open could not tell).
     pub(crate) async fn create<F: Filesystem<File = D>>(
         fs: &F,
-        dir: &Path,
         path: &Path,
         vdisk: VdiskId,
         index: u64,
@@ -68,24 +72,38 @@ impl<D: DiskFile> Egroup<D> {
             .map_err(|e| io_error(path, None, e))?;
         let mut table = Box::new([Entry::HOLE; BLOCKS_PER_EXTENT]);
         table.iter_mut().for_each(|e| e.zero_known = true);
-        let mut meta = encode_header(vdisk, index);
-        for extent in 0..EXTENTS {
-            meta.extend_from_slice(&encode_table(&table, vdisk, index, extent));
-        }
-        file.write_at(&meta, 0)
-            .await
-            .map_err(|e| io_error(path, Some(0), e))?;
-        file.sync_data()
-            .await
-            .map_err(|e| io_error(path, None, e))?;
-        fs.sync_dir(dir).await.map_err(|e| io_error(dir, None, e))?;
         let extents = std::array::from_fn(|_| ExtentState {
             table: Ok(table.clone()),
             normalized: true,
         });
-        Ok(Self::assemble(
-            vdisk, index, path, file, None, extents, true, 0,
-        ))
+        let created = Self::assemble(vdisk, index, path, file, None, extents, true, 0);
+        if let Err(error) = created.initialize(fs).await {
+            tracing::warn!(path = %path.display(), %error,
+                "creating an extent group failed: it is rewritten before its first write");
+            created.needs_recovery.set(ALL_BITS | DIR_BIT);
+        }
+        Ok(created)
+    }
+
+    async fn initialize<F: Filesystem<File = D>>(&self, fs: &F) -> Result<(), ExtentError> {
+        self.unsynced.set(ALL_BITS);
+        let mut meta = encode_header(self.vdisk, self.index);
+        for extent in 0..EXTENTS {
+            if let Ok(table) = &self.extents.borrow()[extent].table {
+                meta.extend_from_slice(&encode_table(table, self.vdisk, self.index, extent));
+            }
+        }
+        self.file
+            .write_at(&meta, 0)
+            .await
+            .map_err(|e| io_error(&self.path, Some(0), e))?;
+        self.sync().await?;
+        self.sync_dir(fs).await
+    }
+
+    async fn sync_dir<F: Filesystem<File = D>>(&self, fs: &F) -> Result<(), ExtentError> {
+        let dir = self.path.parent().unwrap_or(Path::new("/"));
+        fs.sync_dir(dir).await.map_err(|e| io_error(dir, None, e))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -154,7 +172,14 @@ impl<D: DiskFile> Egroup<D> {
                 normalized: true,
             });
             return Ok(Self::assemble(
-                vdisk, index, path, file, None, extents, false, ALL_BITS,
+                vdisk,
+                index,
+                path,
+                file,
+                None,
+                extents,
+                false,
+                ALL_BITS | DIR_BIT,
             ));
         }
         let bad_header = match header {
@@ -372,6 +397,11 @@ impl<D: DiskFile> Egroup<D> {
         }
     }
 
+    /// The file was found without a listing (its directory entry may not be durable yet).
+    pub(crate) fn found_unlisted(&self) {
+        self.needs_recovery.set(self.needs_recovery.get() | DIR_BIT);
+    }
+
     /// After a failed write or sync: what was written since the last good sync is uncertain.
     pub(crate) fn mark_failed(&self) {
         self.needs_recovery
@@ -417,19 +447,23 @@ impl<D: DiskFile> Egroup<D> {
     /// this process sees it rewritten (blocks that read as zeros, and holes, punched), synced.
     /// A failed fsync may have dropped the data from the disk while the page cache still shows
     /// it; rewriting makes it dirty again so the next sync writes it.
-    pub(crate) async fn recover(&self) -> Result<(), ExtentError> {
+    pub(crate) async fn recover<F: Filesystem<File = D>>(&self, fs: &F) -> Result<(), ExtentError> {
         let mask = self.needs_recovery.get();
         if mask == 0 {
             return Ok(());
         }
-        let result = self.recover_mask(mask).await;
+        let result = self.recover_mask(fs, mask).await;
         if result.is_err() {
             self.mark_failed();
         }
         result
     }
 
-    async fn recover_mask(&self, mask: u8) -> Result<(), ExtentError> {
+    async fn recover_mask<F: Filesystem<File = D>>(
+        &self,
+        fs: &F,
+        mask: u8,
+    ) -> Result<(), ExtentError> {
         if mask & HEADER_BIT != 0 {
             self.unsynced.set(self.unsynced.get() | HEADER_BIT);
             self.file
@@ -442,6 +476,9 @@ impl<D: DiskFile> Egroup<D> {
             self.write_table(extent).await?;
         }
         self.sync().await?;
+        if mask & DIR_BIT != 0 {
+            self.sync_dir(fs).await?;
+        }
         let zero_crc = zero_block_crc();
         for &extent in &extents {
             let first = extent * BLOCKS_PER_EXTENT;

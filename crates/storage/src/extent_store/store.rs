@@ -208,11 +208,16 @@ impl<F: Filesystem> ExtentStore<F> {
         slot
     }
 
-    /// Evicts least recently used egroups that nobody uses and that need no recovery.
+    /// Makes room for one more egroup.
     fn evict_if_full(&self) {
-        let limit = self.config.max_open_egroups.max(1);
+        self.evict_down_to(self.config.max_open_egroups.max(1) - 1);
+    }
+
+    /// Evicts least recently used egroups that nobody uses and that need no recovery until at
+    /// most `limit` are open (or none is evictable).
+    fn evict_down_to(&self, limit: usize) {
         let mut open = self.open.borrow_mut();
-        while open.len() >= limit {
+        while open.len() > limit {
             let victim = open
                 .iter()
                 .filter(|(_, slot)| Rc::strong_count(slot) == 1 && slot.evictable())
@@ -260,6 +265,7 @@ impl<F: Filesystem> ExtentStore<F> {
                 .map_err(|e| io_error(&path, None, e))?
             {
                 let open = Egroup::open(&self.fs, &path, vdisk, egroup).await?;
+                open.found_unlisted();
                 self.remember(disk, egroup);
                 return Ok(open);
             }
@@ -277,8 +283,7 @@ impl<F: Filesystem> ExtentStore<F> {
                 .await
                 .map_err(|e| io_error(&dir, None, e))?;
         }
-        let created =
-            Egroup::create(&self.fs, &dir, &self.path(disk, egroup), vdisk, egroup).await?;
+        let created = Egroup::create(&self.fs, &self.path(disk, egroup), vdisk, egroup).await?;
         self.remember(disk, egroup);
         Ok(created)
     }
@@ -317,7 +322,16 @@ impl<F: Filesystem> ExtentStore<F> {
             rest = tail;
             at += take as u64;
         }
-        try_join_all(pieces).await.map(|_| ())
+        let result = try_join_all(pieces).await.map(|_| ());
+        self.trim();
+        result
+    }
+
+    /// Back to `max_open_egroups` once concurrent operations have released their egroups.
+    fn trim(&self) {
+        if self.open.borrow().len() > self.config.max_open_egroups {
+            self.evict_down_to(self.config.max_open_egroups.max(1));
+        }
     }
 
     async fn read_piece(&self, offset: u64, out: &mut [u8]) -> Result<(), ExtentError> {
@@ -403,7 +417,9 @@ impl<F: Filesystem> ExtentStore<F> {
                     .map(|(egroup, ops)| self.apply_egroup(egroup, ops)),
             )
             .await;
-            results.into_iter().collect::<Result<Vec<()>, _>>()?;
+            let result = results.into_iter().collect::<Result<Vec<()>, _>>();
+            self.trim();
+            result?;
         }
         Ok(())
     }
@@ -416,7 +432,7 @@ impl<F: Filesystem> ExtentStore<F> {
         let slot = self.pin(egroup);
         let _guard = slot.lock.lock().await;
         match self.load(&slot, egroup, create).await? {
-            Some(open) => apply_plan(open, plan(egroup, &ops)).await,
+            Some(open) => apply_plan(&self.fs, open, plan(egroup, &ops)).await,
             None => Ok(()),
         }
     }
@@ -434,7 +450,7 @@ impl<F: Filesystem> ExtentStore<F> {
         try_join_all(pending.iter().map(|slot| async move {
             let _guard = slot.lock.lock().await;
             match slot.egroup.get() {
-                Some(open) => open.recover().await,
+                Some(open) => open.recover(&self.fs).await,
                 None => Ok(()),
             }
         }))
@@ -486,6 +502,7 @@ impl<F: Filesystem> ExtentStore<F> {
             at = stop;
         }
         push(end - at, false);
+        self.trim();
         Ok(runs)
     }
 

@@ -2,8 +2,8 @@
 //! follows the `fs` durability contract and breaks it the way real disks do. It stands in for
 //! `fs::sim::SimFs` until that lands; the tests only use the methods below, so switching is
 //! the `TestFs` alias plus, if SimFs names them differently, this list:
-//! `new`, `cut_after`, `ops_done`, `power_cut`, `set_space_limit`, `fail_next_syncs`,
-//! `set_yield`, `max_in_flight`, `xor_byte`.
+//! `new`, `cut_after`, `is_cut`, `ops_done`, `power_cut`, `set_space_limit`, `fail_next_syncs`,
+//! `fail_nth_sync`, `set_yield`, `max_in_flight`, `reset_max_in_flight`.
 //!
 //! - Writes must be 4 KiB-aligned (the O_DIRECT rule; `EINVAL` otherwise).
 //! - A write is durable after `sync_data` of its file; a new directory entry after `sync_dir`.
@@ -88,6 +88,8 @@ struct State {
     ops_done: u64,
     space_blocks: Option<u64>,
     fail_syncs: usize,
+    /// Syncs to let through before the one that fails.
+    fail_sync_in: Option<usize>,
     yield_every_io: bool,
     in_flight: usize,
     max_in_flight: usize,
@@ -193,6 +195,20 @@ impl CrashFs {
         self.state.borrow_mut().fail_syncs = count;
     }
 
+    /// The `nth` sync from now (1 = the next one) fails.
+    pub fn fail_nth_sync(&self, nth: usize) {
+        self.state.borrow_mut().fail_sync_in = nth.checked_sub(1);
+    }
+
+    /// Whether the cut point was reached (every operation now fails).
+    pub fn is_cut(&self) -> bool {
+        self.dead()
+    }
+
+    pub fn reset_max_in_flight(&self) {
+        self.state.borrow_mut().max_in_flight = 0;
+    }
+
     /// Makes every I/O yield once to the scheduler, as an asynchronous disk does.
     pub fn set_yield(&self, on: bool) {
         self.state.borrow_mut().yield_every_io = on;
@@ -212,6 +228,26 @@ impl CrashFs {
                 .entry(offset / BLOCK)
                 .or_insert_with(|| vec![0u8; BLOCK as usize].into());
             block[(offset % BLOCK) as usize] ^= mask;
+        }
+    }
+
+    /// Debug description of a file: length, blocks present, pending changes, entry durable.
+    pub fn describe(&self, path: &Path) -> String {
+        let state = self.state.borrow();
+        match state.files.get(path) {
+            Some(f) => format!(
+                "len {} durable_len {} view {:?} durable {:?} pending {:?} entry_durable {}",
+                f.len,
+                f.durable_len,
+                f.view.keys().collect::<Vec<_>>(),
+                f.durable.keys().collect::<Vec<_>>(),
+                f.pending
+                    .iter()
+                    .map(|(b, c)| (*b, c.is_some()))
+                    .collect::<Vec<_>>(),
+                f.entry_durable
+            ),
+            None => "absent".into(),
         }
     }
 
@@ -250,7 +286,11 @@ impl CrashFs {
         self.state.borrow_mut().in_flight -= 1;
     }
 
-    fn with_file<T>(&self, path: &Path, f: impl FnOnce(&mut FileState) -> io::Result<T>) -> io::Result<T> {
+    fn with_file<T>(
+        &self,
+        path: &Path,
+        f: impl FnOnce(&mut FileState) -> io::Result<T>,
+    ) -> io::Result<T> {
         let mut state = self.state.borrow_mut();
         match state.files.get_mut(path) {
             Some(file) => f(file),
@@ -335,9 +375,17 @@ impl DiskFile for CrashFile {
         self.fs.mutate("sync")?;
         let fail = {
             let mut state = self.fs.state.borrow_mut();
-            let fail = state.fail_syncs > 0;
+            let mut fail = state.fail_syncs > 0;
             if fail {
                 state.fail_syncs -= 1;
+            }
+            match state.fail_sync_in {
+                Some(0) => {
+                    fail = true;
+                    state.fail_sync_in = None;
+                }
+                Some(n) => state.fail_sync_in = Some(n - 1),
+                None => {}
             }
             fail
         };
@@ -516,7 +564,12 @@ impl Filesystem for CrashFs {
             .files
             .keys()
             .filter(|p| p.parent() == Some(dir))
-            .filter_map(|p| name(p).map(|name| DirEntry { name, is_dir: false }))
+            .filter_map(|p| {
+                name(p).map(|name| DirEntry {
+                    name,
+                    is_dir: false,
+                })
+            })
             .chain(
                 state
                     .dirs
