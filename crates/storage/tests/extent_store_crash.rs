@@ -148,7 +148,7 @@ async fn crash_run(seed: u64) {
     let fs = TestFs::new();
     let cut = rng.below(total + 1);
     fs.cut_after(cut);
-    if seed % 3 == 0 {
+    if seed.is_multiple_of(3) {
         fs.fail_nth_sync(1 + rng.below(20) as usize);
     }
     let store = ExtentStore::new(fs.clone(), config(disks, 2));

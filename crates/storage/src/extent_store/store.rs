@@ -349,7 +349,7 @@ impl<F: Filesystem> ExtentStore<F> {
         let first = (in_egroup / BLOCK) as usize;
         let end = (in_egroup as usize + out.len()).div_ceil(BLOCK_LEN);
         let skip = (in_egroup % BLOCK) as usize;
-        let aligned = skip == 0 && out.len() % BLOCK_LEN == 0;
+        let aligned = skip == 0 && out.len().is_multiple_of(BLOCK_LEN);
         let mut scratch = if aligned {
             Vec::new()
         } else {

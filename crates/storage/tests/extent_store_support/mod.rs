@@ -108,7 +108,7 @@ pub struct CrashFs {
 }
 
 fn eio(what: &str) -> io::Error {
-    io::Error::new(io::ErrorKind::Other, format!("simulated EIO: {what}"))
+    io::Error::other(format!("simulated EIO: {what}"))
 }
 
 fn enospc() -> io::Error {
@@ -305,7 +305,7 @@ pub struct CrashFile {
 }
 
 fn check_aligned(buf_len: usize, offset: u64) -> io::Result<()> {
-    if offset % BLOCK != 0 || buf_len as u64 % BLOCK != 0 {
+    if !offset.is_multiple_of(BLOCK) || !(buf_len as u64).is_multiple_of(BLOCK) {
         return Err(io::Error::from_raw_os_error(libc::EINVAL));
     }
     Ok(())
@@ -413,7 +413,7 @@ impl DiskFile for CrashFile {
             while at < offset + length {
                 let block = at / BLOCK;
                 let end = ((block + 1) * BLOCK).min(offset + length);
-                if at % BLOCK == 0 && end - at == BLOCK {
+                if at.is_multiple_of(BLOCK) && end - at == BLOCK {
                     file.view.remove(&block);
                     file.pending.push((block, None));
                 } else if let Some(content) = file.view.get(&block) {
