@@ -3,21 +3,29 @@
 //! every write batch crash-safe under power loss. Format and protocol:
 //! docs/extent-store-format.md (format version 2).
 //!
-//! - `format`: the on-disk layout (header, checksum blocks, paths), encoding and validation;
+//! - `format`: the on-disk layout, paths and the header block;
+//! - `table`: the checksum block of an extent (block states, CRC slots), in memory and on disk;
 //! - `batch`: [`WriteBatch`] and its per-egroup, per-block plan;
-//! - `egroup`: one open egroup (tables in memory, normalization, recovery after failures);
+//! - `egroup`: one open egroup: opening, creating, validating, reading verified blocks;
+//! - `disk_state`: write primitives, syncs, normalization and recovery of an open egroup;
 //! - `apply`: the two-phase write protocol for one egroup;
-//! - `store`: [`ExtentStore`] (location set, open set with eviction, reads, batches).
+//! - `store`: [`ExtentStore`]: the location set, the open set and its eviction;
+//! - `requests`: reads, write batches and allocation maps, split per extent or egroup and run
+//!   concurrently;
+//! - `join`: a small `join_all`.
 //!
 //! All file and directory operations go through [`crate::fs::Filesystem`]; every write is
 //! 4 KiB-aligned in offset and length, so the data path may use O_DIRECT.
 
 mod apply;
 mod batch;
+mod disk_state;
 mod egroup;
 mod format;
 mod join;
+mod requests;
 mod store;
+mod table;
 
 pub use batch::WriteBatch;
 pub use format::{EGROUP_SPAN_BYTES, EXTENTS_PER_EGROUP};
@@ -26,9 +34,10 @@ pub use store::ExtentStore;
 use crate::disk::Disk;
 use crate::fs::{self, DiskFile, Filesystem};
 use ashlar_core::VdiskId;
-use format::{decode_table, egroup_dir, parse_egroup_file_name, table_offset, BlockState, Decoded};
+use format::{egroup_dir, parse_egroup_file_name, table_offset, Decoded};
 use std::io;
 use std::path::{Path, PathBuf};
+use table::{decode_table, BlockState};
 
 #[derive(Clone, Debug)]
 pub struct ExtentStoreConfig {
