@@ -135,6 +135,20 @@ fn zeros_written_into_absent_egroups_create_nothing() {
         let mut buf = vec![1u8; 8192];
         store.read(0, &mut buf).await.unwrap();
         assert!(buf.iter().all(|&b| b == 0));
+        // Offsets beyond the largest vdisk are refused, not wrapped or panicked on.
+        let far = u64::MAX - 10;
+        assert!(matches!(
+            store.read(far, &mut buf[..5]).await,
+            Err(ExtentError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            store.write(1 << 50, b"x").await,
+            Err(ExtentError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            store.allocation(far, 5).await,
+            Err(ExtentError::OutOfRange { .. })
+        ));
     });
 }
 

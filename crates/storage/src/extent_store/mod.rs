@@ -102,7 +102,7 @@ pub enum ExtentError {
         file_offset: u64,
         reason: String,
     },
-    #[error("range at {offset} of {length} bytes overflows the address space")]
+    #[error("range at {offset} of {length} bytes ends beyond the largest vdisk (1 PiB)")]
     OutOfRange { offset: u64, length: u64 },
 }
 

@@ -9,10 +9,15 @@ use super::join::{join_all, try_join_all};
 use super::table::BlockState;
 use super::{ExtentError, ExtentStore};
 use crate::fs::Filesystem;
-use ashlar_core::EXTENT_SIZE_BYTES;
+use ashlar_core::{EXTENT_SIZE_BYTES, MAX_VDISK_SIZE_BYTES};
 
-fn out_of_range(offset: u64, length: u64) -> ExtentError {
-    ExtentError::OutOfRange { offset, length }
+/// The end of the range; ranges beyond the largest vdisk (1 PiB) are refused, which keeps
+/// every offset computation far from overflow.
+fn range_end(offset: u64, length: u64) -> Result<u64, ExtentError> {
+    offset
+        .checked_add(length)
+        .filter(|&end| end <= MAX_VDISK_SIZE_BYTES)
+        .ok_or(ExtentError::OutOfRange { offset, length })
 }
 
 impl<F: Filesystem> ExtentStore<F> {
@@ -21,9 +26,7 @@ impl<F: Filesystem> ExtentStore<F> {
     /// read are read concurrently.
     pub async fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ExtentError> {
         let length = buf.len() as u64;
-        offset
-            .checked_add(length)
-            .ok_or_else(|| out_of_range(offset, length))?;
+        range_end(offset, length)?;
         self.ensure_listing().await?;
         let mut pieces = Vec::new();
         let mut rest: &mut [u8] = buf;
@@ -108,9 +111,7 @@ impl<F: Filesystem> ExtentStore<F> {
     /// the retry rewrites the rest.
     pub async fn apply(&self, batch: &WriteBatch<'_>) -> Result<(), ExtentError> {
         for (offset, length) in batch.ranges() {
-            offset
-                .checked_add(length)
-                .ok_or_else(|| out_of_range(offset, length))?;
+            range_end(offset, length)?;
         }
         self.ensure_listing().await?;
         let groups = batch.by_egroup(|first, last| self.known_in(first, last));
@@ -151,9 +152,7 @@ impl<F: Filesystem> ExtentStore<F> {
         offset: u64,
         length: u64,
     ) -> Result<Vec<(u64, bool)>, ExtentError> {
-        let end = offset
-            .checked_add(length)
-            .ok_or_else(|| out_of_range(offset, length))?;
+        let end = range_end(offset, length)?;
         if length == 0 {
             return Ok(Vec::new());
         }
