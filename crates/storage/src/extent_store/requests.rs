@@ -45,6 +45,7 @@ impl<F: Filesystem> ExtentStore<F> {
     }
 
     async fn read_piece(&self, offset: u64, out: &mut [u8]) -> Result<(), ExtentError> {
+        self.ensure_listing().await?; // again: a `close_all` may have run since the request began
         let egroup = offset / EGROUP_SPAN_BYTES;
         if self.find(egroup).is_none() {
             out.fill(0);
@@ -133,6 +134,7 @@ impl<F: Filesystem> ExtentStore<F> {
     }
 
     async fn apply_egroup(&self, egroup: u64, ops: Vec<Op<'_>>) -> Result<(), ExtentError> {
+        self.ensure_listing().await?;
         let create = ops.iter().any(Op::needs_egroup);
         if !create && self.find(egroup).is_none() {
             return Ok(());
