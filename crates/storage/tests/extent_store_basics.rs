@@ -1,44 +1,46 @@
-//! Extent store: round trips at any alignment, holes, persistence, corruption and torn writes.
+//! Extent store on real files (`StdFs`): round trips at any alignment, batches, holes,
+//! persistence across reopen, several disks, and the vdisk-level helpers.
+
+mod extent_store_support;
 
 use ashlar_core::VdiskId;
-use ashlar_storage::disk::{Disk, FileIo, FileOpener, StdFile, StdOpener, Tier};
-use ashlar_storage::extent_store::{ExtentError, ExtentStore, ExtentStoreConfig};
-use std::cell::Cell;
-use std::io;
-use std::path::Path;
-use std::rc::Rc;
+use ashlar_storage::disk::{Disk, Tier};
+use ashlar_storage::extent_store::{
+    remove_vdisk_data, vdisk_bytes_used, ExtentError, ExtentStore, ExtentStoreConfig, WriteBatch,
+    EGROUP_SPAN_BYTES,
+};
+use ashlar_storage::fs::StdFs;
+use extent_store_support::{pattern, run_local};
+use std::path::{Path, PathBuf};
 
-fn config(dir: &Path) -> ExtentStoreConfig {
+fn disk(path: &Path) -> Disk {
+    Disk {
+        path: path.to_path_buf(),
+        tier: Tier::Fast,
+    }
+}
+
+fn config(dirs: &[&Path]) -> ExtentStoreConfig {
     ExtentStoreConfig {
         vdisk: VdiskId(7),
-        disks: vec![Disk {
-            path: dir.to_path_buf(),
-            tier: Tier::Fast,
-        }],
+        disks: dirs.iter().map(|d| disk(d)).collect(),
         max_open_egroups: 2,
     }
 }
 
-fn pattern(seed: u64, length: usize) -> Vec<u8> {
-    (0..length)
-        .map(|i| ((i as u64 * 31 + seed * 7) % 251) as u8)
-        .collect()
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
+fn egroup_path(dir: &Path, egroup: u64) -> PathBuf {
+    dir.join("extents")
+        .join(VdiskId(7).to_string())
+        .join(format!("{egroup:016x}.egroup"))
 }
 
 #[test]
 fn unaligned_writes_round_trip_across_boundaries_and_survive_reopen() {
     let dir = tempfile::tempdir().unwrap();
-    runtime().block_on(async {
+    run_local(async {
         let size = 12usize << 20;
         let mut model = vec![0u8; size];
-        let store = ExtentStore::new(StdOpener, config(dir.path()));
+        let store = ExtentStore::new(StdFs, config(&[dir.path()]));
         let writes = [
             (0usize, 4096usize),
             (4095, 3),
@@ -57,140 +59,173 @@ fn unaligned_writes_round_trip_across_boundaries_and_survive_reopen() {
         let mut all = vec![0u8; size];
         store.read(0, &mut all).await.unwrap();
         assert!(all == model, "read after write differs from the model");
-        store.sync().await.unwrap();
+        assert_eq!(store.cached_egroups(), 3);
         drop(store);
-        let reopened = ExtentStore::new(StdOpener, config(dir.path()));
+        let reopened = ExtentStore::new(StdFs, config(&[dir.path()]));
         let mut again = vec![0u8; size];
         reopened.read(0, &mut again).await.unwrap();
         assert!(again == model, "read after reopen differs from the model");
+        assert_eq!(
+            reopened.cached_egroups(),
+            3,
+            "the listing finds every egroup"
+        );
         // Holes: an untouched egroup and the zeroed middle are unallocated.
         let runs = reopened.allocation(0, size as u64).await.unwrap();
         assert_eq!(runs.iter().map(|r| r.0).sum::<u64>(), size as u64);
         assert!(runs.iter().any(|r| !r.1) && runs.iter().any(|r| r.1));
         let untouched = reopened.allocation(5 << 20, 1 << 20).await.unwrap();
         assert_eq!(untouched, vec![(1 << 20, false)]);
+        let zeroed = reopened
+            .allocation((9 << 20) + 4096, 8192 * 2)
+            .await
+            .unwrap();
+        assert_eq!(zeroed, vec![(8192 * 2, false)]);
+        let written = reopened.allocation(0, 4096).await.unwrap();
+        assert_eq!(written, vec![(4096, true)]);
     });
 }
 
 #[test]
-fn a_flipped_byte_is_reported_with_vdisk_offset_and_file() {
+fn a_batch_applies_overlapping_operations_in_order() {
     let dir = tempfile::tempdir().unwrap();
-    runtime().block_on(async {
-        let store = ExtentStore::new(StdOpener, config(dir.path()));
-        store.write(0, &pattern(3, 1 << 20)).await.unwrap();
-        store.sync().await.unwrap();
+    run_local(async {
+        let store = ExtentStore::new(StdFs, config(&[dir.path()]));
+        let size = 3 * EGROUP_SPAN_BYTES as usize;
+        let mut model = vec![0u8; size];
+        let a = pattern(1, 3 << 20);
+        let b = pattern(2, 5000);
+        let c = pattern(3, 70_000);
+        let start_b = EGROUP_SPAN_BYTES as usize - 2000;
+        let mut batch = WriteBatch::new();
+        batch
+            .write(1000, &a)
+            .write(start_b as u64, &b)
+            .write_zeroes(5000, 9000)
+            .write(2 << 20, &c);
+        store.apply(&batch).await.unwrap();
+        model[1000..1000 + a.len()].copy_from_slice(&a);
+        model[start_b..start_b + b.len()].copy_from_slice(&b);
+        model[5000..14_000].fill(0);
+        model[2 << 20..(2 << 20) + c.len()].copy_from_slice(&c);
+        let mut all = vec![0u8; size];
+        store.read(0, &mut all).await.unwrap();
+        assert!(all == model, "batch result differs from the model");
+        // Unaligned reads of every size see the same bytes.
+        for (offset, length) in [(1, 1), (4095, 2), (999, 70_001), (start_b - 3, 6000)] {
+            let mut piece = vec![0u8; length];
+            store.read(offset as u64, &mut piece).await.unwrap();
+            assert!(piece == model[offset..offset + length], "read at {offset}");
+        }
+    });
+}
+
+#[test]
+fn zeros_written_into_absent_egroups_create_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    run_local(async {
+        let store = ExtentStore::new(StdFs, config(&[dir.path()]));
+        store.write(0, &vec![0u8; 1 << 20]).await.unwrap();
+        store
+            .write_zeroes(EGROUP_SPAN_BYTES, 3 << 20)
+            .await
+            .unwrap();
+        assert_eq!(store.cached_egroups(), 0);
+        assert!(!dir.path().join("extents").exists());
+        let mut buf = vec![1u8; 8192];
+        store.read(0, &mut buf).await.unwrap();
+        assert!(buf.iter().all(|&b| b == 0));
+        // Offsets beyond the largest vdisk are refused, not wrapped or panicked on.
+        let far = u64::MAX - 10;
+        assert!(matches!(
+            store.read(far, &mut buf[..5]).await,
+            Err(ExtentError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            store.write(1 << 50, b"x").await,
+            Err(ExtentError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            store.allocation(far, 5).await,
+            Err(ExtentError::OutOfRange { .. })
+        ));
+    });
+}
+
+#[test]
+fn a_flipped_data_byte_is_reported_with_vdisk_offset_and_file() {
+    let dir = tempfile::tempdir().unwrap();
+    run_local(async {
+        let data = pattern(3, 1 << 20);
+        let store = ExtentStore::new(StdFs, config(&[dir.path()]));
+        store.write(0, &data).await.unwrap();
         drop(store);
-        let file = dir
-            .path()
-            .join("extents")
-            .join(VdiskId(7).to_string())
-            .join(format!("{:016x}.egroup", 0));
+        let file = egroup_path(dir.path(), 0);
         let mut bytes = std::fs::read(&file).unwrap();
-        bytes[5 * 4096 + 4096 * 2 + 17] ^= 0x40; // data block 2 of extent 0
+        let file_offset = 5 * 4096 + 4096 * 2;
+        bytes[file_offset + 17] ^= 0x40; // data block 2 of extent 0
         std::fs::write(&file, bytes).unwrap();
-        let store = ExtentStore::new(StdOpener, config(dir.path()));
+        let store = ExtentStore::new(StdFs, config(&[dir.path()]));
         let mut block = vec![0u8; 4096];
         match store.read(8192, &mut block).await {
             Err(ExtentError::Corrupt {
                 vdisk,
                 offset,
                 path,
+                file_offset: at,
                 ..
             }) => {
                 assert_eq!(vdisk, VdiskId(7));
                 assert_eq!(offset, 8192);
                 assert_eq!(path, file);
+                assert_eq!(at, file_offset as u64);
             }
             other => panic!("expected Corrupt, got {other:?}"),
         }
         store.read(4096, &mut block).await.unwrap();
-        assert_eq!(block, pattern(3, 1 << 20)[4096..8192]);
+        assert_eq!(block, data[4096..8192]);
+        // A full overwrite replaces the corrupt block.
+        let fresh = pattern(4, 4096);
+        store.write(8192, &fresh).await.unwrap();
+        store.read(8192, &mut block).await.unwrap();
+        assert_eq!(block, fresh);
     });
 }
 
-/// Lets a fixed number of writes through, then fails the rest: a crash between two writes.
-#[derive(Clone)]
-struct CrashAfter {
-    writes_left: Rc<Cell<usize>>,
-}
-
-struct CrashFile {
-    inner: StdFile,
-    writes_left: Rc<Cell<usize>>,
-}
-
-impl FileIo for CrashFile {
-    async fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        self.inner.read_at(buf, offset).await
-    }
-    async fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        if self.writes_left.get() == 0 {
-            return Err(io::Error::other("simulated crash"));
-        }
-        self.writes_left.set(self.writes_left.get() - 1);
-        self.inner.write_at(buf, offset).await
-    }
-    async fn sync_data(&self) -> io::Result<()> {
-        self.inner.sync_data().await
-    }
-    async fn punch_hole(&self, offset: u64, length: u64) -> io::Result<()> {
-        self.inner.punch_hole(offset, length).await
-    }
-    fn path(&self) -> &Path {
-        self.inner.path()
-    }
-}
-
-impl FileOpener for CrashAfter {
-    type File = CrashFile;
-    fn open(&self, path: &Path, create: bool) -> io::Result<CrashFile> {
-        Ok(CrashFile {
-            inner: StdFile::open(path, create)?,
-            writes_left: self.writes_left.clone(),
-        })
-    }
-}
-
 #[test]
-fn a_crash_between_checksum_and_data_writes_leaves_the_old_data_readable() {
-    let dir = tempfile::tempdir().unwrap();
-    runtime().block_on(async {
-        let old = pattern(1, 8192);
-        let store = ExtentStore::new(StdOpener, config(dir.path()));
-        store.write(0, &old).await.unwrap();
-        store.sync().await.unwrap();
+fn egroups_spread_over_disks_are_found_again_and_removed() {
+    let one = tempfile::tempdir().unwrap();
+    let two = tempfile::tempdir().unwrap();
+    run_local(async {
+        let disks = [one.path(), two.path()];
+        let store = ExtentStore::new(StdFs, config(&disks));
+        let data = pattern(9, 4096 * 3);
+        for egroup in 0..6u64 {
+            store
+                .write(egroup * EGROUP_SPAN_BYTES + 4096, &data)
+                .await
+                .unwrap();
+        }
         drop(store);
-        // Only the checksum-block write gets through; the data write "crashes".
-        let crashing = ExtentStore::new(
-            CrashAfter {
-                writes_left: Rc::new(Cell::new(1)),
-            },
-            config(dir.path()),
-        );
-        assert!(crashing.write(0, &pattern(2, 8192)).await.is_err());
-        drop(crashing);
-        let store = ExtentStore::new(StdOpener, config(dir.path()));
-        let mut got = vec![0u8; 8192];
-        store.read(0, &mut got).await.unwrap();
-        assert_eq!(got, old, "the torn write must leave the old data readable");
-        // Later writes work (normalization picks the slot the data matches).
-        let newer = pattern(3, 8192);
-        store.write(0, &newer).await.unwrap();
-        store.read(0, &mut got).await.unwrap();
-        assert_eq!(got, newer);
-        // And a second torn write after that still leaves `newer` readable.
-        store.sync().await.unwrap();
+        let store = ExtentStore::new(StdFs, config(&disks));
+        let mut got = vec![0u8; data.len()];
+        for egroup in 0..6u64 {
+            store
+                .read(egroup * EGROUP_SPAN_BYTES + 4096, &mut got)
+                .await
+                .unwrap();
+            assert_eq!(got, data, "egroup {egroup}");
+        }
+        assert_eq!(store.cached_egroups(), 6);
+        let all: Vec<Disk> = disks.iter().map(|d| disk(d)).collect();
+        let used = vdisk_bytes_used(&StdFs, &all, VdiskId(7)).await.unwrap();
+        assert_eq!(used, 6 * (5 * 4096 + 3 * 4096));
         drop(store);
-        let crashing = ExtentStore::new(
-            CrashAfter {
-                writes_left: Rc::new(Cell::new(1)),
-            },
-            config(dir.path()),
-        );
-        assert!(crashing.write(0, &pattern(4, 8192)).await.is_err());
-        drop(crashing);
-        let store = ExtentStore::new(StdOpener, config(dir.path()));
-        store.read(0, &mut got).await.unwrap();
-        assert_eq!(got, newer);
+        remove_vdisk_data(&StdFs, &all, VdiskId(7)).await.unwrap();
+        assert_eq!(vdisk_bytes_used(&StdFs, &all, VdiskId(7)).await.unwrap(), 0);
+        let store = ExtentStore::new(StdFs, config(&disks));
+        store.read(4096, &mut got).await.unwrap();
+        assert!(got.iter().all(|&b| b == 0));
+        assert_eq!(store.cached_egroups(), 0);
     });
 }

@@ -1,0 +1,324 @@
+//! Applies one egroup's share of a write batch with the crash-safe ordering of
+//! docs/extent-store-format.md ("Writes"):
+//!
+//! - phase A: new CRCs of overwritten blocks into the slot the on-disk data does not match,
+//!   removals (zeroed blocks become holes), data of blocks whose on-disk bytes are unknown
+//!   (lost, poisoned, holes not known to be zero); checksum blocks written; file synced;
+//! - phase B: data of overwrites and of holes known to be zero, hole punching, checksum
+//!   blocks of newly written, lost and poisoned blocks; file synced.
+//!
+//! After a power cut at any point every block reads its old or its new content.
+
+use super::batch::{merge_patch, BlockOp};
+use super::egroup::{is_zero, Egroup};
+use super::format::{data_offset, BLOCKS_PER_EXTENT, BLOCK_LEN, EXTENTS};
+use super::join::try_join_all;
+use super::table::{zero_block_crc, BlockState, Entry};
+use super::{io_error, ExtentError};
+use crate::fs::{DiskFile, Filesystem};
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+
+/// A block's new content: borrowed from the batch (`src[at..at + 4096]`) or merged.
+enum Content<'a> {
+    Borrowed(&'a [u8], usize),
+    Owned(Box<[u8]>),
+}
+
+impl Content<'_> {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Content::Borrowed(src, at) => &src[*at..*at + BLOCK_LEN],
+            Content::Owned(buf) => buf,
+        }
+    }
+}
+
+/// What becomes true of a block once the batch is durable.
+enum After {
+    Current(u8),
+    ZeroKnown,
+}
+
+#[derive(Default)]
+struct Actions<'a> {
+    a_entries: Vec<(usize, Entry)>,
+    a_data: Vec<(usize, Content<'a>)>,
+    b_entries: Vec<(usize, Entry)>,
+    b_data: Vec<(usize, Content<'a>)>,
+    b_punch: Vec<usize>,
+    after: Vec<(usize, After)>,
+}
+
+/// Applies `blocks` (egroup block index → action) durably; on error the egroup is left for
+/// `recover` and every block still reads its old or its new content.
+pub(crate) async fn apply_plan<F: Filesystem>(
+    fs: &F,
+    egroup: &Egroup<F::File>,
+    blocks: BTreeMap<usize, BlockOp<'_>>,
+) -> Result<(), ExtentError> {
+    let mut touched = 0u8;
+    let mut with_content = 0u8;
+    for (&block, op) in &blocks {
+        let bit = 1 << (block / BLOCKS_PER_EXTENT);
+        touched |= bit;
+        if !matches!(op, BlockOp::Zero | BlockOp::Lost) {
+            with_content |= bit;
+        }
+    }
+    egroup.reset_damage(touched);
+    egroup.recover(fs).await?;
+    let mut views: [Option<Vec<u8>>; EXTENTS] = Default::default();
+    for (extent, view) in views.iter_mut().enumerate() {
+        if with_content & (1 << extent) != 0 {
+            *view = egroup.normalize(extent).await?;
+        }
+    }
+    let actions = decide(egroup, blocks, &views).await?;
+    drop(views);
+    let result = run(egroup, &actions).await;
+    if result.is_err() {
+        egroup.mark_failed();
+    }
+    result
+}
+
+async fn decide<'a, D: DiskFile>(
+    egroup: &Egroup<D>,
+    blocks: BTreeMap<usize, BlockOp<'a>>,
+    views: &[Option<Vec<u8>>; EXTENTS],
+) -> Result<Actions<'a>, ExtentError> {
+    let mut acts = Actions::default();
+    for (block, op) in blocks {
+        let entry = egroup.entry(block);
+        match op {
+            BlockOp::Zero => {
+                if entry.state != BlockState::Hole {
+                    acts.a_entries.push((block, Entry::HOLE));
+                    acts.b_punch.push(block);
+                    acts.after.push((block, After::ZeroKnown));
+                }
+            }
+            BlockOp::Lost => {
+                if entry.state != BlockState::Lost {
+                    let lost = Entry {
+                        state: BlockState::Lost,
+                        current: None,
+                        zero_known: false,
+                        ..entry
+                    };
+                    acts.b_entries.push((block, lost));
+                }
+            }
+            BlockOp::Data { src, at } => acts.content(block, entry, Content::Borrowed(src, at)),
+            BlockOp::Owned(buf) => acts.content(block, entry, Content::Owned(buf)),
+            BlockOp::Patch { buf, ranges } => match entry.state {
+                BlockState::Hole => {
+                    let mut merged: Box<[u8]> = vec![0u8; BLOCK_LEN].into();
+                    merge_patch(&mut merged, &buf, &ranges);
+                    acts.content(block, entry, Content::Owned(merged));
+                }
+                BlockState::Written => {
+                    let mut merged = old_block(egroup, block, views).await?;
+                    let readable = entry.slot_of(crc32c::crc32c(&merged)).is_some();
+                    merge_patch(&mut merged, &buf, &ranges);
+                    if readable || entry.slot_of(crc32c::crc32c(&merged)).is_some() {
+                        if !readable {
+                            tracing::info!(path = %egroup.path.display(), offset = egroup.vdisk_offset(block),
+                                "a partial write completed a block torn by an interrupted write: healed");
+                        }
+                        acts.content(block, entry, Content::Owned(merged));
+                    } else {
+                        tracing::error!(vdisk = %egroup.vdisk, offset = egroup.vdisk_offset(block),
+                            path = %egroup.path.display(), file_offset = data_offset(block),
+                            "partial write into a corrupt block: the block stays unreadable until fully rewritten");
+                        let poisoned = Entry {
+                            state: BlockState::Poisoned,
+                            current: None,
+                            ..entry
+                        };
+                        acts.b_entries.push((block, poisoned));
+                    }
+                }
+                // The rest of the block is unknown: it stays unreadable.
+                BlockState::Poisoned | BlockState::Lost => {}
+            },
+        }
+    }
+    Ok(acts)
+}
+
+impl<'a> Actions<'a> {
+    fn content(&mut self, block: usize, entry: Entry, content: Content<'a>) {
+        let bytes = content.bytes();
+        let crc = crc32c::crc32c(bytes);
+        let written = |crc: [u32; 2]| Entry {
+            state: BlockState::Written,
+            crc,
+            current: None,
+            zero_known: false,
+        };
+        match entry.state {
+            BlockState::Hole if is_zero(bytes) => {}
+            BlockState::Hole if entry.zero_known => {
+                // Data on disk is zeros or the new bytes, the table a hole or both CRCs.
+                self.b_entries
+                    .push((block, written([zero_block_crc(), crc])));
+                self.b_data.push((block, content));
+                self.after.push((block, After::Current(1)));
+            }
+            BlockState::Hole | BlockState::Poisoned | BlockState::Lost => {
+                // The bytes on disk are unknown: the data is durable before the entry says so.
+                self.a_data.push((block, content));
+                self.b_entries.push((block, written([crc, crc])));
+                self.after.push((block, After::Current(0)));
+            }
+            BlockState::Written => {
+                if entry.current.is_some_and(|k| entry.crc[k as usize] == crc) {
+                    return; // already on disk
+                }
+                let slot = match entry.slot_of(crc) {
+                    Some(slot) => slot,
+                    None => {
+                        let slot = entry.current.map_or(1, |k| 1 - k);
+                        let mut next = entry;
+                        next.crc[slot as usize] = crc;
+                        self.a_entries.push((block, next));
+                        slot
+                    }
+                };
+                self.b_data.push((block, content));
+                self.after.push((block, After::Current(slot)));
+            }
+        }
+    }
+}
+
+/// The block's bytes as they are on disk (from the normalization read if there was one).
+async fn old_block<D: DiskFile>(
+    egroup: &Egroup<D>,
+    block: usize,
+    views: &[Option<Vec<u8>>; EXTENTS],
+) -> Result<Box<[u8]>, ExtentError> {
+    if let Some(view) = &views[block / BLOCKS_PER_EXTENT] {
+        let at = (block % BLOCKS_PER_EXTENT) * BLOCK_LEN;
+        return Ok(view[at..at + BLOCK_LEN].into());
+    }
+    let mut buf: Box<[u8]> = vec![0u8; BLOCK_LEN].into();
+    let at = data_offset(block);
+    egroup
+        .file
+        .read_at(&mut buf, at)
+        .await
+        .map_err(|e| io_error(&egroup.path, Some(at), e))?;
+    Ok(buf)
+}
+
+async fn run<D: DiskFile>(egroup: &Egroup<D>, acts: &Actions<'_>) -> Result<(), ExtentError> {
+    if !acts.a_entries.is_empty() || !acts.a_data.is_empty() {
+        for &(block, entry) in &acts.a_entries {
+            egroup.set_entry(block, entry);
+        }
+        write_all(egroup, &acts.a_data, &[], table_bits(&acts.a_entries)).await?;
+        egroup.sync().await?;
+    }
+    for &(block, entry) in &acts.b_entries {
+        egroup.set_entry(block, entry);
+    }
+    write_all(
+        egroup,
+        &acts.b_data,
+        &acts.b_punch,
+        table_bits(&acts.b_entries),
+    )
+    .await?;
+    if egroup.unsynced.get() != 0 {
+        egroup.sync().await?;
+    }
+    for (block, after) in &acts.after {
+        let mut entry = egroup.entry(*block);
+        match after {
+            After::Current(slot) => entry.current = Some(*slot),
+            After::ZeroKnown => entry.zero_known = true,
+        }
+        egroup.set_entry(*block, entry);
+    }
+    Ok(())
+}
+
+fn table_bits(entries: &[(usize, Entry)]) -> u8 {
+    entries.iter().fold(0, |bits, (block, _)| {
+        bits | 1 << (block / BLOCKS_PER_EXTENT)
+    })
+}
+
+type IoFuture<'f> = Pin<Box<dyn Future<Output = Result<(), ExtentError>> + 'f>>;
+
+/// Issues every data run, hole punch and checksum-block write of a phase concurrently.
+async fn write_all<D: DiskFile>(
+    egroup: &Egroup<D>,
+    data: &[(usize, Content<'_>)],
+    punch: &[usize],
+    tables: u8,
+) -> Result<(), ExtentError> {
+    let mut ios: Vec<IoFuture<'_>> = Vec::new();
+    for (first, bytes) in data_runs(data) {
+        ios.push(Box::pin(
+            async move { egroup.write_data(first, &bytes).await },
+        ));
+    }
+    for (first, count) in block_runs(punch) {
+        ios.push(Box::pin(egroup.punch(first, count)));
+    }
+    for extent in (0..EXTENTS).filter(|e| tables & (1 << e) != 0) {
+        ios.push(Box::pin(egroup.write_table(extent)));
+    }
+    try_join_all(ios).await.map(|_| ())
+}
+
+/// Runs of consecutive blocks; a run borrowed from one contiguous batch buffer is not copied.
+fn data_runs<'c>(items: &'c [(usize, Content<'_>)]) -> Vec<(usize, Cow<'c, [u8]>)> {
+    let mut runs = Vec::new();
+    let mut i = 0;
+    while i < items.len() {
+        let mut j = i + 1;
+        while j < items.len() && items[j].0 == items[j - 1].0 + 1 {
+            j += 1;
+        }
+        let run = &items[i..j];
+        let contiguous = run.windows(2).all(|w| match (&w[0].1, &w[1].1) {
+            (Content::Borrowed(a, at_a), Content::Borrowed(b, at_b)) => {
+                std::ptr::eq(*a, *b) && *at_b == at_a + BLOCK_LEN
+            }
+            _ => false,
+        });
+        let bytes = match (&run[0].1, contiguous) {
+            (Content::Borrowed(src, at), true) => {
+                Cow::Borrowed(&src[*at..*at + run.len() * BLOCK_LEN])
+            }
+            _ => {
+                let mut joined = Vec::with_capacity(run.len() * BLOCK_LEN);
+                for (_, content) in run {
+                    joined.extend_from_slice(content.bytes());
+                }
+                Cow::Owned(joined)
+            }
+        };
+        runs.push((run[0].0, bytes));
+        i = j;
+    }
+    runs
+}
+
+fn block_runs(blocks: &[usize]) -> Vec<(usize, usize)> {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for &block in blocks {
+        match runs.last_mut() {
+            Some((first, count)) if *first + *count == block => *count += 1,
+            _ => runs.push((block, 1)),
+        }
+    }
+    runs
+}

@@ -1,0 +1,195 @@
+//! The requests an `ExtentStore` serves: reads (split per extent, run concurrently), write
+//! batches (split per egroup, run concurrently up to `max_open_egroups` at a time) and
+//! allocation maps.
+
+use super::apply::apply_plan;
+use super::batch::{plan, Op, WriteBatch};
+use super::format::{BLOCK, BLOCK_LEN, EGROUP_SPAN_BYTES};
+use super::join::{join_all, try_join_all};
+use super::table::BlockState;
+use super::{ExtentError, ExtentStore};
+use crate::fs::Filesystem;
+use ashlar_core::{EXTENT_SIZE_BYTES, MAX_VDISK_SIZE_BYTES};
+
+/// The end of the range; ranges beyond the largest vdisk (1 PiB) are refused, which keeps
+/// every offset computation far from overflow.
+fn range_end(offset: u64, length: u64) -> Result<u64, ExtentError> {
+    offset
+        .checked_add(length)
+        .filter(|&end| end <= MAX_VDISK_SIZE_BYTES)
+        .ok_or(ExtentError::OutOfRange { offset, length })
+}
+
+impl<F: Filesystem> ExtentStore<F> {
+    /// Reads `buf.len()` bytes at vdisk `offset` (any alignment). Every written block read is
+    /// checked against its CRC; blocks never written read as zeros. The extents of a large
+    /// read are read concurrently.
+    pub async fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ExtentError> {
+        let length = buf.len() as u64;
+        range_end(offset, length)?;
+        self.ensure_listing().await?;
+        let mut pieces = Vec::new();
+        let mut rest: &mut [u8] = buf;
+        let mut at = offset;
+        while !rest.is_empty() {
+            let extent_end = (at / EXTENT_SIZE_BYTES + 1).saturating_mul(EXTENT_SIZE_BYTES);
+            let take = ((extent_end - at) as usize).min(rest.len());
+            let (piece, tail) = std::mem::take(&mut rest).split_at_mut(take);
+            pieces.push(self.read_piece(at, piece));
+            rest = tail;
+            at += take as u64;
+        }
+        let result = try_join_all(pieces).await.map(|_| ());
+        self.trim();
+        result
+    }
+
+    async fn read_piece(&self, offset: u64, out: &mut [u8]) -> Result<(), ExtentError> {
+        self.ensure_listing().await?; // again: a `close_all` may have run since the request began
+        let egroup = offset / EGROUP_SPAN_BYTES;
+        if self.find(egroup).is_none() {
+            out.fill(0);
+            return Ok(());
+        }
+        let slot = self.pin(egroup);
+        let Some(open) = self.load(&slot, egroup, false).await? else {
+            out.fill(0);
+            return Ok(());
+        };
+        let in_egroup = offset % EGROUP_SPAN_BYTES;
+        let first = (in_egroup / BLOCK) as usize;
+        let end = (in_egroup as usize + out.len()).div_ceil(BLOCK_LEN);
+        let skip = (in_egroup % BLOCK) as usize;
+        let aligned = skip == 0 && out.len().is_multiple_of(BLOCK_LEN);
+        let mut scratch = if aligned {
+            Vec::new()
+        } else {
+            vec![0u8; (end - first) * BLOCK_LEN]
+        };
+        let target: &mut [u8] = if aligned { &mut *out } else { &mut scratch };
+        match open.read_blocks(first, target).await {
+            Err(ExtentError::Corrupt { .. }) => {
+                // A write of the block may have been in flight: look again with writers held
+                // off before calling it corruption.
+                let _guard = slot.lock.lock().await;
+                open.read_blocks(first, target).await?;
+            }
+            other => other?,
+        }
+        if !aligned {
+            out.copy_from_slice(&scratch[skip..skip + out.len()]);
+        }
+        Ok(())
+    }
+
+    /// Writes `data` at vdisk `offset` (any alignment); durable when it returns `Ok`.
+    pub async fn write(&self, offset: u64, data: &[u8]) -> Result<(), ExtentError> {
+        self.apply(WriteBatch::new().write(offset, data)).await
+    }
+
+    /// Makes the range read as zeros (whole blocks become holes, their space freed); durable
+    /// when it returns `Ok`.
+    pub async fn write_zeroes(&self, offset: u64, length: u64) -> Result<(), ExtentError> {
+        self.apply(WriteBatch::new().write_zeroes(offset, length))
+            .await
+    }
+
+    /// Makes every block overlapping the range read as [`ExtentError::Lost`] until it is fully
+    /// overwritten or zeroed (partial blocks at the edges included); durable on `Ok`.
+    pub async fn mark_lost(&self, offset: u64, length: u64) -> Result<(), ExtentError> {
+        self.apply(WriteBatch::new().mark_lost(offset, length))
+            .await
+    }
+
+    /// Applies a batch; returns once all of it is durable (two `sync_data` per touched egroup
+    /// file at most, one when only holes are filled).
+    ///
+    /// On error, each block reads its old or its new content, also after a power cut; nothing
+    /// of the batch may be acknowledged. The caller retries the **whole batch** later (the
+    /// oplog keeps its records until a batch succeeds): after a failed sync the data written
+    /// since the last successful sync may never reach the disk even though reads still return
+    /// it ("fsyncgate"), so the store first rewrites what it wrote since then (see `sync`) and
+    /// the retry rewrites the rest.
+    pub async fn apply(&self, batch: &WriteBatch<'_>) -> Result<(), ExtentError> {
+        for (offset, length) in batch.ranges() {
+            range_end(offset, length)?;
+        }
+        self.ensure_listing().await?;
+        let groups = batch.by_egroup(|first, last| self.known_in(first, last));
+        let width = self.config.max_open_egroups.max(1);
+        let mut groups = groups.into_iter().peekable();
+        while groups.peek().is_some() {
+            let chunk: Vec<(u64, Vec<Op<'_>>)> = groups.by_ref().take(width).collect();
+            let results = join_all(
+                chunk
+                    .into_iter()
+                    .map(|(egroup, ops)| self.apply_egroup(egroup, ops)),
+            )
+            .await;
+            let result = results.into_iter().collect::<Result<Vec<()>, _>>();
+            self.trim();
+            result?;
+        }
+        Ok(())
+    }
+
+    async fn apply_egroup(&self, egroup: u64, ops: Vec<Op<'_>>) -> Result<(), ExtentError> {
+        self.ensure_listing().await?;
+        let create = ops.iter().any(Op::needs_egroup);
+        if !create && self.find(egroup).is_none() {
+            return Ok(());
+        }
+        let slot = self.pin(egroup);
+        let _guard = slot.lock.lock().await;
+        match self.load(&slot, egroup, create).await? {
+            Some(open) => apply_plan(&self.fs, open, plan(egroup, &ops)).await,
+            None => Ok(()),
+        }
+    }
+
+    /// Runs of `(length, allocated)` covering the range: a block is allocated unless it is a
+    /// hole (lost, poisoned and damaged blocks count as allocated: they do not read as zeros).
+    pub async fn allocation(
+        &self,
+        offset: u64,
+        length: u64,
+    ) -> Result<Vec<(u64, bool)>, ExtentError> {
+        let end = range_end(offset, length)?;
+        if length == 0 {
+            return Ok(Vec::new());
+        }
+        self.ensure_listing().await?;
+        let mut runs: Vec<(u64, bool)> = Vec::new();
+        let mut push = |len: u64, allocated: bool| match runs.last_mut() {
+            _ if len == 0 => {}
+            Some(last) if last.1 == allocated => last.0 += len,
+            _ => runs.push((len, allocated)),
+        };
+        let mut at = offset;
+        for egroup in self.known_in(offset / EGROUP_SPAN_BYTES, (end - 1) / EGROUP_SPAN_BYTES) {
+            let start = (egroup * EGROUP_SPAN_BYTES).max(offset);
+            let stop = ((egroup + 1) * EGROUP_SPAN_BYTES).min(end);
+            push(start - at, false);
+            let slot = self.pin(egroup);
+            let Some(open) = self.load(&slot, egroup, false).await? else {
+                push(stop - start, false);
+                at = stop;
+                continue;
+            };
+            let mut pos = start;
+            while pos < stop {
+                let block = ((pos % EGROUP_SPAN_BYTES) / BLOCK) as usize;
+                let piece = ((pos / BLOCK + 1) * BLOCK).min(stop) - pos;
+                let allocated = open
+                    .entries(block, 1)
+                    .map_or(true, |e| e[0].state != BlockState::Hole);
+                push(piece, allocated);
+                pos += piece;
+            }
+            at = stop;
+        }
+        push(end - at, false);
+        self.trim();
+        Ok(runs)
+    }
+}
