@@ -11,6 +11,7 @@ use ashlar_engine::{Engine, EngineConfig, EngineError, VdiskHandle};
 use ashlar_meta::EmbeddedMetaStore;
 use ashlar_nbd::{resume_connection, serve_or_hand_over, Handover, NbdLimits, RequestBudget};
 use ashlar_storage::disk::{Disk, Tier};
+use ashlar_storage::fs::{NodeFs, UringConfig};
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -101,6 +102,8 @@ fn engine_config(args: &NodeArgs) -> Result<EngineConfig> {
         drain_idle: Duration::from_millis(500),
         max_open_egroups_per_shard: args.max_open_egroups.max(1),
         default_shards: args.default_shards,
+        fs: NodeFs::detect(UringConfig::default())
+            .map_err(|e| anyhow!("setting up disk I/O: {e}"))?,
     })
 }
 

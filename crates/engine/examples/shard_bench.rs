@@ -118,6 +118,7 @@ fn main() {
             drain_idle: Duration::from_millis(500),
             max_open_egroups_per_shard: 256,
             default_shards: 1,
+            fs: ashlar_storage::fs::NodeFs::Std(ashlar_storage::fs::StdFs),
         };
         let meta = EmbeddedMetaStore::open(&dir.path().join("meta.redb")).expect("meta");
         let engine = Engine::start(config, meta).await.expect("engine");

@@ -1,6 +1,7 @@
 //! Engine configuration: every limit that bounds memory or queues is named here.
 
 use ashlar_storage::disk::Disk;
+use ashlar_storage::fs::NodeFs;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -30,6 +31,8 @@ pub struct EngineConfig {
     pub max_open_egroups_per_shard: usize,
     /// Shard count of a new vdisk when the user does not choose one.
     pub default_shards: u32,
+    /// How the engine reaches its disks (io_uring, blocking calls, or a simulated disk).
+    pub fs: NodeFs,
 }
 
 /// Default of `EngineConfig::poll_window` (the node's `--poll-window-us`).

@@ -330,13 +330,14 @@ impl<M: MetaStore> Engine<M> {
         logs.sort();
         let newest = logs.last().map(|(epoch, _, _)| *epoch).unwrap_or(Epoch(0));
         let disks = self.config.disks.clone();
+        let fs = self.config.fs.clone();
         let capacity = self.config.oplog_bytes_per_vdisk.max(1 << 20);
         let max_open_egroups = self.config.max_open_egroups_per_shard;
         let reactor = self.reactors.get(ReactorId(vdisk.0 as usize));
         reactor
             .run(move || async move {
                 let store = ExtentStore::new(
-                    StdOpener,
+                    fs,
                     ExtentStoreConfig {
                         vdisk,
                         disks,
@@ -362,7 +363,7 @@ impl<M: MetaStore> Engine<M> {
                             "replayed oplog into the extent store");
                     }
                 }
-                store.sync().await.map_err(|e| e.to_string())
+                Ok::<(), String>(())
             })
             .await
             .map_err(|e| EngineError::Storage(e.to_string()))?
@@ -392,6 +393,7 @@ impl<M: MetaStore> Engine<M> {
                 drain_idle: self.config.drain_idle,
                 request_queue_limit: self.config.shard_queue_limit,
                 max_requests_in_flight: self.config.shard_requests_in_flight_limit,
+                fs: self.config.fs.clone(),
             };
             let reactor = self
                 .reactors
@@ -637,7 +639,8 @@ impl<M: MetaStore> Engine<M> {
         ashlar_storage::fs::remove_tree(&ashlar_storage::fs::StdFs, &oplog_root)
             .await
             .map_err(|e| EngineError::Storage(format!("removing {}: {e}", oplog_root.display())))?;
-        extent_store::remove_vdisk_data(&self.config.disks, record.id)
+        extent_store::remove_vdisk_data(&self.config.fs, &self.config.disks, record.id)
+            .await
             .map_err(|e| EngineError::Storage(format!("removing data of '{name}': {e}")))?;
         catalog::remove_tombstone(&self.meta, record.id).await?;
         tracing::info!(vdisk = name, id = %record.id, "vdisk deleted");

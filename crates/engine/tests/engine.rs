@@ -30,6 +30,7 @@ fn config(dir: &Path) -> EngineConfig {
         drain_idle: Duration::from_millis(50),
         max_open_egroups_per_shard: 8,
         default_shards: 2,
+        fs: ashlar_storage::fs::NodeFs::detect(Default::default()).unwrap(),
     }
 }
 

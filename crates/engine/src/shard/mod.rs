@@ -24,6 +24,7 @@ use crate::reactor::{ReactorId, ReplyRoute};
 use ashlar_core::{BlockStatusRun, Epoch, IoError, VdiskId};
 use ashlar_storage::disk::{Disk, StdOpener};
 use ashlar_storage::extent_store::{ExtentStore, ExtentStoreConfig};
+use ashlar_storage::fs::NodeFs;
 use ashlar_storage::oplog::{Oplog, OplogConfig};
 use bytes::Bytes;
 use std::cell::RefCell;
@@ -34,8 +35,9 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
 
-/// The filesystem shard controllers keep their files on.
-pub(crate) type Fs = StdOpener;
+/// The filesystem the oplog keeps its segments on (the oplog still uses the older file
+/// traits; the extent store runs on the node's [`NodeFs`]).
+pub(crate) type LogFs = StdOpener;
 
 /// What a shard is asked to do. Ranges never cross the shard's range boundaries: the vdisk
 /// handle splits requests before sending them.
@@ -132,6 +134,8 @@ pub struct ShardSpec {
     /// Client requests a controller works on at once (reads in flight, writes waiting for
     /// their commit); more wait in the request queue.
     pub max_requests_in_flight: usize,
+    /// The filesystem of the extent store's disks.
+    pub fs: NodeFs,
 }
 
 /// Names one shard controller among those of its reactor.
@@ -155,8 +159,8 @@ pub struct ShardLink {
 
 /// The oplog and extent store of one shard, shared by the controller and its storage work.
 pub(crate) struct Storage {
-    pub oplog: Oplog<Fs>,
-    pub store: ExtentStore<Fs>,
+    pub oplog: Oplog<LogFs>,
+    pub store: ExtentStore<NodeFs>,
 }
 
 /// Starts a shard controller on the current reactor. It serves nothing until `gate` is true,
@@ -173,7 +177,7 @@ pub async fn start_shard(
     .await
     .map_err(|e| format!("cannot open oplog {}: {e}", spec.oplog_dir.display()))?;
     let store = ExtentStore::new(
-        StdOpener,
+        spec.fs.clone(),
         ExtentStoreConfig {
             vdisk: spec.vdisk,
             disks: spec.disks.clone(),

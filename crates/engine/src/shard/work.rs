@@ -3,9 +3,10 @@
 //! state; each returns what it found or did.
 
 use super::inline::block_range;
-use super::{Fs, Storage};
+use super::{LogFs, Storage};
 use ashlar_core::{BlockStatusRun, IoError, VdiskId, BLOCK_SIZE_BYTES, EXTENT_SIZE_BYTES};
-use ashlar_storage::extent_store::{ExtentError, ExtentStore};
+use ashlar_storage::extent_store::{ExtentError, ExtentStore, WriteBatch};
+use ashlar_storage::fs::NodeFs;
 use ashlar_storage::oplog::{LogPiece, Oplog, OplogError, PieceSource};
 use bytes::{Bytes, BytesMut};
 use std::rc::Rc;
@@ -38,15 +39,10 @@ pub(super) fn oplog_error(vdisk: VdiskId, offset: u64, error: OplogError) -> IoE
 pub(super) fn store_error(vdisk: VdiskId, offset: u64, error: ExtentError) -> IoError {
     match error {
         ExtentError::NoSpace { .. } => IoError::NoSpace,
-        ExtentError::Corrupt {
-            offset: bad, path, ..
-        } => {
-            tracing::error!(vdisk = %vdisk, offset = bad, disk_file = %path.display(),
-                "checksum mismatch in the extent store; returning EIO");
-            IoError::Io(format!(
-                "checksum mismatch at offset {bad} in {}",
-                path.display()
-            ))
+        error if error.is_corruption() => {
+            tracing::error!(vdisk = %vdisk, offset, %error,
+                "extent store data failed its checks; returning EIO");
+            IoError::Io(error.to_string())
         }
         other => logged_io_error(vdisk, "extent store", offset, other),
     }
@@ -126,7 +122,7 @@ async fn read_store(
     let mut whole = vec![0u8; ((blocks.end - blocks.start) * BLOCK_SIZE_BYTES) as usize];
     match storage.store.read(first_byte, &mut whole).await {
         Ok(()) => {}
-        Err(error @ ExtentError::Corrupt { .. }) => {
+        Err(error) if error.is_corruption() => {
             return Err(ReadFailure::Corrupt(store_error(vdisk, offset, error)))
         }
         Err(other) => return Err(ReadFailure::Failed(store_error(vdisk, offset, other))),
@@ -138,7 +134,7 @@ async fn read_store(
 
 /// Whether a write goes straight to the extent store: whole extents with nothing of the
 /// range in the oplog (so no older log record can be drained over it later).
-pub(super) fn bypasses_oplog(oplog: &Oplog<Fs>, offset: u64, length: u64) -> bool {
+pub(super) fn bypasses_oplog(oplog: &Oplog<LogFs>, offset: u64, length: u64) -> bool {
     offset.is_multiple_of(EXTENT_SIZE_BYTES)
         && length.is_multiple_of(EXTENT_SIZE_BYTES)
         && length > 0
@@ -182,13 +178,12 @@ pub(super) async fn write_bypass(
     offset: u64,
     data: Bytes,
 ) -> Result<(), IoError> {
-    let store_failed = |e| store_error(vdisk, offset, e);
+    // Durable when it returns: the barrier below must not reach the log before the data.
     storage
         .store
         .write(offset, &data)
         .await
-        .map_err(store_failed)?;
-    storage.store.sync().await.map_err(store_failed)?;
+        .map_err(|e| store_error(vdisk, offset, e))?;
     storage
         .oplog
         .barrier(offset, data.len() as u64)
@@ -264,30 +259,38 @@ pub(super) async fn drain_step(storage: Rc<Storage>, max_bytes: u64) -> Result<u
 }
 
 async fn drain_batch(
-    oplog: &Oplog<Fs>,
-    store: &ExtentStore<Fs>,
+    oplog: &Oplog<LogFs>,
+    store: &ExtentStore<NodeFs>,
     max_bytes: u64,
 ) -> Result<usize, DrainError> {
     let items = oplog.drain_batch(max_bytes);
     if items.is_empty() {
         return Ok(0);
     }
+    let mut data = Vec::with_capacity(items.len());
     for item in &items {
-        if item.zero {
-            store.write_zeroes(item.offset, item.length).await?;
+        data.push(if item.zero {
+            None
         } else {
-            let data = oplog.read_drain_item(item).await?;
-            store.write(item.offset, &data).await?;
-        }
+            Some(oplog.read_drain_item(item).await?)
+        });
     }
-    store.sync().await?;
+    let mut batch = WriteBatch::new();
+    for (item, bytes) in items.iter().zip(&data) {
+        match bytes {
+            Some(bytes) => batch.write(item.offset, bytes),
+            None => batch.write_zeroes(item.offset, item.length),
+        };
+    }
+    // Durable when it returns; only then may the log forget the items.
+    store.apply(&batch).await?;
     oplog.complete_drain(&items).await?;
     Ok(items.len())
 }
 
 /// Drains every live oplog entry into the extent store and syncs it. Used when a shard
 /// retires and when a node recovers oplogs left by a crash.
-pub async fn drain_all(oplog: &Oplog<Fs>, store: &ExtentStore<Fs>) -> Result<(), String> {
+pub async fn drain_all(oplog: &Oplog<LogFs>, store: &ExtentStore<NodeFs>) -> Result<(), String> {
     while !oplog.is_empty() {
         drain_batch(oplog, store, u64::MAX)
             .await

@@ -20,6 +20,7 @@
 //! All types here are single-threaded: one reactor thread owns each open file. (The simulated
 //! disk is `Send + Sync` so that controllers on several reactors can share one.)
 
+pub mod node_fs;
 pub mod sim;
 pub mod std_fs;
 pub mod uring;
@@ -27,6 +28,7 @@ pub mod uring;
 use std::io;
 use std::path::{Path, PathBuf};
 
+pub use node_fs::{NodeFile, NodeFs};
 pub use sim::{SimFile, SimFs};
 pub use std_fs::{StdFs, StdFsFile};
 pub use uring::{UringConfig, UringFile, UringFs};
