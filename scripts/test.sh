@@ -6,4 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # Release mode: the end-to-end tests push real I/O through the node. The whole run is bounded
 # so a hung test fails CI with a message instead of running into CI's own limit.
-exec timeout --kill-after=30 3600 cargo test --workspace --release -- --test-threads=2 "$@"
+timeout --kill-after=30 3600 cargo test --workspace --release -- --test-threads=2 "$@"
+# The end-to-end tests again with the node's disk I/O through the page cache instead of
+# O_DIRECT (--direct-io off), the mode a filesystem that refuses O_DIRECT falls back to.
+ASHLAR_TEST_DIRECT_IO=off timeout --kill-after=30 1800 \
+    cargo test --release -p ashlar --tests -- --test-threads=2 "$@"

@@ -69,9 +69,14 @@ pub struct NodeArgs {
     /// Requests queued per shard controller before clients wait.
     #[arg(long, default_value_t = 1024, value_name = "N")]
     pub shard_queue_limit: usize,
-    /// Extent groups each shard keeps open (16 KiB of checksums and one fd each).
+    /// Extent groups each shard keeps open (about 12 KiB of checksums and one fd each).
     #[arg(long, default_value_t = 256, value_name = "N")]
     pub max_open_egroups: usize,
+    /// Disk I/O with O_DIRECT (`on`, the default: data is cached once, in Ashlar's cache) or
+    /// through the kernel page cache (`off`). Files on a filesystem that refuses O_DIRECT
+    /// (e.g. ramfs) fall back to the page cache either way, with one warning in the log.
+    #[arg(long, default_value = "on", value_name = "on|off", value_parser = ["on", "off"])]
+    pub direct_io: String,
     /// Shard count of vdisks created without --shards (1 to 64). One shard serves a vdisk on
     /// one core with no cross-core hop per request, and each shard has its own oplog (at
     /// least 16M); give a vdisk that needs more than one core more shards with

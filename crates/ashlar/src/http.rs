@@ -160,6 +160,15 @@ async fn node_info(State(state): State<ApiState>) -> Json<Value> {
         "cache_bytes": config.cache_bytes,
         "oplog_bytes_per_vdisk": config.oplog_bytes_per_vdisk,
         "disks": config.disks.iter().map(|d| json!({"path": d.path.display().to_string(), "tier": d.tier.name()})).collect::<Vec<_>>(),
+        "disk_io": config.fs.name(),
+        "direct_io": match &config.fs {
+            ashlar_storage::fs::NodeFs::Uring(fs) => fs.config().prefer_direct,
+            _ => false,
+        },
+        // Files opened through the page cache because their filesystem refused O_DIRECT.
+        "buffered_fallback_opens": ashlar_storage::fs::uring::buffered_fallback_opens(),
+        // Data startup found that no vdisk accounts for, moved aside rather than deleted.
+        "quarantined": state.engine.quarantined().iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
     }))
 }
 

@@ -102,8 +102,11 @@ fn engine_config(args: &NodeArgs) -> Result<EngineConfig> {
         drain_idle: Duration::from_millis(500),
         max_open_egroups_per_shard: args.max_open_egroups.max(1),
         default_shards: args.default_shards,
-        fs: NodeFs::detect(UringConfig::default())
-            .map_err(|e| anyhow!("setting up disk I/O: {e}"))?,
+        fs: NodeFs::detect(UringConfig {
+            prefer_direct: args.direct_io == "on",
+            ..UringConfig::default()
+        })
+        .map_err(|e| anyhow!("setting up disk I/O: {e}"))?,
     })
 }
 
@@ -211,7 +214,8 @@ fn print_banner(args: &NodeArgs, engine: &NodeEngine, limits: &NbdLimits, startu
     let config = engine.config();
     tracing::info!(reactors = config.reactors, cache = %format_size(config.cache_bytes),
         nbd_request_budget = %format_size(limits.request_budget.capacity_bytes()),
-        max_connections = args.max_connections,
+        max_connections = args.max_connections, disk_io = config.fs.name(),
+        direct_io = %args.direct_io,
         startup_ms = startup.as_millis() as u64, "node ready");
     println!(
         "Ashlar node ready: NBD on {}, HTTP API on http://{}",

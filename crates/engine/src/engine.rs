@@ -273,7 +273,7 @@ impl<M: MetaStore> Engine<M> {
     /// Keeps data the catalog names, removes data of deleted vdisks, sets anything else aside.
     async fn account_for_data(&self, records: &[VdiskRecord]) -> Result<(), EngineError> {
         let storage = |e: std::io::Error| EngineError::Storage(e.to_string());
-        let fs = ashlar_storage::fs::StdFs;
+        let fs = self.config.fs.clone();
         startup::prepare_disks(&fs, &self.config.disks)
             .await
             .map_err(storage)?;
@@ -636,7 +636,7 @@ impl<M: MetaStore> Engine<M> {
             tracing::warn!(vdisk = name, %error, "shards did not stop cleanly during delete");
         }
         let oplog_root = self.oplog_root(record.id);
-        ashlar_storage::fs::remove_tree(&ashlar_storage::fs::StdFs, &oplog_root)
+        ashlar_storage::fs::remove_tree(&self.config.fs, &oplog_root)
             .await
             .map_err(|e| EngineError::Storage(format!("removing {}: {e}", oplog_root.display())))?;
         extent_store::remove_vdisk_data(&self.config.fs, &self.config.disks, record.id)

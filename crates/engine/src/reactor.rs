@@ -153,6 +153,8 @@ async fn poll_while_active(activity: Rc<Activity>, window: Duration) {
             .get()
             .is_some_and(|last| last.elapsed() < window)
         {
+            // Disk completions that landed wake their waiters now, not at the next epoll.
+            ashlar_storage::fs::uring::reap_completions();
             tokio::task::yield_now().await;
         }
     }

@@ -290,6 +290,14 @@ impl Node {
             } else {
                 &["--default-shards", "2"][..]
             })
+            // The suite runs once with O_DIRECT (the default) and once through the page cache
+            // (scripts/test.sh sets ASHLAR_TEST_DIRECT_IO=off for the second run).
+            .args(match std::env::var("ASHLAR_TEST_DIRECT_IO") {
+                Ok(mode) if !self.extra_args.iter().any(|a| a == "--direct-io") => {
+                    vec!["--direct-io".to_string(), mode]
+                }
+                _ => vec![],
+            })
             .args(&self.extra_args)
             .env("RUST_LOG", &self.rust_log)
             .env_remove("ASHLAR_SERVER")

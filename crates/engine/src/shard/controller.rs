@@ -536,10 +536,12 @@ impl Controller {
         self.bypass_ranges.len() as u64 + u64::from(matches!(self.drain, DrainState::Running))
     }
 
+    /// A retiring controller keeps draining until its hand-over: writes it still has in
+    /// flight may be waiting for oplog space.
     fn drain_may_start(&self) -> bool {
         matches!(self.drain, DrainState::Idle)
             && self.bypass_ranges.is_empty()
-            && self.retiring.is_none()
+            && !self.retiring.as_ref().is_some_and(|r| r.handing_over)
             && !self.storage.oplog.is_empty()
     }
 
