@@ -148,18 +148,26 @@ pub fn write_until_stopped(
                 if token_rx.recv().is_err() {
                     return;
                 }
-                let (offset, size, this_seq) = {
+                let (offset, size, this_seq) = loop {
                     let mut t = tracker.lock().unwrap();
-                    let (first, count) = loop {
+                    // In-flight writes may cover the whole region: then let replies in (they
+                    // need the lock) and try again, rather than spin holding it.
+                    let free = (0..64).find_map(|_| {
                         let size = sizes[rng.below(sizes.len() as u64) as usize];
                         let count = (size / BLOCK) as usize;
                         let first = rng.below(region / size) as usize * count;
-                        if t.slots[first..first + count]
+                        t.slots[first..first + count]
                             .iter()
                             .all(|s| s.in_flight.is_none())
-                        {
-                            break (first, count);
+                            .then_some((first, count))
+                    });
+                    let Some((first, count)) = free else {
+                        drop(t);
+                        if stop.load(Ordering::SeqCst) {
+                            return;
                         }
+                        std::thread::sleep(Duration::from_millis(1));
+                        continue;
                     };
                     seq += 1;
                     // Recorded before a byte is sent: once sent, it may be applied.
@@ -167,7 +175,7 @@ pub fn write_until_stopped(
                         slot.in_flight = Some(seq);
                     }
                     t.pending.insert(seq, (first, count));
-                    (first as u64 * BLOCK, count as u64 * BLOCK, seq)
+                    break (first as u64 * BLOCK, count as u64 * BLOCK, seq);
                 };
                 let data = pattern(offset, this_seq, size as usize);
                 let request = request_bytes(CMD_WRITE, 0, this_seq, offset, size as u32, &data);
