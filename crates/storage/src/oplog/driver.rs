@@ -243,7 +243,7 @@ impl<F: Filesystem> Inner<F> {
         if state.tail == Some(id) {
             state.tail = None;
         }
-        state.retiring = true;
+        state.retiring = Some(id);
         if state.drain_pinned.contains(&id) {
             state.retired.insert(id, segment.handle.clone());
         }
@@ -446,6 +446,10 @@ impl<F: Filesystem> Inner<F> {
                     state.next = Some(id);
                     state.supply = Supply::Idle;
                     state.owe_ready();
+                    if state.wants_space {
+                        state.wants_space = false;
+                        state.events.push_back(OplogEvent::SpaceFreed);
+                    }
                 }
                 Err(error) => {
                     tracing::error!(path = %spare.handle.path.display(), %error, "cannot activate an oplog segment");
@@ -463,7 +467,7 @@ impl<F: Filesystem> Inner<F> {
                 generation,
                 result,
             } => {
-                state.retiring = false;
+                state.retiring = None;
                 match result {
                     Ok(()) => {
                         tracing::debug!(path = %segment.handle.path.display(), kept, "freed oplog segment {}", id.0);

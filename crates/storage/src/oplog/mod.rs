@@ -725,8 +725,9 @@ impl<F: Filesystem> Oplog<F> {
         self.inner.state.borrow().index.is_empty()
     }
 
-    /// A drain would help now: live data is above half the capacity, or appends were refused
-    /// for lack of space. Never true for an empty log, where a drain could not free anything.
+    /// A drain would help now: the segments in use hold more than half the capacity, or
+    /// appends were refused for lack of space. Never true for an empty log, where a drain
+    /// could not free anything.
     pub fn needs_drain(&self) -> bool {
         self.inner.needs_drain()
     }
@@ -760,8 +761,7 @@ impl<F: Filesystem> Inner<F> {
     fn needs_drain(&self) -> bool {
         let state = self.state.borrow();
         !state.index.is_empty()
-            && (state.index.live_data_bytes() > self.config.capacity_bytes / 2
-                || state.wants_space)
+            && (state.usage_bytes() > self.config.capacity_bytes / 2 || state.wants_space)
     }
 
     fn lost_error(&self, segment: SegmentId, lost: &LostLoc, offset: u64, length: u64) -> OplogError {

@@ -31,8 +31,8 @@ impl<F: Filesystem> Inner<F> {
             return Err(OplogError::Stale { offset, length });
         };
         // Held across the reads: the file is not reused while they run.
-        let guard = ReadGuard::new(handle);
-        let (file, path) = (&guard.0.file, &guard.0.path);
+        let guard = ReadGuard::new(handle, self.wakers.clone());
+        let (file, path) = (&guard.handle.file, &guard.handle.path);
         let start = offset - data.record_offset;
         let end = start + length;
         let first_chunk = start / CHUNK_BYTES;

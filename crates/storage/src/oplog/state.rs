@@ -49,21 +49,28 @@ impl<F> FileHandle<F> {
     }
 }
 
-/// Counts a read of a file while it lives.
-pub(super) struct ReadGuard<F>(pub Handle<F>);
+/// Counts a read of a file while it lives. The last read of a file wakes the log's driver:
+/// a spare file waiting for its readers may now be reused.
+pub(super) struct ReadGuard<F> {
+    pub handle: Handle<F>,
+    wakers: std::sync::Arc<super::driver::WakerSet>,
+}
 
 impl<F> ReadGuard<F> {
-    pub fn new(handle: Handle<F>) -> Self {
+    pub fn new(handle: Handle<F>, wakers: std::sync::Arc<super::driver::WakerSet>) -> Self {
         handle.readers.set(handle.readers.get() + 1);
-        ReadGuard(handle)
+        ReadGuard { handle, wakers }
     }
 }
 
 impl<F> Drop for ReadGuard<F> {
     fn drop(&mut self) {
-        let readers = self.0.readers.get();
+        let readers = self.handle.readers.get();
         assert!(readers > 0, "read guard count underflow");
-        self.0.readers.set(readers - 1);
+        self.handle.readers.set(readers - 1);
+        if readers == 1 {
+            self.wakers.wake_all();
+        }
     }
 }
 
@@ -253,8 +260,8 @@ pub(super) struct State<F> {
     pub inflight: VecDeque<Inflight>,
     pub recovery: Recovery,
     pub supply: Supply,
-    /// A segment is being freed (one at a time, oldest first).
-    pub retiring: bool,
+    /// The segment being freed (one at a time, oldest first).
+    pub retiring: Option<SegmentId>,
     /// The last freeing failed; retried by the next append refused for space or the next
     /// `complete_drain`.
     pub retire_error: Option<Failure>,
@@ -294,7 +301,7 @@ impl<F> State<F> {
             inflight: VecDeque::new(),
             recovery: Recovery::None,
             supply: Supply::Idle,
-            retiring: false,
+            retiring: None,
             retire_error: None,
             wants_space: false,
             refused: false,
@@ -388,12 +395,19 @@ impl<F> State<F> {
     /// Whether a batch of `bytes` can get a place: in the tail, in `next`, or in a segment
     /// that is being (or can be) made ready.
     fn can_place(&self, config: &OplogConfig, bytes: u64) -> bool {
+        // A spare the current drain batch still reads is not space: only finishing the drain
+        // frees it, so the writer must be refused (and a drain asked for), not kept waiting.
         self.tail_fits(bytes)
             || self.next.is_some()
             || matches!(self.supply, Supply::Busy)
-            || !self.spares.is_empty()
+            || self
+                .spares
+                .iter()
+                .any(|s| !self.drain_pinned.contains(&s.last_id))
             || self.files < config.max_segments()
-            || self.retiring
+            || self
+                .retiring
+                .is_some_and(|id| !self.drain_pinned.contains(&id))
     }
 
     fn tail_fits(&self, bytes: u64) -> bool {
@@ -525,7 +539,7 @@ impl<F> State<F> {
     /// The oldest segment, if it may be freed now (rule 2): it holds no live entry and no
     /// batch in flight, and it is neither `next` nor a tail still worth writing to.
     pub fn retirable(&self) -> Option<SegmentId> {
-        if self.retiring {
+        if self.retiring.is_some() {
             return None;
         }
         let (&id, segment) = self.segments.iter().next()?;

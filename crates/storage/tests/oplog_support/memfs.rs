@@ -152,6 +152,7 @@ struct Disk {
     dirs: BTreeSet<PathBuf>,
     capacity: Option<u64>,
     rng: Rng,
+    yield_min: u64,
     yield_max: u64,
     ops: u64,
     cut_at: Option<u64>,
@@ -281,6 +282,7 @@ impl MemFs {
                 dirs,
                 capacity,
                 rng: Rng::new(seed),
+                yield_min: 0,
                 yield_max: 2,
                 ops: 0,
                 cut_at: None,
@@ -303,7 +305,14 @@ impl MemFs {
 
     /// Each operation yields up to this many times before completing (0: completes at once).
     pub fn set_yields(&self, max: u64) {
-        self.disk.borrow_mut().yield_max = max;
+        self.set_yields_range(0, max);
+    }
+
+    /// Each operation yields between `min` and `max` times before completing.
+    pub fn set_yields_range(&self, min: u64, max: u64) {
+        let mut disk = self.disk.borrow_mut();
+        disk.yield_min = min;
+        disk.yield_max = max.max(min);
     }
 
     /// Operations so far.
@@ -427,8 +436,8 @@ impl MemFs {
     async fn pause(&self) {
         let n = {
             let mut disk = self.disk.borrow_mut();
-            let max = disk.yield_max;
-            disk.rng.below(max + 1)
+            let (min, max) = (disk.yield_min, disk.yield_max);
+            min + disk.rng.below(max - min + 1)
         };
         for _ in 0..n {
             tokio::task::yield_now().await;
