@@ -83,7 +83,6 @@ pub struct Index {
     /// Segment id -> start offsets of the entries pointing into it. Empty sets are removed.
     by_segment: BTreeMap<SegmentId, BTreeSet<u64>>,
     live_bytes: u64,
-    live_data_bytes: u64,
 }
 
 impl Index {
@@ -145,12 +144,6 @@ impl Index {
         self.live_bytes
     }
 
-    /// Bytes of address space covered by data entries: what a drain must copy (lost entries
-    /// count too: the drain must get them recorded in the extent store).
-    pub fn live_data_bytes(&self) -> u64 {
-        self.live_data_bytes
-    }
-
     fn overlapping_starts(&self, start: u64, end: u64) -> Vec<u64> {
         let mut starts = Vec::new();
         if let Some((&s, entry)) = self.entries.range(..start).next_back() {
@@ -190,7 +183,7 @@ impl Index {
             .entry(target.segment)
             .or_default()
             .insert(start);
-        self.count(end - start, target, true);
+        self.count(end - start, true);
     }
 
     fn remove(&mut self, start: u64) {
@@ -204,20 +197,14 @@ impl Index {
                 self.by_segment.remove(&entry.target.segment);
             }
         }
-        self.count(entry.end - start, entry.target, false);
+        self.count(entry.end - start, false);
     }
 
-    fn count(&mut self, bytes: u64, target: Target, add: bool) {
-        let data = match target.kind {
-            TargetKind::Data(_) | TargetKind::Lost(_) => bytes,
-            TargetKind::Zero => 0,
-        };
+    fn count(&mut self, bytes: u64, add: bool) {
         if add {
             self.live_bytes += bytes;
-            self.live_data_bytes += data;
         } else {
             self.live_bytes -= bytes;
-            self.live_data_bytes -= data;
         }
     }
 }

@@ -158,6 +158,8 @@ struct Disk {
     cut_at: Option<u64>,
     crashed: Option<MemFs>,
     dead: bool,
+    /// Woken when the power is cut.
+    cut: Rc<tokio::sync::Notify>,
     fault: Option<Box<dyn FnMut(&FaultOp) -> bool>>,
     durable_writes: u64,
     syncs: u64,
@@ -184,6 +186,7 @@ impl Disk {
             let image = self.power_cut_image();
             self.crashed = Some(image);
             self.dead = true;
+            self.cut.notify_waiters();
         }
         if self.dead {
             return Err(io::Error::from_raw_os_error(libc::EIO));
@@ -288,6 +291,7 @@ impl MemFs {
                 cut_at: None,
                 crashed: None,
                 dead: false,
+                cut: Rc::new(tokio::sync::Notify::new()),
                 fault: None,
                 durable_writes: 0,
                 syncs: 0,
@@ -336,7 +340,27 @@ impl MemFs {
         let mut disk = self.disk.borrow_mut();
         let image = disk.power_cut_image();
         disk.dead = true;
+        disk.cut.notify_waiters();
         image
+    }
+
+    /// Whether the power was cut (every operation fails).
+    pub fn is_cut(&self) -> bool {
+        self.disk.borrow().dead
+    }
+
+    /// Resolves once the power is cut.
+    pub async fn power_cut(&self) {
+        let notify = self.disk.borrow().cut.clone();
+        loop {
+            let notified = notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.is_cut() {
+                return;
+            }
+            notified.await;
+        }
     }
 
     /// Operations for which `fault` returns true fail with EIO (and change nothing).

@@ -3,6 +3,7 @@
 
 pub mod memfs;
 
+#[allow(unused_imports)]
 pub use memfs::{FaultOp, MemFs, OpKind, Rng};
 
 use ashlar_storage::fs::Filesystem;
