@@ -982,6 +982,44 @@ mod oplog {
     }
 
     #[test]
+    fn failing_segment_header_writes_fail_writers_instead_of_hanging() {
+        run_local(async {
+            let fs = fresh(29);
+            let segment = segment_for_batches(2);
+            let config = config(&log_dir(), 3 * segment, segment);
+            let oplog = open_clean(&fs, config.clone()).await;
+            for i in 0..3u64 {
+                oplog.write(0, pattern(i, 4_096)).await.unwrap();
+            }
+            // Activating and freeing segments (header writes) fails from now on; the same
+            // block is rewritten, so segments keep dying and being needed again.
+            fs.set_fault(|op: &FaultOp| op.kind == OpKind::DurableWrite && op.offset < FIRST_BATCH);
+            let mut errors = 0;
+            for i in 10..30u64 {
+                let result = tokio::time::timeout(
+                    Duration::from_secs(5),
+                    oplog.write(0, pattern(i, 4_096)),
+                )
+                .await
+                .expect("a failing disk fails writes, it never hangs them");
+                if let Err(error) = result {
+                    assert!(matches!(error, OplogError::Io { .. }), "{error:?}");
+                    errors += 1;
+                }
+            }
+            assert!(errors > 0, "writes kept succeeding without new segments");
+            fs.clear_fault();
+            for i in 100..120u64 {
+                oplog.write(0, pattern(i, 4_096)).await.unwrap();
+            }
+            assert_eq!(read_data(&oplog, 0, 4_096).await, pattern(119, 4_096).to_vec());
+            drop(oplog);
+            let oplog = open_clean(&fs, config).await;
+            assert_eq!(read_data(&oplog, 0, 4_096).await, pattern(119, 4_096).to_vec());
+        });
+    }
+
+    #[test]
     fn no_space_reaches_the_writer_and_writes_resume_once_space_is_freed() {
         run_local(async {
             let fs = fresh(22);

@@ -171,11 +171,16 @@ impl<F: Filesystem> Inner<F> {
 
     /// Starts whatever I/O is due (see the module comment for the order).
     fn schedule(&self) {
-        let mut state = self.state.borrow_mut();
-        self.schedule_seal(&mut state);
-        self.schedule_retire(&mut state);
-        self.schedule_supply(&mut state);
-        self.schedule_submit(&mut state);
+        {
+            let mut state = self.state.borrow_mut();
+            self.schedule_seal(&mut state);
+            self.schedule_retire(&mut state);
+            self.schedule_supply(&mut state);
+            self.schedule_submit(&mut state);
+        }
+        if self.needs_drain() {
+            self.drain.notify_waiters();
+        }
     }
 
     fn schedule_seal(&self, state: &mut State<F::File>) {
@@ -334,6 +339,10 @@ impl<F: Filesystem> Inner<F> {
                 // fail now rather than wait; the next append retries the supply.
                 let failure = failure.clone();
                 state.fail_open(failure);
+            } else if !state.can_supply(&self.config) {
+                // Every file holds live records (the tail was sealed, say): only a drain can
+                // make room, so ask for one.
+                state.wants_space = true;
             }
             return;
         };
@@ -488,12 +497,16 @@ impl<F: Filesystem> Inner<F> {
                     }
                     Err(error) => {
                         tracing::error!(path = %segment.handle.path.display(), %error, "cannot free an oplog segment; retried at the next drain or refused write");
-                        state.retire_error = Some(Failure::from_io(&segment.handle.path, &error));
+                        let failure = Failure::from_io(&segment.handle.path, &error);
+                        state.retire_error = Some(failure.clone());
                         segment.handle.generation.set(generation);
                         let mut segment = segment;
                         segment.closed = true;
                         state.retired.remove(&id);
                         state.segments.insert(id, segment);
+                        if state.open_is_stuck(&self.config) {
+                            state.fail_open(failure);
+                        }
                     }
                 }
             }

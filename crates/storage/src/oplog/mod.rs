@@ -764,22 +764,19 @@ impl<F: Filesystem> Inner<F> {
             && (state.usage_bytes() > self.config.capacity_bytes / 2 || state.wants_space)
     }
 
+    /// The error a read of a lost range returns (`Stale` if its record was freed meanwhile).
     fn lost_error(&self, segment: SegmentId, lost: &LostLoc, offset: u64, length: u64) -> OplogError {
-        let path = self
-            .state
-            .borrow()
-            .handle(segment)
-            .map(|h| h.path.clone())
-            .unwrap_or_else(|| self.config.dir.clone());
+        let Some(handle) = self.state.borrow().handle(segment) else {
+            return OplogError::Stale { offset, length };
+        };
         OplogError::Lost {
             offset,
             length,
-            path,
+            path: handle.path.clone(),
             file_offset: lost.file_offset,
             reason: lost.cause.describe().into(),
         }
     }
-
 }
 
 fn log_report(dir: &Path, report: &ReplayReport) {

@@ -739,7 +739,7 @@ impl<'a, F: DiskFile> Walk<'a, F> {
             let through = vouched.min(sfb - 1);
             if through >= next {
                 stop = self
-                    .recover(&earlier, next, through, self.min_seq, h.first_seq, floors)
+                    .recover(&earlier, next, through, self.min_seq, h.first_seq, (si, b.pos), floors)
                     .await?;
                 next = through + 1;
             }
@@ -757,7 +757,7 @@ impl<'a, F: DiskFile> Walk<'a, F> {
             if vouched >= next {
                 let floor = self.scans[si].info.header.seq_floor.max(self.min_seq);
                 own_stop = self
-                    .recover(&own, next, vouched, floor, h.first_seq, floors)
+                    .recover(&own, next, vouched, floor, h.first_seq, (si, b.pos), floors)
                     .await?;
                 next = vouched + 1;
             }
@@ -791,6 +791,7 @@ impl<'a, F: DiskFile> Walk<'a, F> {
     /// Recovers the batches numbered `first..=through`, whose headers are unreadable, from
     /// the gaps before the next valid batch, using their records' own headers. Returns where
     /// the last one recovered ends.
+    #[allow(clippy::too_many_arguments)]
     async fn recover(
         &mut self,
         gaps: &[usize],
@@ -798,6 +799,7 @@ impl<'a, F: DiskFile> Walk<'a, F> {
         through: u64,
         min_seq: u64,
         below_seq: u64,
+        next_batch_at: (usize, u64),
         floors: &mut Floors,
     ) -> Result<Option<(usize, u64)>, OplogError> {
         let mut number = first;
@@ -849,15 +851,13 @@ impl<'a, F: DiskFile> Walk<'a, F> {
             }
         }
         if number <= through {
+            // Where the first batch that could not be located should have been: in the first
+            // gap, or (no gap at all) right before the batch after them.
             let (si, pos) = failed_at
                 .or_else(|| gaps.first().map(|&g| self.gap_start(g)))
-                .unwrap_or((0, 0));
+                .unwrap_or(next_batch_at);
             return Err(OplogError::LostUnknownRanges {
-                path: self
-                    .scans
-                    .get(si)
-                    .map(|s| s.info.handle.path.clone())
-                    .unwrap_or_default(),
+                path: self.scans[si].info.handle.path.clone(),
                 file_offset: pos,
                 reason: format!(
                     "acknowledged batches {number}..={through} cannot be read: their batch \

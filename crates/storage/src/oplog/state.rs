@@ -370,13 +370,12 @@ impl<F> State<F> {
             return Err(TryAppendError::Backpressure(Backpressure::BatchFull));
         }
         if !self.can_place(config, batch_bytes) {
-            if let Some(failure) = self.retire_error.take() {
-                // Freeing segments fails: an error to the writer, never a silent wait. The
-                // next schedule retries the freeing.
-                return Err(failure.to_error().into());
+            if self.retire_error.take().is_none() {
+                self.wants_space = true;
+                return Err(TryAppendError::Backpressure(Backpressure::Full));
             }
-            self.wants_space = true;
-            return Err(TryAppendError::Backpressure(Backpressure::Full));
+            // Freeing a segment failed: this append retries it and waits for the retry; if
+            // it fails again, the pending records fail (an error, never a silent wait).
         }
         let seq = self.next_seq;
         self.next_seq += 1;
@@ -395,11 +394,14 @@ impl<F> State<F> {
     /// Whether a batch of `bytes` can get a place: in the tail, in `next`, or in a segment
     /// that is being (or can be) made ready.
     fn can_place(&self, config: &OplogConfig, bytes: u64) -> bool {
-        // A spare the current drain batch still reads is not space: only finishing the drain
-        // frees it, so the writer must be refused (and a drain asked for), not kept waiting.
-        self.tail_fits(bytes)
-            || self.next.is_some()
-            || matches!(self.supply, Supply::Busy)
+        self.tail_fits(bytes) || self.next.is_some() || self.can_supply(config)
+    }
+
+    /// Whether a `next` segment is being made ready or can be. A spare the current drain batch
+    /// still reads does not count: only finishing the drain frees it, so a writer must be
+    /// refused (and a drain asked for), not kept waiting.
+    pub fn can_supply(&self, config: &OplogConfig) -> bool {
+        matches!(self.supply, Supply::Busy)
             || self
                 .spares
                 .iter()
@@ -547,6 +549,10 @@ impl<F> State<F> {
             return None;
         }
         if Some(id) == self.tail && !segment.closed {
+            if !self.open.records.is_empty() {
+                // Admission counted on the tail's room for the pending batch.
+                return None;
+            }
             // A dead tail is freed only when space is wanted or half of it is used, so a
             // stream of records that never stay live (barriers) does not cycle segments.
             let half_used = segment.end * 2 >= segment.len;
@@ -555,6 +561,14 @@ impl<F> State<F> {
             }
         }
         Some(id)
+    }
+
+    /// The pending batch cannot be placed and nothing under way will make room for it.
+    pub fn open_is_stuck(&self, config: &OplogConfig) -> bool {
+        !self.open.records.is_empty()
+            && !self.tail_fits(self.open.bytes())
+            && self.next.is_none()
+            && !self.can_supply(config)
     }
 
     /// A spare file that may be activated now: not read by anyone, and not the file of a
