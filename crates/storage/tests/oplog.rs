@@ -186,8 +186,15 @@ mod oplog {
             }
             let writes = fs.durable_writes() - writes_before;
             // About one batch per window slot, then one with everybody else.
-            assert!(writes <= 10, "64 concurrent writes took {writes} durable writes");
-            assert_eq!(fs.syncs(), syncs_before, "a commit must not flush the whole file");
+            assert!(
+                writes <= 10,
+                "64 concurrent writes took {writes} durable writes"
+            );
+            assert_eq!(
+                fs.syncs(),
+                syncs_before,
+                "a commit must not flush the whole file"
+            );
             for i in 0..64u64 {
                 assert_eq!(
                     read_data(&oplog, i * 8_192, 8_192).await,
@@ -326,7 +333,11 @@ mod oplog {
                     for (seq, block) in &appended {
                         let source = oplog.lookup(block * 4_096, 4_096)[0].source;
                         let indexed = matches!(source, PieceSource::Data { .. });
-                        assert_eq!(indexed, Some(*seq) <= durable, "record {seq} vs {durable:?}");
+                        assert_eq!(
+                            indexed,
+                            Some(*seq) <= durable,
+                            "record {seq} vs {durable:?}"
+                        );
                     }
                 }
                 assert!(fs.max_concurrent_writes() <= window as u64);
@@ -437,7 +448,10 @@ mod oplog {
                     file_offset,
                     ..
                 }) => {
-                    assert_eq!((offset, length, file_offset), (3 * 4_096, 4_096, lost.file_offset));
+                    assert_eq!(
+                        (offset, length, file_offset),
+                        (3 * 4_096, 4_096, lost.file_offset)
+                    );
                     assert_eq!(path, first);
                 }
                 other => panic!("expected Lost, got {other:?}"),
@@ -459,7 +473,10 @@ mod oplog {
             assert_eq!(report.lost.len(), 1, "{report:?}");
             let lost = &report.lost[0];
             assert_eq!((lost.offset, lost.length), (5 * 4_096, 4_096));
-            assert_eq!((lost.path.clone(), lost.file_offset), (first, batch_pos(5) + RECORD_AT));
+            assert_eq!(
+                (lost.path.clone(), lost.file_offset),
+                (first, batch_pos(5) + RECORD_AT)
+            );
             assert!(read_log(&oplog, 5 * 4_096, 4_096)
                 .await
                 .unwrap()
@@ -617,9 +634,15 @@ mod oplog {
             // A may come back from the log (W3 was drained but is still there), never as W1.
             let bytes = read_log(&oplog, a, 4_096).await.unwrap();
             if bytes[0] != LogByte::Absent {
-                assert_eq!(read_data(&oplog, a, 4_096).await, pattern(3, 4_096).to_vec());
+                assert_eq!(
+                    read_data(&oplog, a, 4_096).await,
+                    pattern(3, 4_096).to_vec()
+                );
             }
-            assert_eq!(read_data(&oplog, b, 4_096).await, pattern(2, 4_096).to_vec());
+            assert_eq!(
+                read_data(&oplog, b, 4_096).await,
+                pattern(2, 4_096).to_vec()
+            );
             let mut store = Store::default();
             drain_all(&oplog, &mut store).await;
             assert_eq!(store.get(a), Some(pattern(3, 4_096)[0]));
@@ -658,8 +681,15 @@ mod oplog {
                 kinds(&oplog.lookup(0, 8_192)),
                 vec![(0, 4_096, "absent"), (4_096, 4_096, "data")]
             );
-            assert_eq!(read_data(&oplog, 4_096, 4_096).await, pattern(100, 4_096).to_vec());
-            assert_eq!(oplog.segment_counts().0, 4, "segment 1 freed, one more written");
+            assert_eq!(
+                read_data(&oplog, 4_096, 4_096).await,
+                pattern(100, 4_096).to_vec()
+            );
+            assert_eq!(
+                oplog.segment_counts().0,
+                4,
+                "segment 1 freed, one more written"
+            );
             drain_all(&oplog, &mut store).await;
             assert!(oplog.is_empty());
             for i in 0..6u64 {
@@ -668,7 +698,9 @@ mod oplog {
                 } else {
                     pattern(i, 4_096)
                 };
-                let got: Vec<u8> = (0..4_096).map(|b| store.get(i * 4_096 + b).unwrap()).collect();
+                let got: Vec<u8> = (0..4_096)
+                    .map(|b| store.get(i * 4_096 + b).unwrap())
+                    .collect();
                 assert_eq!(got, expected.to_vec());
             }
         });
@@ -679,7 +711,11 @@ mod oplog {
         run_local(async {
             let fs = fresh(15);
             // Four segments of two batches.
-            let config = config(&log_dir(), 4 * segment_for_batches(2), segment_for_batches(2));
+            let config = config(
+                &log_dir(),
+                4 * segment_for_batches(2),
+                segment_for_batches(2),
+            );
             let oplog = open_clean(&fs, config).await;
             for i in 0..40u64 {
                 tokio::time::timeout(Duration::from_secs(5), oplog.write(0, pattern(i, 4_096)))
@@ -687,7 +723,10 @@ mod oplog {
                     .expect("a write of superseded data never waits for a drain")
                     .unwrap();
             }
-            assert_eq!(read_data(&oplog, 0, 4_096).await, pattern(39, 4_096).to_vec());
+            assert_eq!(
+                read_data(&oplog, 0, 4_096).await,
+                pattern(39, 4_096).to_vec()
+            );
             // Barrier-only traffic never leaves live entries, and must not stall either.
             for i in 0..200u64 {
                 tokio::time::timeout(Duration::from_secs(5), oplog.barrier(i * 4_096, 4_096))
@@ -703,7 +742,11 @@ mod oplog {
     fn a_drain_item_stays_readable_after_its_segment_is_freed() {
         run_local(async {
             let fs = fresh(16);
-            let config = config(&log_dir(), 3 * segment_for_batches(1), segment_for_batches(1));
+            let config = config(
+                &log_dir(),
+                3 * segment_for_batches(1),
+                segment_for_batches(1),
+            );
             let oplog = open_clean(&fs, config).await;
             oplog.write(0, pattern(1, 4_096)).await.unwrap();
             oplog.write(8_192, pattern(2, 4_096)).await.unwrap();
@@ -724,9 +767,9 @@ mod oplog {
             assert!(oplog.needs_drain());
             let writer = {
                 let oplog = oplog.clone();
-                tokio::task::spawn_local(async move {
-                    oplog.write(16_384, pattern(4, 4_096)).await
-                })
+                tokio::task::spawn_local(
+                    async move { oplog.write(16_384, pattern(4, 4_096)).await },
+                )
             };
             tokio::task::yield_now().await;
             assert!(!writer.is_finished());
@@ -741,8 +784,14 @@ mod oplog {
                 .expect("the write proceeds once the drain completes")
                 .unwrap()
                 .unwrap();
-            assert_eq!(read_data(&oplog, 0, 4_096).await, pattern(3, 4_096).to_vec());
-            assert_eq!(read_data(&oplog, 16_384, 4_096).await, pattern(4, 4_096).to_vec());
+            assert_eq!(
+                read_data(&oplog, 0, 4_096).await,
+                pattern(3, 4_096).to_vec()
+            );
+            assert_eq!(
+                read_data(&oplog, 16_384, 4_096).await,
+                pattern(4, 4_096).to_vec()
+            );
         });
     }
 
@@ -750,7 +799,11 @@ mod oplog {
     fn a_piece_freed_by_a_drain_is_stale() {
         run_local(async {
             let fs = fresh(17);
-            let config = config(&log_dir(), 4 * segment_for_batches(1), segment_for_batches(1));
+            let config = config(
+                &log_dir(),
+                4 * segment_for_batches(1),
+                segment_for_batches(1),
+            );
             let oplog = open_clean(&fs, config).await;
             oplog.write(0, pattern(1, 4_096)).await.unwrap();
             oplog.write(4_096, pattern(2, 4_096)).await.unwrap();
@@ -942,8 +995,14 @@ mod oplog {
             drop(oplog);
             // Replay neither resurrects the failed batch nor calls it corruption.
             let (oplog, report) = open_report(&fs, config).await;
-            assert!(report.lost.is_empty() && report.torn.is_empty(), "{report:?}");
-            assert_eq!(read_data(&oplog, 0, 4_096).await, pattern(1, 4_096).to_vec());
+            assert!(
+                report.lost.is_empty() && report.torn.is_empty(),
+                "{report:?}"
+            );
+            assert_eq!(
+                read_data(&oplog, 0, 4_096).await,
+                pattern(1, 4_096).to_vec()
+            );
             check_blocks(&oplog, (1..9).filter(|i| !failed.contains(i)).chain(20..30)).await;
             for &i in &failed {
                 assert_eq!(kinds(&oplog.lookup(i * 4_096, 4_096))[0].2, "absent");
@@ -977,7 +1036,10 @@ mod oplog {
             let (oplog, report) = open_report(&fs, config).await;
             assert!(report.lost.is_empty(), "{report:?}");
             check_blocks(&oplog, [7, 8].into_iter()).await;
-            assert_eq!(read_data(&oplog, 0, 4_096).await, pattern(1, 4_096).to_vec());
+            assert_eq!(
+                read_data(&oplog, 0, 4_096).await,
+                pattern(1, 4_096).to_vec()
+            );
         });
     }
 
@@ -996,12 +1058,10 @@ mod oplog {
             fs.set_fault(|op: &FaultOp| op.kind == OpKind::DurableWrite && op.offset < FIRST_BATCH);
             let mut errors = 0;
             for i in 10..30u64 {
-                let result = tokio::time::timeout(
-                    Duration::from_secs(5),
-                    oplog.write(0, pattern(i, 4_096)),
-                )
-                .await
-                .expect("a failing disk fails writes, it never hangs them");
+                let result =
+                    tokio::time::timeout(Duration::from_secs(5), oplog.write(0, pattern(i, 4_096)))
+                        .await
+                        .expect("a failing disk fails writes, it never hangs them");
                 if let Err(error) = result {
                     assert!(matches!(error, OplogError::Io { .. }), "{error:?}");
                     errors += 1;
@@ -1012,10 +1072,16 @@ mod oplog {
             for i in 100..120u64 {
                 oplog.write(0, pattern(i, 4_096)).await.unwrap();
             }
-            assert_eq!(read_data(&oplog, 0, 4_096).await, pattern(119, 4_096).to_vec());
+            assert_eq!(
+                read_data(&oplog, 0, 4_096).await,
+                pattern(119, 4_096).to_vec()
+            );
             drop(oplog);
             let oplog = open_clean(&fs, config).await;
-            assert_eq!(read_data(&oplog, 0, 4_096).await, pattern(119, 4_096).to_vec());
+            assert_eq!(
+                read_data(&oplog, 0, 4_096).await,
+                pattern(119, 4_096).to_vec()
+            );
         });
     }
 
@@ -1030,7 +1096,10 @@ mod oplog {
             let oplog = open_clean(&fs, config.clone()).await;
             oplog.idle().await;
             // Two segments prepared (tail and next); fill the rest of the disk.
-            fs.write_file(&filler, &vec![0u8; (3 * segment - fs.used_bytes()) as usize]);
+            fs.write_file(
+                &filler,
+                &vec![0u8; (3 * segment - fs.used_bytes()) as usize],
+            );
             let mut result = Ok(());
             for i in 0..20u64 {
                 result = oplog.write(i * 4_096, pattern(i, 4_096)).await;
@@ -1059,7 +1128,11 @@ mod oplog {
         run_local(async {
             let fs = fresh(23);
             // One segment holds the three records with room to spare.
-            let config = config(&log_dir(), 4 * segment_for_batches(4), segment_for_batches(4));
+            let config = config(
+                &log_dir(),
+                4 * segment_for_batches(4),
+                segment_for_batches(4),
+            );
             let mut store = Store::default();
             let last = {
                 let oplog = open_clean(&fs, config.clone()).await;
@@ -1079,7 +1152,10 @@ mod oplog {
                 last.unwrap()
             };
             let oplog = open_clean(&fs, config.clone()).await;
-            assert!(oplog.is_empty(), "drained records whose segment was freed stay gone");
+            assert!(
+                oplog.is_empty(),
+                "drained records whose segment was freed stay gone"
+            );
             let seq = oplog
                 .try_append(Append::Write {
                     offset: 0,
@@ -1090,7 +1166,10 @@ mod oplog {
             oplog.idle().await;
             drop(oplog);
             let oplog = open_clean(&fs, config.clone()).await;
-            assert_eq!(read_data(&oplog, 0, 4_096).await, pattern(50, 4_096).to_vec());
+            assert_eq!(
+                read_data(&oplog, 0, 4_096).await,
+                pattern(50, 4_096).to_vec()
+            );
             for i in 1..3u64 {
                 assert_eq!(
                     kinds(&oplog.lookup(i * 4_096, 4_096)),
@@ -1102,7 +1181,10 @@ mod oplog {
             let mut previous = seq;
             for round in 0..6u64 {
                 for i in 0..3u64 {
-                    oplog.write(i * 4_096, pattern(round * 10 + i, 4_096)).await.unwrap();
+                    oplog
+                        .write(i * 4_096, pattern(round * 10 + i, 4_096))
+                        .await
+                        .unwrap();
                 }
                 drain_all(&oplog, &mut store).await;
                 let seq = oplog
@@ -1124,7 +1206,10 @@ mod oplog {
                 })
                 .unwrap();
             assert!(seq > previous, "{seq} after {previous}");
-            assert!(oplog.lookup(4_096, 8_192).iter().all(|p| p.source != PieceSource::Zero));
+            assert!(oplog
+                .lookup(4_096, 8_192)
+                .iter()
+                .all(|p| p.source != PieceSource::Zero));
         });
     }
 
@@ -1134,7 +1219,7 @@ mod oplog {
             let fs = fresh(24);
             let config = corruption_config();
             let first = forty_batches(&fs, &config).await;
-            fs.corrupt(&first, batch_pos(1) + PAYLOAD_AT + 5_000 % 4_096, 0x01);
+            fs.corrupt(&first, batch_pos(1) + PAYLOAD_AT + 904, 0x01);
             let (oplog, report) = open_report(&fs, config.clone()).await;
             assert_eq!(report.lost.len(), 1);
             let mut store = Store::default();
@@ -1228,7 +1313,10 @@ mod oplog {
             let mut expected = pattern(1, 5_000).to_vec();
             expected[1_000..3_000].copy_from_slice(&pattern(3, 2_000));
             assert_eq!(read_data(&oplog, 0, 5_000).await, expected);
-            assert_eq!(kinds(&oplog.lookup(10_000, 3_000)), vec![(10_000, 3_000, "zero")]);
+            assert_eq!(
+                kinds(&oplog.lookup(10_000, 3_000)),
+                vec![(10_000, 3_000, "zero")]
+            );
             assert!(matches!(
                 oplog.write(0, pattern(9, 10)).await,
                 Err(OplogError::ReadOnly { version: 2, .. })
@@ -1275,7 +1363,8 @@ mod oplog {
         run_local(async {
             let fs = fresh(28);
             let good = config(&log_dir(), 8 * MIB, MIB);
-            let cases: Vec<Box<dyn Fn(&mut OplogConfig)>> = vec![
+            type Change = Box<dyn Fn(&mut OplogConfig)>;
+            let cases: Vec<Change> = vec![
                 Box::new(|c| c.segment_bytes = 1_000_000),
                 Box::new(|c| c.segment_bytes = 16 * 1024),
                 Box::new(|c| c.capacity_bytes = c.segment_bytes),

@@ -26,7 +26,7 @@ mod oplog {
     use std::time::{Duration, Instant};
 
     const SLOTS: u64 = 32;
-    const WRITERS: u64 = 4;
+    const WRITERS: u64 = 8;
 
     /// Each slot is a disjoint range with its own unaligned offset and length.
     fn slot_range(slot: u64) -> (u64, u64) {
@@ -47,7 +47,11 @@ mod oplog {
 
     /// Writes `data` at `offset` of a file that takes aligned writes only (read, modify, write
     /// the enclosing blocks).
-    async fn write_unaligned<D: DiskFile>(file: &D, offset: u64, data: &[u8]) -> std::io::Result<()> {
+    async fn write_unaligned<D: DiskFile>(
+        file: &D,
+        offset: u64,
+        data: &[u8],
+    ) -> std::io::Result<()> {
         let start = offset / 4_096 * 4_096;
         let end = (offset + data.len() as u64).div_ceil(4_096) * 4_096;
         let mut buf = vec![0u8; (end - start) as usize];
@@ -161,7 +165,12 @@ mod oplog {
     }
 
     /// The engine's drain: copy (or mark lost), sync the store, then tell the log.
-    async fn drainer(oplog: Oplog<TestFs>, store: Rc<<TestFs as Filesystem>::File>, seed: u64, done: Rc<Cell<bool>>) {
+    async fn drainer(
+        oplog: Oplog<TestFs>,
+        store: Rc<<TestFs as Filesystem>::File>,
+        seed: u64,
+        done: Rc<Cell<bool>>,
+    ) {
         let mut rng = Rng::new(seed);
         while !done.get() {
             for _ in 0..rng.below(60) {
@@ -204,7 +213,8 @@ mod oplog {
         seen: Rc<RefCell<Seen>>,
     ) -> TestFs {
         let mut rng = Rng::new(seed * 31 + epoch);
-        fs.set_yields(3);
+        // Long enough in flight that cuts often land in the middle of writes.
+        fs.set_yields_range(1, 8);
         let (oplog, report) = Oplog::open(fs.clone(), crash_config())
             .await
             .unwrap_or_else(|e| panic!("seed {seed} epoch {epoch}: replay failed: {e}"));
@@ -225,7 +235,12 @@ mod oplog {
         // Run until a power cut somewhere in the next few thousand operations.
         fs.cut_power_at(fs.ops() + 1 + rng.below(2_500));
         let done = Rc::new(Cell::new(false));
-        let drain = tokio::task::spawn_local(drainer(oplog.clone(), store.clone(), rng.next(), done.clone()));
+        let drain = tokio::task::spawn_local(drainer(
+            oplog.clone(),
+            store.clone(),
+            rng.next(),
+            done.clone(),
+        ));
         let writers: Vec<_> = (0..WRITERS)
             .map(|w| {
                 let gens = 10 + rng.below(20);
@@ -240,7 +255,10 @@ mod oplog {
             })
             .collect();
         for writer in writers {
-            if tokio::time::timeout(Duration::from_secs(60), writer).await.is_err() {
+            if tokio::time::timeout(Duration::from_secs(60), writer)
+                .await
+                .is_err()
+            {
                 panic!(
                     "{context}: a writer hung (power cut: {}; needs_drain {}; usage {}; segments {:?})",
                     fs.is_cut(),
@@ -297,7 +315,9 @@ mod oplog {
                 for slot in 0..SLOTS {
                     let (offset, length) = slot_range(slot);
                     let got = read_vdisk(&oplog, &store, offset, length).await;
-                    expect.borrow().check(slot, &got, &format!("seed {seed} final"));
+                    expect
+                        .borrow()
+                        .check(slot, &got, &format!("seed {seed} final"));
                     seen.push(got);
                 }
                 while !oplog.is_empty() {
@@ -314,7 +334,10 @@ mod oplog {
                     let (offset, length) = slot_range(slot);
                     let mut got = vec![0u8; length as usize];
                     store.read_at(&mut got, offset).await.unwrap();
-                    assert_eq!(got, seen[slot as usize], "seed {seed}: slot {slot} after the drain");
+                    assert_eq!(
+                        got, seen[slot as usize],
+                        "seed {seed}: slot {slot} after the drain"
+                    );
                 }
             });
         }
@@ -323,7 +346,10 @@ mod oplog {
             "{seeds} seeds: {} torn tails cut off, {} header copies repaired",
             seen.torn, seen.repaired
         );
-        assert!(seen.torn > 0, "the power cuts never tore a batch: the test is too gentle");
+        assert!(
+            seen.torn > 0,
+            "the power cuts never tore a batch: the test is too gentle"
+        );
     }
 
     const CHILD_ENV: &str = "ASHLAR_OPLOG_CRASH_CHILD";
@@ -386,7 +412,10 @@ mod oplog {
             let items = oplog.drain_batch(64 << 10);
             for item in &items {
                 let data = oplog.read_drain_item(item).await.expect("read drain item");
-                store.write_at(&data, item.offset).await.expect("store write");
+                store
+                    .write_at(&data, item.offset)
+                    .await
+                    .expect("store write");
             }
             store.sync_data().await.expect("store sync");
             oplog.complete_drain(&items);
@@ -463,7 +492,10 @@ mod oplog {
             let items = oplog.drain_batch(u64::MAX);
             for item in &items {
                 let data = oplog.read_drain_item(item).await.expect("read drain item");
-                store.write_at(&data, item.offset).await.expect("store write");
+                store
+                    .write_at(&data, item.offset)
+                    .await
+                    .expect("store write");
             }
             store.sync_data().await.expect("store sync");
             oplog.complete_drain(&items);

@@ -212,7 +212,12 @@ mod oplog {
             let data = pattern(seed, len as usize);
             (0..data.len())
                 .step_by(max)
-                .map(move |at| (offset + at as u64, data.slice(at..(at + max).min(data.len()))))
+                .map(move |at| {
+                    (
+                        offset + at as u64,
+                        data.slice(at..(at + max).min(data.len())),
+                    )
+                })
                 .collect::<Vec<_>>()
         });
         for (offset, data) in parts {

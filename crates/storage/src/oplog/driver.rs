@@ -15,17 +15,17 @@
 //! Batches finish in any order but are resolved from the front of the window only (see
 //! `State::resolve_finished`): a later batch never becomes visible before an earlier one.
 
+use super::buf::AlignedBuf;
 use super::error::{Failure, OplogError};
 use super::files;
-use super::format::{BatchHeader, RecordKind, SegmentHeader, SegmentState, TableEntry, BLOCK_BYTES, SEGMENT_HEADER_BYTES};
+use super::format::{
+    BatchHeader, RecordKind, SegmentHeader, SegmentState, TableEntry, BLOCK_BYTES,
+    SEGMENT_HEADER_BYTES,
+};
 use super::state::{
-    Handle, Inflight, OpenBatch, Recovery, Segment, SegmentKind, Spare, State, Supply,
-    IndexUpdate,
+    Handle, IndexUpdate, Inflight, OpenBatch, Recovery, Segment, SegmentKind, Spare, State, Supply,
 };
-use super::buf::AlignedBuf;
-use super::{
-    Append, Backpressure, DrainItem, Inner, OplogEvent, SegmentId, Seq, TryAppendError,
-};
+use super::{Append, Backpressure, DrainItem, Inner, OplogEvent, SegmentId, Seq, TryAppendError};
 use crate::fs::{DiskFile, Filesystem};
 use std::future::Future;
 use std::io;
@@ -201,10 +201,7 @@ impl<F: Filesystem> Inner<F> {
         let (segment, pos, prev) = (*segment, *pos, *prev);
         let number = state.next_batch;
         state.next_batch += 1;
-        let first_seq = state
-            .open
-            .seqs()
-            .map_or(state.next_seq, |seqs| seqs.start);
+        let first_seq = state.open.seqs().map_or(state.next_seq, |seqs| seqs.start);
         let seg = state
             .segments
             .get(&segment)
@@ -282,8 +279,7 @@ impl<F: Filesystem> Inner<F> {
     }
 
     fn schedule_supply(&self, state: &mut State<F::File>) {
-        if state.legacy.is_some() || state.next.is_some() || !matches!(state.supply, Supply::Idle)
-        {
+        if state.legacy.is_some() || state.next.is_some() || !matches!(state.supply, Supply::Idle) {
             return;
         }
         if let Some(spare) = state.take_usable_spare() {
@@ -647,7 +643,8 @@ fn build_batch(
             length: r.header.length,
         })
         .collect();
-    let mut head = Vec::with_capacity(super::format::batch_header_bytes(table.len() as u64) as usize);
+    let mut head =
+        Vec::with_capacity(super::format::batch_header_bytes(table.len() as u64) as usize);
     header.encode(&table, &mut head);
     let mut buf = AlignedBuf::zeroed(u64::from(header.bytes));
     let out = buf.as_mut_slice();
@@ -655,7 +652,11 @@ fn build_batch(
     let mut at = head.len();
     let mut updates = Vec::with_capacity(open.records.len());
     for record in &open.records {
-        updates.push(IndexUpdate::for_record(&record.header, segment, pos + at as u64));
+        updates.push(IndexUpdate::for_record(
+            &record.header,
+            segment,
+            pos + at as u64,
+        ));
         out[at..at + super::format::RECORD_HEADER_BYTES as usize]
             .copy_from_slice(&record.header.encode());
         at += super::format::RECORD_HEADER_BYTES as usize;
@@ -668,6 +669,9 @@ fn build_batch(
             at += record.payload.len();
         }
     }
-    assert!(at as u64 <= u64::from(header.bytes), "batch overflows its length");
+    assert!(
+        at as u64 <= u64::from(header.bytes),
+        "batch overflows its length"
+    );
     (buf, updates)
 }

@@ -111,7 +111,8 @@ pub(super) async fn write_header_slot<F: DiskFile>(
 ) -> io::Result<()> {
     let mut block = AlignedBuf::zeroed(BLOCK_BYTES);
     block.as_mut_slice().copy_from_slice(&header.encode());
-    file.write_durable_at(block.as_slice(), slot * BLOCK_BYTES).await
+    file.write_durable_at(block.as_slice(), slot * BLOCK_BYTES)
+        .await
 }
 
 /// The block of a seal.

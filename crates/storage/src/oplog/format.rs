@@ -107,7 +107,10 @@ impl SegmentHeader {
     /// Parses one slot; the error says why the bytes are not a valid slot.
     pub fn decode(bytes: &[u8]) -> Result<SegmentHeader, String> {
         if bytes.len() < 64 {
-            return Err(format!("{} bytes, too few for a segment header", bytes.len()));
+            return Err(format!(
+                "{} bytes, too few for a segment header",
+                bytes.len()
+            ));
         }
         let magic = le_u32(bytes, 0);
         if magic != SEGMENT_MAGIC {
@@ -265,7 +268,9 @@ impl BatchHeader {
         let stored = le_u32(bytes, BATCH_CRC_AT);
         let crc = batch_crc(&bytes[..header_len as usize]);
         if stored != crc {
-            return Err(format!("batch header crc {stored:#010x} != computed {crc:#010x}"));
+            return Err(format!(
+                "batch header crc {stored:#010x} != computed {crc:#010x}"
+            ));
         }
         let flags = bytes[5];
         if flags > 1 || bytes[6..8] != [0, 0] {
@@ -307,8 +312,10 @@ impl BatchHeader {
     /// Rejects headers this code never writes, so a lucky CRC on garbage indexes nothing.
     fn check_consistency(&self, table: &[TableEntry]) -> Result<(), String> {
         let bytes = u64::from(self.bytes);
-        if bytes == 0 || bytes % BLOCK_BYTES != 0 {
-            return Err(format!("batch length {bytes} is not a positive multiple of 4 KiB"));
+        if bytes == 0 || !bytes.is_multiple_of(BLOCK_BYTES) {
+            return Err(format!(
+                "batch length {bytes} is not a positive multiple of 4 KiB"
+            ));
         }
         if self.window == 0 || self.number < self.segment_first_batch {
             return Err(format!(
@@ -385,7 +392,10 @@ impl RecordHeader {
     /// Parses and validates a record header; the error says why the bytes are not one.
     pub fn decode(bytes: &[u8]) -> Result<RecordHeader, String> {
         if bytes.len() < RECORD_HEADER_BYTES as usize {
-            return Err(format!("{} bytes, too few for a record header", bytes.len()));
+            return Err(format!(
+                "{} bytes, too few for a record header",
+                bytes.len()
+            ));
         }
         let magic = le_u32(bytes, 0);
         if magic != RECORD_MAGIC {
@@ -394,7 +404,9 @@ impl RecordHeader {
         let stored = le_u32(bytes, RECORD_CRC_AT);
         let crc = crc32c::crc32c(&bytes[..RECORD_CRC_AT]);
         if stored != crc {
-            return Err(format!("record header crc {stored:#010x} != computed {crc:#010x}"));
+            return Err(format!(
+                "record header crc {stored:#010x} != computed {crc:#010x}"
+            ));
         }
         if bytes[4] != VERSION {
             return Err(format!("unsupported record version {}", bytes[4]));
@@ -642,7 +654,10 @@ mod tests {
     fn segment_names_round_trip() {
         let path = segment_path(Path::new("/x"), 42);
         assert_eq!(path, Path::new("/x/seg-00000000000000000042.oplog"));
-        assert_eq!(parse_segment_name("seg-00000000000000000042.oplog"), Some(42));
+        assert_eq!(
+            parse_segment_name("seg-00000000000000000042.oplog"),
+            Some(42)
+        );
         assert_eq!(parse_segment_name("00000000000000000042.oplog"), None);
         assert_eq!(parse_segment_name("seg-42.oplog"), None);
     }

@@ -144,7 +144,10 @@ pub(super) async fn replay<F: Filesystem>(
                 ),
             });
         }
-        let file = fs.open(&path, false).await.map_err(|e| io_error(&path, e))?;
+        let file = fs
+            .open(&path, false)
+            .await
+            .map_err(|e| io_error(&path, e))?;
         let len = file.len().await.map_err(|e| io_error(&path, e))?;
         let segment = SegmentId(id);
         let scanned = scan_segment(&file, &path, segment, len, last, &mut state.index).await?;
@@ -272,7 +275,10 @@ async fn read_record<D: DiskFile>(
     verify_payload: bool,
 ) -> io::Result<Result<Header, String>> {
     if len - pos < HEADER_BYTES {
-        return Ok(Err(format!("{} bytes left, too few for a header", len - pos)));
+        return Ok(Err(format!(
+            "{} bytes left, too few for a header",
+            len - pos
+        )));
     }
     let header = match Header::decode(window.get(file, pos, HEADER_BYTES, len).await?) {
         Ok(header) => header,
@@ -286,7 +292,12 @@ async fn read_record<D: DiskFile>(
     }
     if verify_payload && header.kind == RecordKind::Write {
         let body = window
-            .get(file, pos + HEADER_BYTES, header.record_bytes() - HEADER_BYTES, len)
+            .get(
+                file,
+                pos + HEADER_BYTES,
+                header.record_bytes() - HEADER_BYTES,
+                len,
+            )
             .await?;
         let split = (header.payload_start() - HEADER_BYTES) as usize;
         let (crcs, payload) = body.split_at(split);
@@ -308,7 +319,13 @@ struct Window {
 }
 
 impl Window {
-    async fn get<D: DiskFile>(&mut self, file: &D, pos: u64, n: u64, len: u64) -> io::Result<&[u8]> {
+    async fn get<D: DiskFile>(
+        &mut self,
+        file: &D,
+        pos: u64,
+        n: u64,
+        len: u64,
+    ) -> io::Result<&[u8]> {
         let cached_end = self.start + self.data.len() as u64;
         if pos < self.start || pos + n > cached_end {
             let want = n.max(WINDOW_BYTES).min(len - pos);

@@ -113,7 +113,8 @@ impl OplogConfig {
 
     fn validate(&self) -> Result<(), OplogError> {
         let fail = |reason: String| Err(OplogError::InvalidConfig { reason });
-        if self.segment_bytes % BLOCK_BYTES != 0 || self.segment_bytes < MIN_SEGMENT_BYTES {
+        if !self.segment_bytes.is_multiple_of(BLOCK_BYTES) || self.segment_bytes < MIN_SEGMENT_BYTES
+        {
             return fail(format!(
                 "segment_bytes {} must be a multiple of 4 KiB and at least {MIN_SEGMENT_BYTES}",
                 self.segment_bytes
@@ -125,7 +126,7 @@ impl OplogConfig {
                 self.capacity_bytes, self.segment_bytes
             ));
         }
-        if self.max_batch_bytes % BLOCK_BYTES != 0
+        if !self.max_batch_bytes.is_multiple_of(BLOCK_BYTES)
             || self.max_batch_bytes < MIN_BATCH_BYTES
             || self.max_batch_bytes > max_batch_for(self.segment_bytes)
             || self.max_batch_bytes > u64::from(u32::MAX) / BLOCK_BYTES * BLOCK_BYTES
@@ -611,7 +612,13 @@ impl<F: Filesystem> Oplog<F> {
             }
             PieceSource::Data { location } => {
                 self.inner
-                    .read_data(location.segment, location.seq, &location.data, piece.offset, buf)
+                    .read_data(
+                        location.segment,
+                        location.seq,
+                        &location.data,
+                        piece.offset,
+                        buf,
+                    )
                     .await
             }
             PieceSource::Lost { location } => Err(self.inner.lost_error(
@@ -673,7 +680,13 @@ impl<F: Filesystem> Oplog<F> {
         match &item.target.kind {
             TargetKind::Data(data) => {
                 self.inner
-                    .read_data(item.target.segment, item.target.seq, data, item.offset, &mut buf)
+                    .read_data(
+                        item.target.segment,
+                        item.target.seq,
+                        data,
+                        item.offset,
+                        &mut buf,
+                    )
                     .await?
             }
             TargetKind::Zero => {}
@@ -765,7 +778,13 @@ impl<F: Filesystem> Inner<F> {
     }
 
     /// The error a read of a lost range returns (`Stale` if its record was freed meanwhile).
-    fn lost_error(&self, segment: SegmentId, lost: &LostLoc, offset: u64, length: u64) -> OplogError {
+    fn lost_error(
+        &self,
+        segment: SegmentId,
+        lost: &LostLoc,
+        offset: u64,
+        length: u64,
+    ) -> OplogError {
         let Some(handle) = self.state.borrow().handle(segment) else {
             return OplogError::Stale { offset, length };
         };

@@ -91,7 +91,10 @@ struct Scan<F> {
 enum Unit {
     Batch(Scanned),
     /// No batch of this incarnation starts in `[start, end)`.
-    Gap { start: u64, end: u64 },
+    Gap {
+        start: u64,
+        end: u64,
+    },
 }
 
 /// A batch whose header checked out.
@@ -232,8 +235,12 @@ pub(super) async fn replay<F: Filesystem>(
                 first_batch,
             };
             match (tear, chain_end) {
-                (Some((tsi, pos, _)), _) if tsi == si => seal_at = Some((scan.id, pos, segment.first_batch)),
-                (None, Some((csi, _, false))) if csi == si && scan.info.len == config.segment_bytes => {
+                (Some((tsi, pos, _)), _) if tsi == si => {
+                    seal_at = Some((scan.id, pos, segment.first_batch))
+                }
+                (None, Some((csi, _, false)))
+                    if csi == si && scan.info.len == config.segment_bytes =>
+                {
                     // A clean end: appends continue right after it.
                     segment.closed = false;
                     state.tail = Some(scan.id);
@@ -582,7 +589,10 @@ fn check_payload(header: RecordHeader, record: &[u8]) -> RecordStatus {
         return RecordStatus::Good(header);
     }
     let split = payload_start(header.chunks) as usize;
-    let bad = bad_chunks(&record[RECORD_HEADER_BYTES as usize..split], &record[split..]);
+    let bad = bad_chunks(
+        &record[RECORD_HEADER_BYTES as usize..split],
+        &record[split..],
+    );
     if bad.is_empty() {
         RecordStatus::Good(header)
     } else {
@@ -731,15 +741,31 @@ impl<'a, F: DiskFile> Walk<'a, F> {
             .max()
             .unwrap_or(0)
             .min(last_missing);
-        let earlier: Vec<usize> = gaps.iter().copied().filter(|&g| self.flat[g].0 < si).collect();
-        let own: Vec<usize> = gaps.iter().copied().filter(|&g| self.flat[g].0 == si).collect();
+        let earlier: Vec<usize> = gaps
+            .iter()
+            .copied()
+            .filter(|&g| self.flat[g].0 < si)
+            .collect();
+        let own: Vec<usize> = gaps
+            .iter()
+            .copied()
+            .filter(|&g| self.flat[g].0 == si)
+            .collect();
         let mut next = self.expected.unwrap_or(sfb);
         let mut stop = None;
         if next < sfb {
             let through = vouched.min(sfb - 1);
             if through >= next {
                 stop = self
-                    .recover(&earlier, next, through, self.min_seq, h.first_seq, (si, b.pos), floors)
+                    .recover(
+                        &earlier,
+                        next,
+                        through,
+                        self.min_seq,
+                        h.first_seq,
+                        (si, b.pos),
+                        floors,
+                    )
                     .await?;
                 next = through + 1;
             }
@@ -875,7 +901,9 @@ impl<'a, F: DiskFile> Walk<'a, F> {
         let segment = scan.id;
         let entry = record.entry;
         match &record.status {
-            RecordStatus::Good(h) => IndexUpdate::for_record(h, segment, record.at).apply(&mut self.index),
+            RecordStatus::Good(h) => {
+                IndexUpdate::for_record(h, segment, record.at).apply(&mut self.index)
+            }
             RecordStatus::BadChunks(h, bad) => {
                 IndexUpdate::for_record(h, segment, record.at).apply(&mut self.index);
                 let payload_at = record.at + payload_start(h.chunks);
@@ -889,7 +917,15 @@ impl<'a, F: DiskFile> Walk<'a, F> {
                     let start = h.offset + bad[i] * CHUNK_BYTES;
                     let end = (h.offset + (bad[j] + 1) * CHUNK_BYTES).min(h.offset + h.length);
                     let file_offset = payload_at + bad[i] * CHUNK_BYTES;
-                    self.lose(path, segment, h.seq, start, end, file_offset, LostCause::PayloadChunk);
+                    self.lose(
+                        path,
+                        segment,
+                        h.seq,
+                        start,
+                        end,
+                        file_offset,
+                        LostCause::PayloadChunk,
+                    );
                     i = j + 1;
                 }
             }
@@ -937,7 +973,8 @@ impl<'a, F: DiskFile> Walk<'a, F> {
         file_offset: u64,
         cause: LostCause,
     ) {
-        IndexUpdate::lost(start, end, seq, segment, LostLoc { file_offset, cause }).apply(&mut self.index);
+        IndexUpdate::lost(start, end, seq, segment, LostLoc { file_offset, cause })
+            .apply(&mut self.index);
         self.lost.push(LostRange {
             offset: start,
             length: end - start,
@@ -970,14 +1007,18 @@ async fn recover_batch<D: DiskFile>(
         return Ok(None);
     }
     let max_count = (room - BATCH_FIXED_BYTES - RECORD_HEADER_BYTES) / (24 + RECORD_HEADER_BYTES);
-    let claimed = u64::from(super::format::le_u32(reader.get(pos, BATCH_FIXED_BYTES).await?, 56));
+    let claimed = u64::from(super::format::le_u32(
+        reader.get(pos, BATCH_FIXED_BYTES).await?,
+        56,
+    ));
     let candidates = std::iter::once(claimed)
         .filter(|&c| (1..=max_count).contains(&c))
         .chain((1..=max_count).filter(|&c| c != claimed));
     for count in candidates {
         let first_at = pos + batch_header_bytes(count);
         // Cheap filter before walking: a record header must start there.
-        let Ok(first) = RecordHeader::decode(reader.get(first_at, RECORD_HEADER_BYTES).await?) else {
+        let Ok(first) = RecordHeader::decode(reader.get(first_at, RECORD_HEADER_BYTES).await?)
+        else {
             continue;
         };
         if first.seq < min_seq || first.seq >= below_seq {
@@ -1053,7 +1094,11 @@ impl<'a, D: DiskFile> Reader<'a, D> {
 
     /// `[pos, pos+n)`, which must lie within the first `len` bytes of the file.
     async fn get(&mut self, pos: u64, n: u64) -> io::Result<&[u8]> {
-        assert!(pos + n <= self.len, "read of {n} bytes at {pos} past {}", self.len);
+        assert!(
+            pos + n <= self.len,
+            "read of {n} bytes at {pos} past {}",
+            self.len
+        );
         let cached_end = self.start + self.data.len() as u64;
         if pos < self.start || pos + n > cached_end {
             let start = pos / BLOCK_BYTES * BLOCK_BYTES;

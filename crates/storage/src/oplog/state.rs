@@ -8,9 +8,7 @@
 //! `spares` for activation.
 
 use super::error::Failure;
-use super::format::{
-    batch_header_bytes, pad_to_block, RecordHeader, RecordKind, BLOCK_BYTES,
-};
+use super::format::{batch_header_bytes, pad_to_block, RecordHeader, RecordKind, BLOCK_BYTES};
 use super::index::{DataLoc, Index, LostLoc, Target, TargetKind};
 use super::{
     Append, Backpressure, OplogConfig, OplogError, OplogEvent, SegmentId, Seq, TryAppendError,
@@ -323,11 +321,7 @@ impl<F> State<F> {
     }
 
     /// Takes a record into the pending batch, or says why not.
-    pub fn admit(
-        &mut self,
-        config: &OplogConfig,
-        append: &Append,
-    ) -> Result<Seq, TryAppendError> {
+    pub fn admit(&mut self, config: &OplogConfig, append: &Append) -> Result<Seq, TryAppendError> {
         let (kind, offset, length) = append.parts();
         super::check_range(offset, length)?;
         if kind == RecordKind::Write && length > config.max_write_bytes() {
@@ -369,13 +363,11 @@ impl<F> State<F> {
             self.refused = true;
             return Err(TryAppendError::Backpressure(Backpressure::BatchFull));
         }
-        if !self.can_place(config, batch_bytes) {
-            if self.retire_error.take().is_none() {
-                self.wants_space = true;
-                return Err(TryAppendError::Backpressure(Backpressure::Full));
-            }
-            // Freeing a segment failed: this append retries it and waits for the retry; if
-            // it fails again, the pending records fail (an error, never a silent wait).
+        // Freeing a segment failed: this append retries it and waits for the retry; if it
+        // fails again, the pending records fail (an error, never a silent wait).
+        if !self.can_place(config, batch_bytes) && self.retire_error.take().is_none() {
+            self.wants_space = true;
+            return Err(TryAppendError::Backpressure(Backpressure::Full));
         }
         let seq = self.next_seq;
         self.next_seq += 1;
@@ -535,7 +527,12 @@ impl<F> State<F> {
 
     pub fn usage_bytes(&self) -> u64 {
         let segments: u64 = self.segments.values().map(|s| s.end).sum();
-        segments + if self.open.records.is_empty() { 0 } else { self.open.bytes() }
+        segments
+            + if self.open.records.is_empty() {
+                0
+            } else {
+                self.open.bytes()
+            }
     }
 
     /// The oldest segment, if it may be freed now (rule 2): it holds no live entry and no
@@ -574,9 +571,10 @@ impl<F> State<F> {
     /// A spare file that may be activated now: not read by anyone, and not the file of a
     /// segment the current drain batch still reads.
     pub fn take_usable_spare(&mut self) -> Option<Spare<F>> {
-        let at = self.spares.iter().position(|s| {
-            s.handle.readers.get() == 0 && !self.drain_pinned.contains(&s.last_id)
-        })?;
+        let at = self
+            .spares
+            .iter()
+            .position(|s| s.handle.readers.get() == 0 && !self.drain_pinned.contains(&s.last_id))?;
         Some(self.spares.swap_remove(at))
     }
 }

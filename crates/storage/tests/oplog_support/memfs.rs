@@ -25,6 +25,9 @@ use std::rc::Rc;
 
 const BLOCK: u64 = 4096;
 
+/// Decides which operations fail.
+type FaultFn = Box<dyn FnMut(&FaultOp) -> bool>;
+
 /// What an operation is, for fault predicates.
 #[derive(Clone, Debug)]
 pub struct FaultOp {
@@ -160,7 +163,7 @@ struct Disk {
     dead: bool,
     /// Woken when the power is cut.
     cut: Rc<tokio::sync::Notify>,
-    fault: Option<Box<dyn FnMut(&FaultOp) -> bool>>,
+    fault: Option<FaultFn>,
     durable_writes: u64,
     syncs: u64,
     /// Durable writes under way at offsets at or above `track_from`, and the most seen.
@@ -495,7 +498,9 @@ pub struct MemFile {
 
 impl MemFile {
     fn check_aligned(&self, offset: u64, len: usize) -> io::Result<()> {
-        if offset % DIRECT_IO_ALIGNMENT_BYTES != 0 || len as u64 % DIRECT_IO_ALIGNMENT_BYTES != 0 {
+        if !offset.is_multiple_of(DIRECT_IO_ALIGNMENT_BYTES)
+            || !(len as u64).is_multiple_of(DIRECT_IO_ALIGNMENT_BYTES)
+        {
             return Err(err(libc::EINVAL));
         }
         Ok(())
@@ -595,7 +600,8 @@ impl DiskFile for MemFile {
     }
 
     async fn punch_hole(&self, offset: u64, length: u64) -> io::Result<()> {
-        self.fs.begin(OpKind::PunchHole, &self.path, offset, length)?;
+        self.fs
+            .begin(OpKind::PunchHole, &self.path, offset, length)?;
         let mut disk = self.fs.disk.borrow_mut();
         let data = disk.files.get_mut(&self.ino).expect("inode");
         let end = ((offset + length) as usize).min(data.live.len());
@@ -607,7 +613,8 @@ impl DiskFile for MemFile {
     }
 
     async fn allocate(&self, offset: u64, length: u64) -> io::Result<()> {
-        self.fs.begin(OpKind::Allocate, &self.path, offset, length)?;
+        self.fs
+            .begin(OpKind::Allocate, &self.path, offset, length)?;
         self.reserve(offset + length)?;
         {
             let mut disk = self.fs.disk.borrow_mut();
@@ -702,12 +709,9 @@ impl Filesystem for MemFs {
         }
         // Name changes are applied in order; every one up to the last in `dir` becomes
         // durable (a journal commits in order).
-        let last = disk
-            .pending_dir
-            .iter()
-            .rposition(|op| match op {
-                DirOp::Link(p, _) | DirOp::Unlink(p) => p.parent() == Some(dir),
-            });
+        let last = disk.pending_dir.iter().rposition(|op| match op {
+            DirOp::Link(p, _) | DirOp::Unlink(p) => p.parent() == Some(dir),
+        });
         if let Some(last) = last {
             let ops: Vec<DirOp> = disk.pending_dir.drain(..=last).collect();
             for op in ops {
@@ -727,7 +731,10 @@ impl Filesystem for MemFs {
     async fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
         self.begin(OpKind::Rename, from, 0, 0)?;
         let mut disk = self.disk.borrow_mut();
-        let ino = disk.live_names.remove(from).ok_or_else(|| err(libc::ENOENT))?;
+        let ino = disk
+            .live_names
+            .remove(from)
+            .ok_or_else(|| err(libc::ENOENT))?;
         disk.live_names.insert(to.to_path_buf(), ino);
         disk.pending_dir.push(DirOp::Unlink(from.to_path_buf()));
         disk.pending_dir.push(DirOp::Link(to.to_path_buf(), ino));
@@ -737,7 +744,9 @@ impl Filesystem for MemFs {
     async fn remove_file(&self, path: &Path) -> io::Result<()> {
         self.begin(OpKind::Remove, path, 0, 0)?;
         let mut disk = self.disk.borrow_mut();
-        disk.live_names.remove(path).ok_or_else(|| err(libc::ENOENT))?;
+        disk.live_names
+            .remove(path)
+            .ok_or_else(|| err(libc::ENOENT))?;
         disk.pending_dir.push(DirOp::Unlink(path.to_path_buf()));
         Ok(())
     }

@@ -178,7 +178,11 @@ impl Store {
 
 /// Simulates the engine's drain into a byte-map "extent store": copies data and zero items,
 /// records lost ones. Returns how many items it drained.
-pub async fn drain_into<F: Filesystem>(oplog: &Oplog<F>, store: &mut Store, max_bytes: u64) -> usize {
+pub async fn drain_into<F: Filesystem>(
+    oplog: &Oplog<F>,
+    store: &mut Store,
+    max_bytes: u64,
+) -> usize {
     let items = oplog.drain_batch(max_bytes);
     for item in &items {
         match oplog.read_drain_item(item).await {
