@@ -1359,6 +1359,49 @@ mod oplog {
     }
 
     #[test]
+    fn a_changed_segment_size_is_taken_at_reopen() {
+        run_local(async {
+            let fs = fresh(30);
+            let small = config(
+                &log_dir(),
+                8 * segment_for_batches(2),
+                segment_for_batches(2),
+            );
+            let large = config(
+                &log_dir(),
+                8 * segment_for_batches(8),
+                segment_for_batches(8),
+            );
+            {
+                let oplog = open_clean(&fs, small.clone()).await;
+                write_blocks(&oplog, 5).await;
+            }
+            let oplog = open_clean(&fs, large.clone()).await;
+            check_blocks(&oplog, 0..5).await;
+            for i in 5..30u64 {
+                oplog.write(i * 4_096, pattern(i, 4_096)).await.unwrap();
+            }
+            let mut store = Store::default();
+            drain_all(&oplog, &mut store).await;
+            oplog.write(0, pattern(77, 4_096)).await.unwrap();
+            oplog.idle().await;
+            drop(oplog);
+            let oplog = open_clean(&fs, large).await;
+            assert_eq!(
+                read_data(&oplog, 0, 4_096).await,
+                pattern(77, 4_096).to_vec()
+            );
+            for path in segment_files(&fs) {
+                assert_eq!(
+                    fs.read_file(&path).len() as u64,
+                    segment_for_batches(8),
+                    "files of the old size are gone once freed"
+                );
+            }
+        });
+    }
+
+    #[test]
     fn bad_configurations_are_refused() {
         run_local(async {
             let fs = fresh(28);

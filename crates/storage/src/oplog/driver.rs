@@ -282,7 +282,7 @@ impl<F: Filesystem> Inner<F> {
         if state.legacy.is_some() || state.next.is_some() || !matches!(state.supply, Supply::Idle) {
             return;
         }
-        if let Some(spare) = state.take_usable_spare() {
+        if let Some(spare) = state.take_usable_spare(&self.config) {
             let id = SegmentId(state.next_segment_id);
             state.next_segment_id += 1;
             let generation = spare.handle.generation.get() + 1;
@@ -415,7 +415,7 @@ impl<F: Filesystem> Inner<F> {
             } => self.sealed(state, segment, number, path, result),
             Done::Prepared { result } => match result {
                 Ok(handle) => {
-                    state.spares.push(Spare {
+                    state.add_spare(Spare {
                         handle,
                         last_id: SegmentId(0),
                         len: self.config.segment_bytes,
@@ -461,7 +461,7 @@ impl<F: Filesystem> Inner<F> {
                     let failure = Failure::from_io(&spare.handle.path, &error);
                     // Its header may now be either one; both say it holds nothing live.
                     spare.handle.generation.set(generation);
-                    state.spares.push(spare);
+                    state.add_spare(spare);
                     state.supply = Supply::Failed(failure);
                 }
             },
@@ -478,7 +478,7 @@ impl<F: Filesystem> Inner<F> {
                         tracing::debug!(path = %segment.handle.path.display(), kept, "freed oplog segment {}", id.0);
                         if kept {
                             segment.handle.generation.set(generation);
-                            state.spares.push(Spare {
+                            state.add_spare(Spare {
                                 len: segment.len,
                                 handle: segment.handle,
                                 last_id: id,

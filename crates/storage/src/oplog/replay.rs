@@ -350,7 +350,9 @@ pub(super) async fn replay<F: Filesystem>(
         });
     }
     state.files = state.segments.len() + kept_spares.len();
-    state.spares = kept_spares;
+    for spare in kept_spares {
+        state.add_spare(spare);
+    }
     Ok((state, report))
 }
 

@@ -32,6 +32,8 @@ pub(super) struct FileHandle<F> {
     pub generation: Cell<u64>,
     /// Reads under way (they hold the file across awaits): a file being read is not reused.
     pub readers: Cell<u32>,
+    /// The file is a spare: its last reader wakes the driver, which may be waiting to reuse it.
+    pub spare: Cell<bool>,
 }
 
 pub(super) type Handle<F> = Rc<FileHandle<F>>;
@@ -43,12 +45,13 @@ impl<F> FileHandle<F> {
             path,
             generation: Cell::new(generation),
             readers: Cell::new(0),
+            spare: Cell::new(false),
         })
     }
 }
 
-/// Counts a read of a file while it lives. The last read of a file wakes the log's driver:
-/// a spare file waiting for its readers may now be reused.
+/// Counts a read of a file while it lives. The last read of a spare file wakes the log's
+/// driver: it may be waiting to reuse the file.
 pub(super) struct ReadGuard<F> {
     pub handle: Handle<F>,
     wakers: std::sync::Arc<super::driver::WakerSet>,
@@ -66,7 +69,7 @@ impl<F> Drop for ReadGuard<F> {
         let readers = self.handle.readers.get();
         assert!(readers > 0, "read guard count underflow");
         self.handle.readers.set(readers - 1);
-        if readers == 1 {
+        if readers == 1 && self.handle.spare.get() {
             self.wakers.wake_all();
         }
     }
@@ -397,7 +400,7 @@ impl<F> State<F> {
             || self
                 .spares
                 .iter()
-                .any(|s| !self.drain_pinned.contains(&s.last_id))
+                .any(|s| s.len == config.segment_bytes && !self.drain_pinned.contains(&s.last_id))
             || self.files < config.max_segments()
             || self
                 .retiring
@@ -570,11 +573,22 @@ impl<F> State<F> {
 
     /// A spare file that may be activated now: not read by anyone, and not the file of a
     /// segment the current drain batch still reads.
-    pub fn take_usable_spare(&mut self) -> Option<Spare<F>> {
-        let at = self
-            .spares
-            .iter()
-            .position(|s| s.handle.readers.get() == 0 && !self.drain_pinned.contains(&s.last_id))?;
-        Some(self.spares.swap_remove(at))
+    /// (A spare of another size, left by an older configuration and kept only for its
+    /// floors, is never reused.)
+    pub fn take_usable_spare(&mut self, config: &OplogConfig) -> Option<Spare<F>> {
+        let at = self.spares.iter().position(|s| {
+            s.len == config.segment_bytes
+                && s.handle.readers.get() == 0
+                && !self.drain_pinned.contains(&s.last_id)
+        })?;
+        let spare = self.spares.swap_remove(at);
+        spare.handle.spare.set(false);
+        Some(spare)
+    }
+
+    /// Returns a file to the spare pool.
+    pub fn add_spare(&mut self, spare: Spare<F>) {
+        spare.handle.spare.set(true);
+        self.spares.push(spare);
     }
 }
