@@ -492,14 +492,32 @@ mod oplog {
             let fs = fresh(9);
             let config = corruption_config();
             let first = forty_batches(&fs, &config).await;
-            // In the fixed part, then (another log) in the table.
+            // In the fixed part, then (another batch) in the table; also the first batch of
+            // the oldest segment, the last batch of a segment and the first of the next one.
+            let second = segment_files(&fs)[1].clone();
             fs.corrupt(&first, batch_pos(2) + 20, 0x10);
             fs.corrupt(&first, batch_pos(7) + 72 + 3, 0x10);
+            fs.corrupt(&first, batch_pos(0) + 40, 0x01);
+            fs.corrupt(&first, batch_pos(15) + 33, 0x01);
+            fs.corrupt(&second, batch_pos(0) + 50, 0x01);
             let (oplog, report) = open_report(&fs, config.clone()).await;
             assert!(report.lost.is_empty(), "{report:?}");
-            let damaged: Vec<u64> = report.repaired.iter().map(|d| d.file_offset).collect();
-            assert_eq!(damaged, vec![batch_pos(2), batch_pos(7)]);
-            assert!(report.repaired.iter().all(|d| d.path == first));
+            let mut damaged: Vec<(PathBuf, u64)> = report
+                .repaired
+                .iter()
+                .map(|d| (d.path.clone(), d.file_offset))
+                .collect();
+            damaged.sort();
+            assert_eq!(
+                damaged,
+                vec![
+                    (first.clone(), batch_pos(0)),
+                    (first.clone(), batch_pos(2)),
+                    (first.clone(), batch_pos(7)),
+                    (first.clone(), batch_pos(15)),
+                    (second.clone(), batch_pos(0)),
+                ]
+            );
             check_blocks(&oplog, 0..40).await;
             drop(oplog);
             // Both a batch header and its record's header: the record cannot be located.
