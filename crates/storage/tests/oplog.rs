@@ -312,18 +312,18 @@ mod oplog {
                     }
                     // While appending, take an event only if one is ready (dropping the
                     // future otherwise: next_event is cancel-safe); at the end, wait for them.
-                    let wait = if next < 200 {
-                        Duration::ZERO
-                    } else {
-                        Duration::from_secs(5)
-                    };
-                    let event = match tokio::time::timeout(wait, oplog.next_event()).await {
-                        Ok(event) => event,
-                        Err(_) if next < 200 => {
-                            tokio::task::yield_now().await;
-                            continue;
+                    let event = if next < 200 {
+                        match poll_once(oplog.next_event()).await {
+                            Some(event) => event,
+                            None => {
+                                tokio::task::yield_now().await;
+                                continue;
+                            }
                         }
-                        Err(_) => panic!("no event while records are in flight"),
+                    } else {
+                        tokio::time::timeout(Duration::from_secs(5), oplog.next_event())
+                            .await
+                            .expect("an event while records are in flight")
                     };
                     if let OplogEvent::Durable { through } = event {
                         assert!(Some(through) > durable, "durable goes forward");
@@ -603,6 +603,76 @@ mod oplog {
                 vec![(4 * 4_096, 4_096, "absent")]
             );
         });
+    }
+
+    /// Four batches written while each other were in flight, then nothing: a bad one among
+    /// them is a torn write, and the valid ones after it (never acknowledged: they wait for
+    /// it) go with it. With one more batch written alone afterwards (it vouches for all of
+    /// them), the same damage is corruption.
+    #[test]
+    fn a_bad_batch_inside_the_last_window_is_torn_with_the_batches_after_it() {
+        for vouched in [false, true] {
+            run_local(async move {
+                let fs = fresh(31);
+                fs.set_yields_range(5, 5);
+                let config = corruption_config();
+                let oplog = open_clean(&fs, config.clone()).await;
+                oplog.idle().await;
+                let mut last = None;
+                for i in 0..4u64 {
+                    last = Some(
+                        oplog
+                            .try_append(Append::Write {
+                                offset: i * 4_096,
+                                data: pattern(i, 4_096),
+                            })
+                            .unwrap(),
+                    );
+                    // Submit it now, without waiting for it.
+                    poll_once(oplog.next_event()).await;
+                }
+                while oplog.outcome(last.unwrap()).is_none() {
+                    oplog.next_event().await;
+                }
+                let first = segment_files(&fs)[0].clone();
+                let windows: Vec<u32> = (0..4)
+                    .map(|i| {
+                        let bytes = fs.read_file(&first);
+                        let at = (batch_pos(i) + 64) as usize;
+                        u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap())
+                    })
+                    .collect();
+                assert_eq!(windows, vec![1, 2, 3, 4], "the four batches overlapped");
+                if vouched {
+                    fs.set_yields(0);
+                    oplog.write(10 * 4_096, pattern(10, 4_096)).await.unwrap();
+                }
+                drop(oplog);
+                fs.corrupt(&first, batch_pos(2) + PAYLOAD_AT + 1, 0x20);
+                let (oplog, report) = open_report(&fs, config.clone()).await;
+                check_blocks(&oplog, 0..2).await;
+                if vouched {
+                    assert!(report.torn.is_empty(), "{report:?}");
+                    assert_eq!(report.lost.len(), 1);
+                    assert_eq!(report.lost[0].offset, 2 * 4_096);
+                    check_blocks(&oplog, [3, 10].into_iter()).await;
+                } else {
+                    assert!(report.lost.is_empty(), "{report:?}");
+                    assert_eq!(report.torn.len(), 1);
+                    assert_eq!(report.torn[0].file_offset, batch_pos(2));
+                    assert_eq!(report.torn[0].batches, 2);
+                    for i in 2..4u64 {
+                        assert_eq!(kinds(&oplog.lookup(i * 4_096, 4_096))[0].2, "absent");
+                    }
+                    // Sealed: later writes do not turn the torn batches into corruption.
+                    fs.set_yields(0);
+                    oplog.write(10 * 4_096, pattern(10, 4_096)).await.unwrap();
+                    drop(oplog);
+                    let oplog = open_clean(&fs, config).await;
+                    check_blocks(&oplog, [0, 1, 10].into_iter()).await;
+                }
+            });
+        }
     }
 
     #[test]

@@ -76,7 +76,11 @@ async fn prepare_file<F: Filesystem>(
     header: SegmentHeader,
 ) -> io::Result<Handle<F::File>> {
     let file = fs.open(path, true).await?;
-    file.allocate(0, config.segment_bytes).await?;
+    match file.allocate(0, config.segment_bytes).await {
+        // Some filesystems cannot preallocate; the zero fill below allocates the blocks.
+        Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {}
+        other => other?,
+    }
     let zeros = AlignedBuf::zeroed(ZERO_FILL_BYTES.min(config.segment_bytes));
     let mut at = SEGMENT_HEADER_BYTES;
     while at < config.segment_bytes {

@@ -35,6 +35,18 @@ pub fn run_local<F: Future>(future: F) -> F::Output {
     tokio::task::LocalSet::new().block_on(&runtime, future)
 }
 
+/// Polls `future` once: its output if it is ready, else `None` (the future is dropped).
+pub async fn poll_once<F: Future>(future: F) -> Option<F::Output> {
+    let mut future = std::pin::pin!(future);
+    std::future::poll_fn(|cx| {
+        std::task::Poll::Ready(match future.as_mut().poll(cx) {
+            std::task::Poll::Ready(output) => Some(output),
+            std::task::Poll::Pending => None,
+        })
+    })
+    .await
+}
+
 /// Deterministic bytes: different seeds give different contents.
 pub fn pattern(seed: u64, length: usize) -> Bytes {
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
