@@ -1,7 +1,8 @@
 //! Rebuilding the index at open (format version 3), telling a torn tail from corruption.
 //!
-//! 1. Every segment file's header is read: of its two copies, a valid one with the highest
-//!    generation wins (a damaged copy is rewritten from the other). Active segments are
+//! 1. Every segment file is synced (what a process that died left in the page cache must not
+//!    be trusted before it is durable), then its header is read: of its two copies, a valid
+//!    one with the highest generation wins (a damaged copy is rewritten from the other). Active segments are
 //!    replayed in id (age) order; spares are never read beyond their header.
 //! 2. Each active segment is scanned from its first batch: a batch whose header checks out
 //!    (CRC, this log, this incarnation, a number above the previous one) is read whole and its
@@ -383,6 +384,9 @@ async fn read_file_header<F: Filesystem>(
     report: &mut ReplayReport,
 ) -> Result<Option<FileInfo<F::File>>, OplogError> {
     let file = fs.open(path, false).await.map_err(|e| io_error(path, e))?;
+    // What replay reads may be writes of a process that died before they were durable (they
+    // survive in the page cache): make them durable before anything is built on them.
+    file.sync_data().await.map_err(|e| io_error(path, e))?;
     let len = file.len().await.map_err(|e| io_error(path, e))?;
     let mut head = vec![0u8; SEGMENT_HEADER_BYTES as usize];
     file.read_at(&mut head, 0)
