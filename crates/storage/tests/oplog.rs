@@ -675,6 +675,55 @@ mod oplog {
         }
     }
 
+    /// A process dies while a batch is being written: the batch is complete in the page
+    /// cache, not on disk. The next process replays it (durable but unacknowledged) and
+    /// writes after it; a power cut must then not tear it (replay makes what it reads durable
+    /// first), or it would read as corruption of acknowledged data.
+    #[test]
+    fn writes_a_dead_process_left_in_the_page_cache_are_made_durable_before_use() {
+        for seed in 0..8 {
+            run_local(async move {
+                let fs = fresh(100 + seed);
+                let config = corruption_config();
+                let oplog = open_clean(&fs, config.clone()).await;
+                write_blocks(&oplog, 3).await;
+                // A 12 KiB write (a 16 KiB batch) in flight when the process is killed.
+                fs.set_yields_range(10, 10);
+                oplog
+                    .try_append(Append::Write {
+                        offset: 3 * 4_096,
+                        data: pattern(3, 12_288),
+                    })
+                    .unwrap();
+                poll_once(oplog.next_event()).await;
+                fs.kill_now();
+                // The write under way finds the process gone.
+                let event = tokio::time::timeout(Duration::from_secs(5), oplog.next_event())
+                    .await
+                    .expect("the write ends");
+                assert!(matches!(event, OplogEvent::Failed { .. }), "{event:?}");
+                drop(oplog);
+                fs.revive();
+                fs.set_yields(0);
+                let oplog = open_clean(&fs, config.clone()).await;
+                assert_eq!(
+                    read_data(&oplog, 3 * 4_096, 12_288).await,
+                    pattern(3, 12_288).to_vec(),
+                    "the complete batch in the page cache is replayed"
+                );
+                for i in 10..30u64 {
+                    oplog.write(i * 4_096, pattern(i, 4_096)).await.unwrap();
+                }
+                oplog.idle().await;
+                drop(oplog);
+                let after = fs.cut_power_now();
+                let (oplog, report) = open_report(&after, config).await;
+                assert!(report.lost.is_empty(), "seed {seed}: {report:?}");
+                check_blocks(&oplog, (0..3).chain(10..30)).await;
+            });
+        }
+    }
+
     #[test]
     fn a_file_of_another_log_is_refused() {
         run_local(async {

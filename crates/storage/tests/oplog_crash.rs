@@ -232,8 +232,15 @@ mod oplog {
             expect.borrow().check(slot, &got, &context);
             expect.borrow_mut().settle(slot, &got);
         }
-        // Run until a power cut somewhere in the next few thousand operations.
-        fs.cut_power_at(fs.ops() + 1 + rng.below(2_500));
+        // Run until a power cut (or, one time in three, a kill -9: the page cache survives
+        // into the next life) somewhere in the next few thousand operations.
+        let at = fs.ops() + 1 + rng.below(2_500);
+        let kill = rng.chance(33);
+        if kill {
+            fs.kill_at(at);
+        } else {
+            fs.cut_power_at(at);
+        }
         let done = Rc::new(Cell::new(false));
         let drain = tokio::task::spawn_local(drainer(
             oplog.clone(),
@@ -273,6 +280,12 @@ mod oplog {
             .await
             .unwrap_or_else(|_| panic!("{context}: the drainer hung"))
             .unwrap();
+        drop(oplog);
+        if kill {
+            // Killed, or the workload ended first: the next process finds the disk as is.
+            fs.revive();
+            return fs;
+        }
         match fs.crashed() {
             Some(after) => after,
             None => fs.cut_power_now(),

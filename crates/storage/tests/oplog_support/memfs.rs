@@ -159,6 +159,9 @@ struct Disk {
     yield_max: u64,
     ops: u64,
     cut_at: Option<u64>,
+    /// At `cut_at`, kill the process instead of cutting the power: the page cache (live
+    /// bytes) survives.
+    kill: bool,
     crashed: Option<MemFs>,
     dead: bool,
     /// Woken when the power is cut.
@@ -186,8 +189,10 @@ impl Disk {
     fn begin(&mut self, op: FaultOp) -> io::Result<()> {
         self.ops += 1;
         if self.cut_at == Some(self.ops) {
-            let image = self.power_cut_image();
-            self.crashed = Some(image);
+            if !self.kill {
+                let image = self.power_cut_image();
+                self.crashed = Some(image);
+            }
             self.dead = true;
             self.cut.notify_waiters();
         }
@@ -292,6 +297,7 @@ impl MemFs {
                 yield_max: 2,
                 ops: 0,
                 cut_at: None,
+                kill: false,
                 crashed: None,
                 dead: false,
                 cut: Rc::new(tokio::sync::Notify::new()),
@@ -329,7 +335,34 @@ impl MemFs {
 
     /// Cuts the power when operation number `op` (counting from the start) begins.
     pub fn cut_power_at(&self, op: u64) {
-        self.disk.borrow_mut().cut_at = Some(op);
+        let mut disk = self.disk.borrow_mut();
+        disk.cut_at = Some(op);
+        disk.kill = false;
+    }
+
+    /// Kills the process when operation `op` begins: every operation fails from then on, as
+    /// for a power cut, but the disk keeps everything written (the page cache survives).
+    /// `revive` then gives the disk to the next process.
+    pub fn kill_at(&self, op: u64) {
+        let mut disk = self.disk.borrow_mut();
+        disk.cut_at = Some(op);
+        disk.kill = true;
+    }
+
+    /// Kills the process now (see `kill_at`).
+    pub fn kill_now(&self) {
+        let mut disk = self.disk.borrow_mut();
+        disk.dead = true;
+        disk.cut.notify_waiters();
+    }
+
+    /// After `kill_at` took effect (or to end a run without a cut): the same disk, working
+    /// again, as the next process finds it.
+    pub fn revive(&self) {
+        let mut disk = self.disk.borrow_mut();
+        disk.dead = false;
+        disk.cut_at = None;
+        disk.kill = false;
     }
 
     /// The filesystem as it comes back after the scheduled power cut, once it happened.
