@@ -413,97 +413,81 @@ impl<F: Filesystem> Inner<F> {
                 path,
                 result,
             } => self.sealed(state, segment, number, path, result),
-            Done::Prepared { result } => match result {
-                Ok(handle) => {
-                    state.add_spare(Spare {
-                        handle,
-                        last_id: SegmentId(0),
-                        len: self.config.segment_bytes,
-                    });
-                    state.supply = Supply::Idle;
-                }
-                Err((path, error)) => {
-                    tracing::error!(path = %path.display(), %error, "cannot prepare a new oplog segment file");
-                    state.files -= 1;
-                    state.supply = Supply::Failed(Failure::from_io(&path, &error));
-                }
-            },
+            Done::Prepared { result } => self.prepared(state, result),
             Done::Activated {
                 spare,
                 id,
                 generation,
                 result,
-            } => match result {
-                Ok(()) => {
-                    spare.handle.generation.set(generation);
-                    state.segments.insert(
-                        id,
-                        Segment {
-                            handle: spare.handle,
-                            kind: SegmentKind::V3,
-                            len: spare.len,
-                            end: SEGMENT_HEADER_BYTES,
-                            closed: false,
-                            inflight: 0,
-                            first_batch: None,
-                        },
-                    );
-                    state.next = Some(id);
-                    state.supply = Supply::Idle;
-                    state.owe_ready();
-                    if state.wants_space {
-                        state.wants_space = false;
-                        state.events.push_back(OplogEvent::SpaceFreed);
-                    }
-                }
-                Err(error) => {
-                    tracing::error!(path = %spare.handle.path.display(), %error, "cannot activate an oplog segment");
-                    let failure = Failure::from_io(&spare.handle.path, &error);
-                    // Its header may now be either one; both say it holds nothing live.
-                    spare.handle.generation.set(generation);
-                    state.add_spare(spare);
-                    state.supply = Supply::Failed(failure);
-                }
-            },
+            } => activated(state, spare, id, generation, result),
             Done::Retired {
                 id,
                 segment,
                 kept,
                 generation,
                 result,
-            } => {
-                state.retiring = None;
-                match result {
-                    Ok(()) => {
-                        tracing::debug!(path = %segment.handle.path.display(), kept, "freed oplog segment {}", id.0);
-                        if kept {
-                            segment.handle.generation.set(generation);
-                            state.add_spare(Spare {
-                                len: segment.len,
-                                handle: segment.handle,
-                                last_id: id,
-                            });
-                        } else {
-                            state.files -= 1;
-                        }
-                        if state.wants_space {
-                            state.wants_space = false;
-                            state.events.push_back(OplogEvent::SpaceFreed);
-                        }
-                    }
-                    Err(error) => {
-                        tracing::error!(path = %segment.handle.path.display(), %error, "cannot free an oplog segment; retried at the next drain or refused write");
-                        let failure = Failure::from_io(&segment.handle.path, &error);
-                        state.retire_error = Some(failure.clone());
-                        segment.handle.generation.set(generation);
-                        let mut segment = segment;
-                        segment.closed = true;
-                        state.retired.remove(&id);
-                        state.segments.insert(id, segment);
-                        if state.open_is_stuck(&self.config) {
-                            state.fail_open(failure);
-                        }
-                    }
+            } => self.retired(state, id, segment, kept, generation, result),
+        }
+    }
+
+    fn prepared(
+        &self,
+        state: &mut State<F::File>,
+        result: Result<Handle<F::File>, (PathBuf, io::Error)>,
+    ) {
+        match result {
+            Ok(handle) => {
+                state.add_spare(Spare {
+                    handle,
+                    last_id: SegmentId(0),
+                    len: self.config.segment_bytes,
+                });
+                state.supply = Supply::Idle;
+            }
+            Err((path, error)) => {
+                tracing::error!(path = %path.display(), %error, "cannot prepare a new oplog segment file");
+                state.files -= 1;
+                state.supply = Supply::Failed(Failure::from_io(&path, &error));
+            }
+        }
+    }
+
+    fn retired(
+        &self,
+        state: &mut State<F::File>,
+        id: SegmentId,
+        mut segment: Segment<F::File>,
+        kept: bool,
+        generation: u64,
+        result: io::Result<()>,
+    ) {
+        state.retiring = None;
+        segment.handle.generation.set(generation);
+        match result {
+            Ok(()) => {
+                tracing::debug!(path = %segment.handle.path.display(), kept, "freed oplog segment {}", id.0);
+                if kept {
+                    state.add_spare(Spare {
+                        len: segment.len,
+                        handle: segment.handle,
+                        last_id: id,
+                    });
+                } else {
+                    state.files -= 1;
+                }
+                owe_space(state);
+            }
+            Err(error) => {
+                tracing::error!(path = %segment.handle.path.display(), %error, "cannot free an oplog segment; retried at the next drain or refused write");
+                let failure = Failure::from_io(&segment.handle.path, &error);
+                state.retire_error = Some(failure.clone());
+                // Still the oldest segment, holding nothing live; its header may now say
+                // either (both say so).
+                segment.closed = true;
+                state.retired.remove(&id);
+                state.segments.insert(id, segment);
+                if state.open_is_stuck(&self.config) {
+                    state.fail_open(failure);
                 }
             }
         }
@@ -623,6 +607,51 @@ impl<F: Filesystem> Inner<F> {
                 .map_err(|e| super::error::io_error(parent, e)),
             None => Ok(()),
         }
+    }
+}
+
+fn activated<H>(
+    state: &mut State<H>,
+    spare: Spare<H>,
+    id: SegmentId,
+    generation: u64,
+    result: io::Result<()>,
+) {
+    // On error its header may now be either one; both say it holds nothing live.
+    spare.handle.generation.set(generation);
+    match result {
+        Ok(()) => {
+            state.segments.insert(
+                id,
+                Segment {
+                    handle: spare.handle,
+                    kind: SegmentKind::V3,
+                    len: spare.len,
+                    end: SEGMENT_HEADER_BYTES,
+                    closed: false,
+                    inflight: 0,
+                    first_batch: None,
+                },
+            );
+            state.next = Some(id);
+            state.supply = Supply::Idle;
+            state.owe_ready();
+            owe_space(state);
+        }
+        Err(error) => {
+            tracing::error!(path = %spare.handle.path.display(), %error, "cannot activate an oplog segment");
+            let failure = Failure::from_io(&spare.handle.path, &error);
+            state.add_spare(spare);
+            state.supply = Supply::Failed(failure);
+        }
+    }
+}
+
+/// Appends refused with `Full` may be retried: a segment was freed or made ready.
+fn owe_space<H>(state: &mut State<H>) {
+    if state.wants_space {
+        state.wants_space = false;
+        state.events.push_back(OplogEvent::SpaceFreed);
     }
 }
 

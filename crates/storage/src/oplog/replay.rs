@@ -142,23 +142,91 @@ pub(super) async fn replay<F: Filesystem>(
         segment: 1,
     };
     let next_serial = listed.last().map_or(1, |(serial, _)| serial + 1);
-    let mut actives = Vec::new();
-    let mut spares = Vec::new();
-    let mut unusable = Vec::new();
+    let headers = read_headers(fs, config, listed, &mut report, &mut floors).await?;
+    let mut scans = Vec::with_capacity(headers.actives.len());
+    for info in headers.actives {
+        let id = SegmentId(info.header.segment_id);
+        let units = scan_segment(&info, id, config.log_id, &mut floors)
+            .await
+            .map_err(|e| io_error(&info.handle.path, e))?;
+        scans.push(Scan { id, info, units });
+    }
+
+    let mut walk = Walk::new(&scans);
+    walk.run(&mut floors).await?;
+    report.lost.append(&mut walk.lost);
+    report.repaired.append(&mut walk.repaired);
+    let chain = Chain {
+        segments: std::mem::take(&mut walk.chain),
+        last_number: walk.last_number,
+        end: walk.chain_end,
+        tear: walk.tear,
+    };
+    let index = std::mem::take(&mut walk.index);
+    if let Some((tsi, pos, batches)) = chain.tear {
+        report.torn.push(TornTail {
+            path: scans[tsi].info.handle.path.clone(),
+            file_offset: pos,
+            batches,
+        });
+    }
+
+    let mut state = State::new(
+        floors.seq,
+        chain.last_number.map_or(floors.batch, |n| n + 1),
+        floors.segment,
+        next_serial,
+    );
+    state.index = index;
+    state.last_batch = chain.last_number.unwrap_or(state.last_batch);
+    let (to_free, seal_at) = assign_segments(&mut state, scans, &chain, config).await?;
+    // Free what holds nothing of the chain first, then seal: a crash in between leaves the
+    // torn tail as it was, to be found again.
+    let mut spares = headers.spares;
+    spares.extend(free_at_open(config, to_free, &floors).await?);
+    if let Some((id, pos, first_batch)) = seal_at {
+        seal_torn_tail(&mut state, config, id, pos, first_batch).await?;
+    }
+    keep_spares(fs, config, &mut state, spares, &headers.unusable).await?;
+    Ok((state, report))
+}
+
+/// The segment files by what their headers say.
+struct Headers<F> {
+    /// Active segments, by segment id.
+    actives: Vec<FileInfo<F>>,
+    spares: Vec<FileInfo<F>>,
+    /// Files with no readable header and no batch: deleted.
+    unusable: Vec<PathBuf>,
+}
+
+async fn read_headers<F: Filesystem>(
+    fs: &F,
+    config: &OplogConfig,
+    listed: Vec<(u64, PathBuf)>,
+    report: &mut ReplayReport,
+    floors: &mut Floors,
+) -> Result<Headers<F::File>, OplogError> {
+    let mut headers = Headers {
+        actives: Vec::new(),
+        spares: Vec::new(),
+        unusable: Vec::new(),
+    };
     for (_, path) in listed {
-        match read_file_header(fs, config, &path, &mut report).await? {
+        match read_file_header(fs, config, &path, report).await? {
             Some(info) => {
                 floors.header(&info.header);
                 match info.header.state {
-                    SegmentState::Active => actives.push(info),
-                    SegmentState::Spare => spares.push(info),
+                    SegmentState::Active => headers.actives.push(info),
+                    SegmentState::Spare => headers.spares.push(info),
                 }
             }
-            None => unusable.push(path),
+            None => headers.unusable.push(path),
         }
     }
-    actives.sort_by_key(|info| info.header.segment_id);
-    if let Some(pair) = actives
+    headers.actives.sort_by_key(|info| info.header.segment_id);
+    if let Some(pair) = headers
+        .actives
         .windows(2)
         .find(|w| w[0].header.segment_id == w[1].header.segment_id)
     {
@@ -172,113 +240,88 @@ pub(super) async fn replay<F: Filesystem>(
             ),
         });
     }
-    let mut scans = Vec::with_capacity(actives.len());
-    for info in actives {
-        let id = SegmentId(info.header.segment_id);
-        let units = scan_segment(&info, id, config.log_id, &mut floors)
-            .await
-            .map_err(|e| io_error(&info.handle.path, e))?;
-        scans.push(Scan { id, info, units });
-    }
+    Ok(headers)
+}
 
-    let mut walk = Walk::new(&scans);
-    walk.run(&mut floors).await?;
-    report.lost.append(&mut walk.lost);
-    report.repaired.append(&mut walk.repaired);
-    let Walk {
-        index,
-        chain,
-        last_number,
-        tear,
-        chain_end,
-        ..
-    } = walk;
+/// What the walk found: the segments (scan indices) holding its chain, its last batch number,
+/// where it ends (segment, position, ends with a seal), and a torn tail (segment, position,
+/// batches discarded).
+struct Chain {
+    segments: BTreeSet<usize>,
+    last_number: Option<u64>,
+    end: Option<(usize, u64, bool)>,
+    tear: Option<(usize, u64, u64)>,
+}
 
-    // Decide each segment's fate: kept (it holds part of the chain), `next` (the first empty
-    // one after the chain), or freed now (void, torn, or extra empty ones).
-    let mut state = State::new(
-        floors.seq,
-        last_number.map_or(floors.batch, |n| n + 1),
-        floors.segment,
-        next_serial,
-    );
-    state.index = index;
-    let chain_last_segment = chain.iter().next_back().copied();
-    if let Some((tsi, pos, batches)) = tear {
-        report.torn.push(TornTail {
-            path: scans[tsi].info.handle.path.clone(),
-            file_offset: pos,
-            batches,
-        });
-    }
+/// Gives each active segment its role: kept (it holds part of the chain; the tail if the
+/// chain ended cleanly in it), `next` (the first empty one after the chain), or to be freed
+/// (void, torn, or extra empty ones). Repairs the header slots of those kept. Returns those to
+/// free and where to seal a torn tail (segment, position, its first batch).
+#[allow(clippy::type_complexity)]
+async fn assign_segments<F: DiskFile>(
+    state: &mut State<F>,
+    scans: Vec<Scan<F>>,
+    chain: &Chain,
+    config: &OplogConfig,
+) -> Result<(Vec<Scan<F>>, Option<(SegmentId, u64, Option<u64>)>), OplogError> {
+    let chain_last_segment = chain.segments.iter().next_back().copied();
     let mut to_free = Vec::new();
     let mut seal_at = None;
     for (si, scan) in scans.into_iter().enumerate() {
-        let holds_chain = chain.contains(&si);
         let empty = scan.units.iter().all(|u| matches!(u, Unit::Gap { .. }));
         let after_chain = chain_last_segment.is_none_or(|last| si > last);
-        if holds_chain {
-            let end = match chain_end {
+        let full_size = scan.info.len == config.segment_bytes;
+        let mut segment = Segment {
+            handle: scan.info.handle.clone(),
+            kind: SegmentKind::V3,
+            len: scan.info.len,
+            end: SEGMENT_HEADER_BYTES,
+            closed: false,
+            inflight: 0,
+            first_batch: None,
+        };
+        if chain.segments.contains(&si) {
+            segment.end = match chain.end {
                 Some((csi, end, _)) if csi == si => end,
                 _ => last_unit_end(&scan.units),
             };
-            let first_batch = scan.units.iter().find_map(|u| match u {
+            segment.first_batch = scan.units.iter().find_map(|u| match u {
                 Unit::Batch(b) => Some(b.header.segment_first_batch),
                 Unit::Gap { .. } => None,
             });
-            let mut segment = Segment {
-                handle: scan.info.handle.clone(),
-                kind: SegmentKind::V3,
-                len: scan.info.len,
-                end,
-                closed: true,
-                inflight: 0,
-                first_batch,
-            };
-            match (tear, chain_end) {
+            segment.closed = true;
+            match (chain.tear, chain.end) {
                 (Some((tsi, pos, _)), _) if tsi == si => {
                     seal_at = Some((scan.id, pos, segment.first_batch))
                 }
-                (None, Some((csi, _, false)))
-                    if csi == si && scan.info.len == config.segment_bytes =>
-                {
+                (None, Some((csi, _, false))) if csi == si && full_size => {
                     // A clean end: appends continue right after it.
                     segment.closed = false;
                     state.tail = Some(scan.id);
                 }
                 _ => {}
             }
-            if let Some(slot) = scan.info.repair {
-                repair_slot(&scan.info, slot).await?;
-            }
-            state.segments.insert(scan.id, segment);
-        } else if empty
-            && after_chain
-            && state.next.is_none()
-            && scan.info.len == config.segment_bytes
-        {
-            if let Some(slot) = scan.info.repair {
-                repair_slot(&scan.info, slot).await?;
-            }
+        } else if empty && after_chain && state.next.is_none() && full_size {
             state.next = Some(scan.id);
-            state.segments.insert(
-                scan.id,
-                Segment {
-                    handle: scan.info.handle.clone(),
-                    kind: SegmentKind::V3,
-                    len: scan.info.len,
-                    end: SEGMENT_HEADER_BYTES,
-                    closed: false,
-                    inflight: 0,
-                    first_batch: None,
-                },
-            );
         } else {
             to_free.push(scan);
+            continue;
         }
+        if let Some(slot) = scan.info.repair {
+            repair_slot(&scan.info, slot).await?;
+        }
+        state.segments.insert(scan.id, segment);
     }
-    // Free what holds nothing of the chain first, then seal: a crash in between leaves the
-    // torn tail as it was, to be found again.
+    Ok((to_free, seal_at))
+}
+
+/// Frees segments holding nothing of the chain: their headers become spare headers.
+async fn free_at_open<F: DiskFile>(
+    config: &OplogConfig,
+    to_free: Vec<Scan<F>>,
+    floors: &Floors,
+) -> Result<Vec<FileInfo<F>>, OplogError> {
+    let mut freed = Vec::with_capacity(to_free.len());
     for scan in to_free {
         let generation = scan.info.handle.generation.get() + 1;
         let header = files::spare_header(config, generation, scan.id.0, floors.seq, floors.batch);
@@ -287,53 +330,69 @@ pub(super) async fn replay<F: Filesystem>(
             .map_err(|e| io_error(&scan.info.handle.path, e))?;
         scan.info.handle.generation.set(generation);
         tracing::info!(path = %scan.info.handle.path.display(), "oplog segment holding nothing of the log freed at open");
-        spares.push(FileInfo {
+        freed.push(FileInfo {
             header,
             repair: None,
             ..scan.info
         });
     }
-    if let Some((id, pos, first_batch)) = seal_at {
-        let number = state.next_batch;
-        state.next_batch += 1;
-        let prev = last_number.expect("a tear in a segment holding the chain follows a batch");
-        let header = BatchHeader {
-            seal: true,
-            log_id: config.log_id,
-            segment_id: id.0,
-            segment_first_batch: first_batch.unwrap_or(number),
-            number,
-            prev,
-            first_seq: state.next_seq,
-            count: 0,
-            bytes: BLOCK_BYTES as u32,
-            window: 1,
-        };
-        let segment = state.segments.get(&id).expect("the sealed segment is kept");
-        let block = files::seal_block(&header);
-        segment
-            .handle
-            .file
-            .write_durable_at(block.as_slice(), pos)
-            .await
-            .map_err(|e| io_error(&segment.handle.path, e))?;
-        state.last_batch = number;
-    } else if let Some(last) = last_number {
-        state.last_batch = last;
-    }
+    Ok(freed)
+}
 
-    // Spares: repaired, and trimmed to what the configuration allows.
-    let max_files = config.max_segments();
-    for path in &unusable {
+/// Writes a seal where a torn tail starts, in a segment that holds the chain before it.
+async fn seal_torn_tail<F: DiskFile>(
+    state: &mut State<F>,
+    config: &OplogConfig,
+    id: SegmentId,
+    pos: u64,
+    first_batch: Option<u64>,
+) -> Result<(), OplogError> {
+    let number = state.next_batch;
+    state.next_batch += 1;
+    let header = BatchHeader {
+        seal: true,
+        log_id: config.log_id,
+        segment_id: id.0,
+        segment_first_batch: first_batch.unwrap_or(number),
+        number,
+        prev: state.last_batch,
+        first_seq: state.next_seq,
+        count: 0,
+        bytes: BLOCK_BYTES as u32,
+        window: 1,
+    };
+    let segment = state.segments.get(&id).expect("the sealed segment is kept");
+    let block = files::seal_block(&header);
+    segment
+        .handle
+        .file
+        .write_durable_at(block.as_slice(), pos)
+        .await
+        .map_err(|e| io_error(&segment.handle.path, e))?;
+    state.last_batch = number;
+    Ok(())
+}
+
+/// Keeps the spare files the configuration allows (repairing their headers), deletes the
+/// others and the unusable files. At least one file is always kept (its floors).
+async fn keep_spares<F: Filesystem>(
+    fs: &F,
+    config: &OplogConfig,
+    state: &mut State<F::File>,
+    spares: Vec<FileInfo<F::File>>,
+    unusable: &[PathBuf],
+) -> Result<(), OplogError> {
+    for path in unusable {
         files::remove_durably(fs, &config.dir, path)
             .await
             .map_err(|e| io_error(path, e))?;
     }
-    let mut kept_spares = Vec::new();
+    let mut kept = Vec::new();
     for info in spares {
-        let files_now = state.segments.len() + kept_spares.len();
+        let files_now = state.segments.len() + kept.len();
         let wrong_size = info.len != config.segment_bytes;
-        let too_many = kept_spares.len() >= config.max_spare_segments || files_now >= max_files;
+        let too_many =
+            kept.len() >= config.max_spare_segments || files_now >= config.max_segments();
         if (wrong_size || too_many) && files_now > 0 {
             tracing::info!(path = %info.handle.path.display(), wrong_size, "deleting a spare oplog segment file");
             files::remove_durably(fs, &config.dir, &info.handle.path)
@@ -344,17 +403,17 @@ pub(super) async fn replay<F: Filesystem>(
         if let Some(slot) = info.repair {
             repair_slot(&info, slot).await?;
         }
-        kept_spares.push(Spare {
+        kept.push(Spare {
             last_id: SegmentId(info.header.segment_id),
             len: info.len,
             handle: info.handle,
         });
     }
-    state.files = state.segments.len() + kept_spares.len();
-    for spare in kept_spares {
+    state.files = state.segments.len() + kept.len();
+    for spare in kept {
         state.add_spare(spare);
     }
-    Ok((state, report))
+    Ok(())
 }
 
 fn last_unit_end(units: &[Unit]) -> u64 {
