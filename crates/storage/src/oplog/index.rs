@@ -5,27 +5,62 @@
 //! keeps, per segment, the set of entries pointing into it: that is what decides whether a
 //! segment may be freed (rule 2) and which entries a drain takes first.
 
+use super::{SegmentId, Seq};
 use std::collections::{BTreeMap, BTreeSet};
 
-/// Where a write record's payload lives.
+/// Where a write record's payload lives in its segment file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct DataLoc {
-    /// File offset of the record header in its segment.
-    pub file_offset: u64,
+    /// File offset of the record's first chunk CRC.
+    pub crcs_at: u64,
+    /// File offset of the record's first payload byte.
+    pub payload_at: u64,
     /// Vdisk offset of the record's first byte (entries may start later after a split).
     pub record_offset: u64,
     pub record_length: u64,
-    pub chunks: u32,
+}
+
+/// Where the rotted bytes of a lost range are, for the error a read of it returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LostLoc {
+    pub file_offset: u64,
+    pub cause: LostCause,
+}
+
+/// Why a range was lost at replay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LostCause {
+    /// The record header failed its checks; the batch table named the range.
+    RecordHeader,
+    /// A payload chunk failed its CRC32C.
+    PayloadChunk,
+}
+
+impl LostCause {
+    pub fn describe(self) -> &'static str {
+        match self {
+            LostCause::RecordHeader => "the record header is corrupt",
+            LostCause::PayloadChunk => "a payload chunk fails its CRC32C",
+        }
+    }
+}
+
+/// What an entry's range reads as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TargetKind {
+    Data(DataLoc),
+    Zero,
+    /// Acknowledged contents lost to corruption: reads fail until drained or overwritten.
+    Lost(LostLoc),
 }
 
 /// The record an entry points to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Target {
-    pub seq: u64,
-    /// First sequence number of the segment holding the record (its id).
-    pub segment: u64,
-    /// `None` for a zero record.
-    pub data: Option<DataLoc>,
+    pub seq: Seq,
+    /// The segment holding the record.
+    pub segment: SegmentId,
+    pub kind: TargetKind,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -46,9 +81,8 @@ pub struct Span {
 pub struct Index {
     entries: BTreeMap<u64, Entry>,
     /// Segment id -> start offsets of the entries pointing into it. Empty sets are removed.
-    by_segment: BTreeMap<u64, BTreeSet<u64>>,
+    by_segment: BTreeMap<SegmentId, BTreeSet<u64>>,
     live_bytes: u64,
-    live_data_bytes: u64,
 }
 
 impl Index {
@@ -63,7 +97,7 @@ impl Index {
 
     /// Drops the parts of `[start, end)` still pointing at record `seq` (a drained record);
     /// parts overwritten meanwhile by newer records stay.
-    pub fn remove_if_record(&mut self, start: u64, end: u64, seq: u64) {
+    pub fn remove_if_record(&mut self, start: u64, end: u64, seq: Seq) {
         self.clear_range(start, end, |target| target.seq == seq);
     }
 
@@ -81,12 +115,14 @@ impl Index {
     }
 
     /// Whether any entry points into segment `id`.
-    pub fn segment_is_live(&self, id: u64) -> bool {
+    pub fn segment_is_live(&self, id: SegmentId) -> bool {
         self.by_segment.contains_key(&id)
     }
 
     /// Live segments, oldest first, each with its entries in offset order.
-    pub fn segments(&self) -> impl Iterator<Item = (u64, impl Iterator<Item = Span> + '_)> + '_ {
+    pub fn segments(
+        &self,
+    ) -> impl Iterator<Item = (SegmentId, impl Iterator<Item = Span> + '_)> + '_ {
         self.by_segment.iter().map(move |(&id, starts)| {
             let spans = starts.iter().filter_map(move |&s| {
                 self.entries.get(&s).map(|e| Span {
@@ -108,11 +144,6 @@ impl Index {
         self.live_bytes
     }
 
-    /// Bytes of address space covered by data entries: what a drain must copy.
-    pub fn live_data_bytes(&self) -> u64 {
-        self.live_data_bytes
-    }
-
     fn overlapping_starts(&self, start: u64, end: u64) -> Vec<u64> {
         let mut starts = Vec::new();
         if let Some((&s, entry)) = self.entries.range(..start).next_back() {
@@ -128,9 +159,10 @@ impl Index {
     /// re-inserting the parts outside the range.
     fn clear_range(&mut self, start: u64, end: u64, matches: impl Fn(&Target) -> bool) {
         for s in self.overlapping_starts(start, end) {
-            let Some(entry) = self.entries.get(&s).copied() else {
-                continue;
-            };
+            let entry = *self
+                .entries
+                .get(&s)
+                .expect("overlapping_starts returns starts of existing entries");
             if !matches(&entry.target) {
                 continue;
             }
@@ -145,36 +177,34 @@ impl Index {
     }
 
     fn insert(&mut self, start: u64, end: u64, target: Target) {
-        debug_assert!(start < end);
+        assert!(start < end, "empty index entry {start}..{end}");
         self.entries.insert(start, Entry { end, target });
         self.by_segment
             .entry(target.segment)
             .or_default()
             .insert(start);
-        self.count(end - start, target, true);
+        self.count(end - start, true);
     }
 
     fn remove(&mut self, start: u64) {
-        let Some(entry) = self.entries.remove(&start) else {
-            return;
-        };
+        let entry = self
+            .entries
+            .remove(&start)
+            .expect("remove is called with the start of an existing entry");
         if let Some(starts) = self.by_segment.get_mut(&entry.target.segment) {
             starts.remove(&start);
             if starts.is_empty() {
                 self.by_segment.remove(&entry.target.segment);
             }
         }
-        self.count(entry.end - start, entry.target, false);
+        self.count(entry.end - start, false);
     }
 
-    fn count(&mut self, bytes: u64, target: Target, add: bool) {
-        let data = if target.data.is_some() { bytes } else { 0 };
+    fn count(&mut self, bytes: u64, add: bool) {
         if add {
             self.live_bytes += bytes;
-            self.live_data_bytes += data;
         } else {
             self.live_bytes -= bytes;
-            self.live_data_bytes -= data;
         }
     }
 }
@@ -185,9 +215,9 @@ mod tests {
 
     fn zero(seq: u64, segment: u64) -> Target {
         Target {
-            seq,
-            segment,
-            data: None,
+            seq: Seq(seq),
+            segment: SegmentId(segment),
+            kind: TargetKind::Zero,
         }
     }
 
@@ -195,7 +225,7 @@ mod tests {
         index
             .overlapping(0, u64::MAX)
             .iter()
-            .map(|s| (s.start, s.end, s.target.seq))
+            .map(|s| (s.start, s.end, s.target.seq.0))
             .collect()
     }
 
@@ -207,10 +237,10 @@ mod tests {
         assert_eq!(spans(&index), vec![(0, 20, 1), (20, 30, 2), (30, 100, 1)]);
         index.apply(10, 40, None);
         assert_eq!(spans(&index), vec![(0, 10, 1), (40, 100, 1)]);
-        assert!(!index.segment_is_live(2));
+        assert!(!index.segment_is_live(SegmentId(2)));
         assert_eq!(index.live_bytes(), 70);
         index.apply(0, 100, Some(zero(3, 2)));
-        assert!(!index.segment_is_live(1));
+        assert!(!index.segment_is_live(SegmentId(1)));
         assert_eq!(spans(&index), vec![(0, 100, 3)]);
     }
 
@@ -219,7 +249,7 @@ mod tests {
         let mut index = Index::default();
         index.apply(0, 100, Some(zero(1, 1)));
         index.apply(50, 60, Some(zero(2, 1)));
-        index.remove_if_record(0, 100, 1);
+        index.remove_if_record(0, 100, Seq(1));
         assert_eq!(spans(&index), vec![(50, 60, 2)]);
         assert_eq!(index.live_bytes(), 10);
     }

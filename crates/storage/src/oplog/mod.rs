@@ -1,69 +1,258 @@
-//! The oplog: a vdisk shard's durable write log on the fast tier (see docs/oplog-format.md).
+//! The oplog: a vdisk shard's durable write log on the fast tier (format version 3, see
+//! docs/oplog-format.md).
 //!
-//! Writes append records to segment files and are acknowledged after a group commit (one
-//! `sync_data` for every record that arrived meanwhile). An in-memory index maps vdisk byte
-//! ranges to the newest durable record covering them. The engine's drain loop moves live
-//! entries to the extent store and tells the log, which then frees segments oldest-first.
+//! Records are appended without waiting ([`Oplog::try_append`]) to a pending batch. The log
+//! owns its disk I/O: [`Oplog::next_event`], which the owner awaits in its event loop (it is
+//! cancel-safe), submits pending batches (each one `write_durable_at` at a 4 KiB-aligned
+//! offset of a preallocated segment, several in flight), completes them strictly in batch
+//! order, applies their records to the in-memory index and reports them durable
+//! ([`OplogEvent::Durable`]). It also prepares segment files ahead of need, frees drained
+//! segments oldest first, and recovers by itself from a failed write. The engine's drain moves
+//! live entries to the extent store and tells the log ([`Oplog::complete_drain`]).
 //!
-//! An `Oplog` belongs to one shard controller on one reactor thread: it is `!Send`, uses
-//! `Rc`/`RefCell` inside and never holds a borrow across an `.await`.
+//! I/O progresses only while someone polls `next_event` (or a convenience method built on it:
+//! `write`, `write_zeroes`, `barrier`, `idle`). An `Oplog` belongs to one shard controller on
+//! one reactor thread: it is `!Send`, uses `Rc`/`RefCell` inside and never holds a borrow
+//! across an `.await`.
 //!
-//! Module map: `format` (bytes on disk), `index` (ranges -> records), `commit` (admission,
-//! pending batches, group commit, failure), `replay` (rebuilding the index at open), `read`
-//! (checksum-verified reads), `files` (directory operations and segment freeing).
+//! Module map: `format` (bytes on disk), `index` (ranges -> records), `state` (segments,
+//! pending and in-flight batches, admission), `driver` (the I/O jobs and `next_event`),
+//! `files` (the I/O each job does), `replay` (rebuilding the index at open, telling a torn
+//! tail from corruption), `legacy` (read-only replay of version 1/2 logs), `read`
+//! (checksum-verified reads), `buf` (aligned buffers).
 
-mod commit;
+mod buf;
+mod driver;
 mod error;
 mod files;
 mod format;
 mod index;
+mod legacy;
 mod read;
 mod replay;
+mod state;
 
 pub use error::OplogError;
 
-use crate::disk::FileOpener;
+use crate::fs::Filesystem;
 use bytes::Bytes;
-use commit::Batch;
-use format::{Header, RecordKind};
-use index::{DataLoc, Index, Target};
+use driver::WakerSet;
+use format::{RecordKind, BLOCK_BYTES, SEGMENT_HEADER_BYTES};
+use index::{DataLoc, LostLoc, Target, TargetKind};
+use state::State;
 use std::cell::RefCell;
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fmt;
+use std::future::poll_fn;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
+use std::sync::Arc;
+use std::task::Poll;
 use tokio::sync::Notify;
 
-/// Zero and barrier records larger than this are split: the header's length field is a u32.
-/// Kept 4 KiB-aligned so the split points stay block-aligned.
-const MAX_RANGE_RECORD_BYTES: u64 = 0xFFFF_F000;
 /// Smallest default segment: keeps the number of files (and opens at replay) small.
 const MIN_DEFAULT_SEGMENT_BYTES: u64 = 1 << 20;
-const DEFAULT_MAX_COMMIT_BATCH_BYTES: usize = 4 << 20;
+const DEFAULT_MAX_BATCH_BYTES: u64 = 4 << 20;
+const DEFAULT_MAX_BATCHES_IN_FLIGHT: usize = 4;
+/// Segments need room for the header, one batch of a 4 KiB write (8 KiB) and a seal.
+const MIN_SEGMENT_BYTES: u64 = SEGMENT_HEADER_BYTES + 3 * BLOCK_BYTES;
+/// One batch must hold a 4 KiB write: a header block and a payload block.
+const MIN_BATCH_BYTES: u64 = 2 * BLOCK_BYTES;
 
+/// The limits of one log. Every limit is named here; memory and disk use follow from them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OplogConfig {
     /// Directory of the segment files; created if missing.
     pub dir: PathBuf,
-    /// Total bytes of the segment files. Writers wait (backpressure) while appending would
-    /// exceed it; a record larger than this is refused with `TooLarge`.
+    /// Identifies this log on disk: written in every segment and batch header, so a file of
+    /// another log put in this directory is recognised and refused. The engine derives it
+    /// from the vdisk and shard.
+    pub log_id: u64,
+    /// Bytes of segment files the log may hold: `capacity_bytes / segment_bytes` files (at
+    /// least two). Appends are refused with [`Backpressure::Full`] while every file holds live
+    /// records.
     pub capacity_bytes: u64,
-    /// A segment is closed when the next record would make it larger than this. A record
-    /// larger than this by itself gets a segment of its own.
+    /// Size of each segment file, preallocated when created: a multiple of 4 KiB, at least
+    /// 20 KiB. One write record must fit in one batch, so it also bounds a record.
     pub segment_bytes: u64,
-    /// Upper bound on the records waiting for the next group commit (memory and latency).
-    pub max_commit_batch_bytes: usize,
+    /// Upper bound on one batch on disk (header, records, padding): memory held by the
+    /// pending batch and by each batch in flight. A multiple of 4 KiB, at least 8 KiB, and at
+    /// most `segment_bytes - 12 KiB`.
+    pub max_batch_bytes: u64,
+    /// Batches written concurrently. Replay can only find the last `max_batches_in_flight`
+    /// batches before a crash torn; acknowledgements stay in batch order whatever the limit.
+    pub max_batches_in_flight: usize,
+    /// Freed segment files kept (their headers marked spare) for reuse rather than deleted.
+    /// Reusing a file avoids preparing a new one (allocating and zero-filling it); deleting
+    /// returns idle disk space. At least one file is always kept, so sequence numbers never
+    /// restart.
+    pub max_spare_segments: usize,
 }
 
 impl OplogConfig {
-    /// The defaults: segments of capacity/8 (at least 1 MiB), commit batches of 4 MiB.
-    pub fn new(dir: impl Into<PathBuf>, capacity_bytes: u64) -> Self {
+    /// The defaults: segments of capacity/8 (at least 1 MiB), batches of up to 4 MiB, four
+    /// batches in flight, every freed segment kept as a spare.
+    pub fn new(dir: impl Into<PathBuf>, log_id: u64, capacity_bytes: u64) -> Self {
+        let segment_bytes =
+            (capacity_bytes / 8 / BLOCK_BYTES * BLOCK_BYTES).max(MIN_DEFAULT_SEGMENT_BYTES);
         OplogConfig {
             dir: dir.into(),
+            log_id,
             capacity_bytes,
-            segment_bytes: (capacity_bytes / 8).max(MIN_DEFAULT_SEGMENT_BYTES),
-            max_commit_batch_bytes: DEFAULT_MAX_COMMIT_BATCH_BYTES,
+            segment_bytes,
+            max_batch_bytes: DEFAULT_MAX_BATCH_BYTES.min(max_batch_for(segment_bytes)),
+            max_batches_in_flight: DEFAULT_MAX_BATCHES_IN_FLIGHT,
+            max_spare_segments: usize::MAX,
         }
     }
+
+    /// Segment files the log may hold.
+    pub fn max_segments(&self) -> usize {
+        usize::try_from(self.capacity_bytes / self.segment_bytes.max(1)).unwrap_or(usize::MAX)
+    }
+
+    fn validate(&self) -> Result<(), OplogError> {
+        let fail = |reason: String| Err(OplogError::InvalidConfig { reason });
+        if !self.segment_bytes.is_multiple_of(BLOCK_BYTES) || self.segment_bytes < MIN_SEGMENT_BYTES
+        {
+            return fail(format!(
+                "segment_bytes {} must be a multiple of 4 KiB and at least {MIN_SEGMENT_BYTES}",
+                self.segment_bytes
+            ));
+        }
+        if self.max_segments() < 2 {
+            return fail(format!(
+                "capacity_bytes {} must hold at least two segments of {} bytes",
+                self.capacity_bytes, self.segment_bytes
+            ));
+        }
+        if !self.max_batch_bytes.is_multiple_of(BLOCK_BYTES)
+            || self.max_batch_bytes < MIN_BATCH_BYTES
+            || self.max_batch_bytes > max_batch_for(self.segment_bytes)
+            || self.max_batch_bytes > u64::from(u32::MAX) / BLOCK_BYTES * BLOCK_BYTES
+        {
+            return fail(format!(
+                "max_batch_bytes {} must be a multiple of 4 KiB between {MIN_BATCH_BYTES} and {}",
+                self.max_batch_bytes,
+                max_batch_for(self.segment_bytes)
+            ));
+        }
+        if self.max_batches_in_flight == 0 || self.max_batches_in_flight > u32::MAX as usize {
+            return fail("max_batches_in_flight must be at least 1".into());
+        }
+        if self.max_spare_segments == 0 {
+            return fail("max_spare_segments must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    /// The largest write payload one record may carry: a multiple of 4 KiB.
+    pub fn max_write_bytes(&self) -> u64 {
+        let room = self
+            .max_batch_bytes
+            .saturating_sub(format::batch_header_bytes(1) + format::RECORD_HEADER_BYTES);
+        // Each 4 KiB chunk costs its bytes and a 4-byte CRC.
+        room / (BLOCK_BYTES + 4) * BLOCK_BYTES
+    }
+}
+
+/// The largest batch a segment of `segment_bytes` can hold beside its header and a seal.
+fn max_batch_for(segment_bytes: u64) -> u64 {
+    segment_bytes.saturating_sub(SEGMENT_HEADER_BYTES + BLOCK_BYTES)
+}
+
+/// A record's sequence number: assigned by `try_append`, increasing, never reused by the log
+/// (across reopens and reused files).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Seq(u64);
+
+impl Seq {
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Display for Seq {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// One incarnation of a segment file (a file reused later gets a new id). Increasing in age
+/// order; never reused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SegmentId(u64);
+
+impl SegmentId {
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+}
+
+/// One record to append.
+#[derive(Clone, Debug)]
+pub enum Append {
+    /// `data` at vdisk `offset`; at most [`Oplog::max_write_bytes`] bytes, not empty.
+    Write { offset: u64, data: Bytes },
+    /// `[offset, offset+length)` reads as zeros.
+    Zero { offset: u64, length: u64 },
+    /// The extent store holds newer, synced data for the range than any record in the log:
+    /// the range leaves the index, and replay will not resurrect older records.
+    Barrier { offset: u64, length: u64 },
+}
+
+impl Append {
+    fn parts(&self) -> (RecordKind, u64, u64) {
+        match self {
+            Append::Write { offset, data } => (RecordKind::Write, *offset, data.len() as u64),
+            Append::Zero { offset, length } => (RecordKind::Zero, *offset, *length),
+            Append::Barrier { offset, length } => (RecordKind::Barrier, *offset, *length),
+        }
+    }
+}
+
+/// Why `try_append` cannot take a record now. Not an error: retry after an event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backpressure {
+    /// Every segment file holds live records: a drain must free one (`needs_drain()` is now
+    /// true). Retry after [`OplogEvent::SpaceFreed`].
+    Full,
+    /// The pending batch is at `max_batch_bytes` and cannot be submitted yet (the in-flight
+    /// window is full, or the log is recovering or waiting for its next segment). Retry after
+    /// the next event.
+    BatchFull,
+}
+
+/// The outcome of a refused `try_append`.
+#[derive(Debug)]
+pub enum TryAppendError {
+    /// Try again later: after the next [`OplogEvent`] (`Ready` or `SpaceFreed`).
+    Backpressure(Backpressure),
+    /// The record cannot be taken: invalid or too large, or the log cannot take writes now
+    /// (read-only older log; a failing disk whose recovery is retried by the next append).
+    Rejected(OplogError),
+}
+
+impl From<OplogError> for TryAppendError {
+    fn from(error: OplogError) -> Self {
+        TryAppendError::Rejected(error)
+    }
+}
+
+/// What happened in the log. `next_event` returns one at a time.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum OplogEvent {
+    /// Every record with a sequence number up to `through` that did not fail is durable and
+    /// indexed (tell its writer). Increases monotonically.
+    Durable { through: Seq },
+    /// These records failed and will never be indexed; reported before the `Durable` event
+    /// that passes them.
+    Failed { seqs: Range<Seq>, error: OplogError },
+    /// A segment was freed after appends were refused with [`Backpressure::Full`]: retry them.
+    SpaceFreed,
+    /// Appends refused with [`Backpressure::BatchFull`] may succeed now: retry them.
+    Ready,
 }
 
 /// Where a piece of a lookup comes from.
@@ -75,14 +264,25 @@ pub enum PieceSource {
     Zero,
     /// Not in the log: read the extent store.
     Absent,
+    /// Acknowledged contents lost to corruption (found at replay): `read_piece` fails with
+    /// [`OplogError::Lost`]; the range reads as an error (EIO), never as data, until it is
+    /// drained (marked lost in the extent store) or overwritten.
+    Lost { location: LostLocation },
 }
 
 /// Opaque position of a piece's bytes in the log.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PieceLocation {
-    seq: u64,
-    segment: u64,
+    seq: Seq,
+    segment: SegmentId,
     data: DataLoc,
+}
+
+/// Opaque position of a lost range's rotted record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LostLocation {
+    segment: SegmentId,
+    lost: LostLoc,
 }
 
 /// A part of a looked-up range, with one source.
@@ -93,24 +293,80 @@ pub struct LogPiece {
     pub source: PieceSource,
 }
 
+/// What a drain item asks of the extent store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DrainKind {
+    /// Copy the bytes `read_drain_item` returns.
+    Data,
+    /// Make the range read as zeros (punch a hole).
+    Zero,
+    /// The range was lost to corruption: record it lost (`ExtentStore::mark_lost`), so it
+    /// reads as EIO until overwritten. `read_drain_item` returns [`OplogError::Lost`].
+    Lost,
+}
+
 /// One live index entry handed to the drain.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DrainItem {
     pub offset: u64,
     pub length: u64,
-    /// A zero record: punch a hole rather than copy bytes.
-    pub zero: bool,
+    pub kind: DrainKind,
     /// The record the entry pointed to, so `complete_drain` leaves parts that newer records
     /// overwrote meanwhile.
     target: Target,
 }
 
-/// The write log of one shard. Cheap to clone: clones share the same log.
-pub struct Oplog<O: FileOpener> {
-    inner: Rc<Inner<O>>,
+/// What replay found besides the records it indexed, for the engine to log and count.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReplayReport {
+    /// Acknowledged ranges lost to corruption. They read as [`PieceSource::Lost`] until a
+    /// drain records them lost in the extent store (or they are overwritten).
+    pub lost: Vec<LostRange>,
+    /// Damage found and worked around without losing data: a rotted copy of a segment header
+    /// (rewritten from the other copy), a rotted batch header whose records were recovered
+    /// from their own headers, a rotted zero/barrier record header the batch table stood in
+    /// for.
+    pub repaired: Vec<Damage>,
+    /// Batches discarded as a torn tail: written in the last in-flight window before a crash,
+    /// never acknowledged. Normal after a crash.
+    pub torn: Vec<TornTail>,
+    /// Set when the log is in an older format (1 or 2) and was opened read-only.
+    pub legacy_version: Option<u8>,
 }
 
-impl<O: FileOpener> Clone for Oplog<O> {
+/// A range whose acknowledged contents were lost, and where.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LostRange {
+    pub offset: u64,
+    pub length: u64,
+    pub path: PathBuf,
+    pub file_offset: u64,
+    pub reason: String,
+}
+
+/// Damage replay worked around.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Damage {
+    pub path: PathBuf,
+    pub file_offset: u64,
+    pub reason: String,
+}
+
+/// Where a torn tail was cut off (a seal was written there) and how much went with it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TornTail {
+    pub path: PathBuf,
+    pub file_offset: u64,
+    /// Batches with a readable header that were discarded (others may have left nothing).
+    pub batches: u64,
+}
+
+/// The write log of one shard. Cheap to clone: clones share the same log.
+pub struct Oplog<F: Filesystem> {
+    inner: Rc<Inner<F>>,
+}
+
+impl<F: Filesystem> Clone for Oplog<F> {
     fn clone(&self) -> Self {
         Oplog {
             inner: self.inner.clone(),
@@ -118,238 +374,176 @@ impl<O: FileOpener> Clone for Oplog<O> {
     }
 }
 
-struct Inner<O: FileOpener> {
-    opener: O,
+struct Inner<F: Filesystem> {
+    fs: F,
     config: OplogConfig,
-    state: RefCell<State<O::File>>,
-    /// Woken when segments are freed, when the log fails, and after commits while writers
-    /// wait for space (a commit can supersede every entry of an old segment).
-    space: Notify,
-    /// Woken when a commit takes the pending records, leaving room for new ones.
-    batch_room: Notify,
+    state: RefCell<State<F::File>>,
+    /// I/O under way: polled by `next_event`.
+    jobs: RefCell<Vec<driver::Job<F::File>>>,
+    /// Tasks polling `next_event`: every one is woken when the log's state changes.
+    wakers: Arc<WakerSet>,
     /// Woken when `needs_drain()` may have become true.
     drain: Notify,
 }
 
-struct Segment<F> {
-    path: PathBuf,
-    /// Open once the file exists: replayed segments at open, new ones by their first commit.
-    file: Option<Rc<F>>,
-    /// Bytes given to records, including those of batches not yet committed.
-    bytes: u64,
-    /// Batches for this segment that are pending or committing: it may not be freed.
-    batches: u32,
-}
-
-impl<F> Segment<F> {
-    fn new(path: PathBuf) -> Self {
-        Segment {
-            path,
-            file: None,
-            bytes: 0,
-            batches: 0,
-        }
-    }
-}
-
-struct State<F> {
-    /// By id (the first sequence number): iteration order is age order.
-    segments: BTreeMap<u64, Segment<F>>,
-    /// The segment new records go to; `None` makes the next record open a new one.
-    active: Option<u64>,
-    next_seq: u64,
-    index: Index,
-    /// Sum of `Segment::bytes`: what the capacity limits.
-    usage: u64,
-    /// Records appended but not yet committing, in batches of one segment each.
-    pending: VecDeque<Batch>,
-    pending_bytes: u64,
-    committing: bool,
-    /// Set when a commit or a segment deletion failed: no more records are taken.
-    failed: Option<String>,
-    space_waiters: usize,
-    /// One task frees segments at a time, so deletions stay strictly in age order.
-    freeing: bool,
-    /// Segments holding the entries of the latest `drain_batch`: if one is freed before the
-    /// drain reads it, its handle moves to `retired` so `read_drain_item` can still read the
-    /// (unlinked) file.
-    drain_pinned: BTreeSet<u64>,
-    retired: BTreeMap<u64, (Rc<F>, PathBuf)>,
-    /// Files of freed segments kept for reuse (at most `files::MAX_SPARE_SEGMENTS`).
-    spares: Vec<PathBuf>,
-    /// Highest serial given to a spare file so far.
-    spare_serial: u64,
-}
-
-impl<F> State<F> {
-    /// The segment a record of `bytes` goes to: the active one if it has room (or is empty),
-    /// else a new one named after the record's sequence number.
-    fn segment_for(
-        &mut self,
-        bytes: u64,
-        seq: u64,
-        dir: &Path,
-        segment_bytes: u64,
-    ) -> (u64, &mut Segment<F>) {
-        let fits = |s: &Segment<F>| s.bytes == 0 || s.bytes.saturating_add(bytes) <= segment_bytes;
-        let current = self
-            .active
-            .filter(|id| self.segments.get(id).is_some_and(fits));
-        let id = current.unwrap_or(seq);
-        self.active = Some(id);
-        let segment = self
-            .segments
-            .entry(id)
-            .or_insert_with(|| Segment::new(format::segment_path(dir, id)));
-        (id, segment)
-    }
-
-    fn file(&self, segment: u64) -> Option<(Rc<F>, PathBuf)> {
-        if let Some(s) = self.segments.get(&segment) {
-            return s.file.clone().map(|f| (f, s.path.clone()));
-        }
-        self.retired.get(&segment).cloned()
-    }
-}
-
-/// How a durable record changes the index: `[start, end)` now reads from the target, or from
-/// the extent store (`None`, a barrier). Shared by commit and replay, so both build the same
-/// index from the same records.
-#[derive(Clone, Copy, Debug)]
-struct IndexUpdate {
-    start: u64,
-    end: u64,
-    target: Option<Target>,
-}
-
-impl IndexUpdate {
-    fn for_record(header: &Header, segment: u64, file_offset: u64) -> Self {
-        let start = header.offset;
-        let end = header.offset + u64::from(header.length);
-        let data = DataLoc {
-            file_offset,
-            record_offset: header.offset,
-            record_length: u64::from(header.length),
-            chunks: header.chunks,
+impl<F: Filesystem> Oplog<F> {
+    /// Opens the log in `config.dir` (created if missing) and replays it. The report lists
+    /// lost ranges, repaired damage and torn tails. A directory holding an older (version 1 or
+    /// 2) log is opened read-only: it can be read and drained, then destroyed.
+    pub async fn open(fs: F, config: OplogConfig) -> Result<(Self, ReplayReport), OplogError> {
+        config.validate()?;
+        fs.create_dir_all(&config.dir)
+            .await
+            .map_err(|e| error::io_error(&config.dir, e))?;
+        let listing = files::list(&fs, &config.dir).await?;
+        let (state, report) = if !listing.legacy.is_empty() {
+            if !listing.segments.is_empty() {
+                return Err(OplogError::Corrupt {
+                    path: config.dir.clone(),
+                    file_offset: 0,
+                    reason: "the directory holds both version 3 segment files and older ones"
+                        .into(),
+                });
+            }
+            legacy::replay(&fs, &config, listing.legacy).await?
+        } else {
+            replay::replay(&fs, &config, listing.segments).await?
         };
-        let target = match header.kind {
-            RecordKind::Write => Some(Target {
-                seq: header.seq,
-                segment,
-                data: Some(data),
-            }),
-            RecordKind::Zero => Some(Target {
-                seq: header.seq,
-                segment,
-                data: None,
-            }),
-            RecordKind::Barrier => None,
-        };
-        IndexUpdate { start, end, target }
-    }
-
-    fn apply(&self, index: &mut Index) {
-        index.apply(self.start, self.end, self.target);
-    }
-}
-
-impl<O: FileOpener + 'static> Oplog<O> {
-    /// Opens the log in `config.dir` (created if missing), replays its segments and appends
-    /// after them. A torn tail left by a crash is cut off.
-    pub async fn open(opener: O, config: OplogConfig) -> Result<Self, OplogError> {
-        files::create_dir(&config.dir).await?;
-        let replayed = replay::replay(&opener, &config.dir).await?;
-        // The directory entries of the replayed files (a reused empty segment among them) and
-        // a truncation must be durable before records in them are acknowledged.
-        files::sync_dir(&config.dir).await?;
-        let state = State {
-            segments: replayed.segments,
-            active: replayed.active,
-            next_seq: replayed.next_seq,
-            index: replayed.index,
-            usage: replayed.usage,
-            pending: VecDeque::new(),
-            pending_bytes: 0,
-            committing: false,
-            failed: None,
-            space_waiters: 0,
-            freeing: false,
-            drain_pinned: BTreeSet::new(),
-            retired: BTreeMap::new(),
-            spare_serial: replayed
-                .spares
-                .iter()
-                .map(|(serial, _)| *serial)
-                .max()
-                .unwrap_or(0),
-            spares: replayed.spares.into_iter().map(|(_, path)| path).collect(),
-        };
+        // Every file operation replay made (a removal, a new seal) is durable before the log
+        // is used.
+        fs.sync_dir(&config.dir)
+            .await
+            .map_err(|e| error::io_error(&config.dir, e))?;
+        log_report(&config.dir, &report);
         let inner = Inner {
-            opener,
+            fs,
             config,
             state: RefCell::new(state),
-            space: Notify::new(),
-            batch_room: Notify::new(),
+            jobs: RefCell::new(Vec::new()),
+            wakers: Arc::new(WakerSet::default()),
             drain: Notify::new(),
         };
-        let oplog = Oplog {
-            inner: Rc::new(inner),
-        };
-        // Segments whose records were all superseded before the crash hold nothing useful.
-        oplog.inner.free_segments().await?;
-        Ok(oplog)
+        Ok((
+            Oplog {
+                inner: Rc::new(inner),
+            },
+            report,
+        ))
     }
 
-    /// Appends `data` at vdisk `offset`. Returns once the record is durable and indexed;
-    /// waits for space while the log is full.
+    /// Appends one record to the pending batch without waiting. The record is durable and
+    /// indexed once a [`OplogEvent::Durable`] event passes its sequence number (or failed, if
+    /// a [`OplogEvent::Failed`] event names it). Never awaits and does no I/O: the pending
+    /// batch is written by `next_event`.
+    pub fn try_append(&self, append: Append) -> Result<Seq, TryAppendError> {
+        let seq = self.inner.try_append(&append)?;
+        self.inner.wakers.wake_all();
+        Ok(seq)
+    }
+
+    /// Drives the log's I/O and returns its next event. Cancel-safe: I/O under way belongs
+    /// to the log, not to this future, so dropping it (in a `select!`) loses nothing. Several
+    /// tasks may await it; each event goes to one of them.
+    pub async fn next_event(&self) -> OplogEvent {
+        poll_fn(|cx| self.inner.poll_event(cx)).await
+    }
+
+    /// Appends `data` at vdisk `offset` (split into records of at most `max_write_bytes`) and
+    /// returns once it is durable and indexed; waits while the log is full. Built on
+    /// `try_append` and `next_event` for tests and tools (it consumes events).
     pub async fn write(&self, offset: u64, data: Bytes) -> Result<(), OplogError> {
-        let length = data.len() as u64;
-        if length == 0 {
+        if data.is_empty() {
             return Ok(());
         }
-        check_range(offset, length)?;
-        let record_bytes = format::write_record_bytes(length);
-        if record_bytes > self.inner.config.capacity_bytes {
-            return Err(OplogError::TooLarge {
-                length: record_bytes,
-                capacity: self.inner.config.capacity_bytes,
-            });
+        check_range(offset, data.len() as u64)?;
+        let max = self.max_write_bytes() as usize;
+        let mut seqs = Vec::new();
+        let mut done = 0;
+        while done < data.len() {
+            let part = data.slice(done..(done + max).min(data.len()));
+            let append = Append::Write {
+                offset: offset + done as u64,
+                data: part.clone(),
+            };
+            done += part.len();
+            seqs.push(self.append_waiting(append).await?);
         }
-        let length =
-            u32::try_from(length).map_err(|_| OplogError::InvalidRange { offset, length })?;
-        self.inner
-            .submit(RecordKind::Write, offset, length, &data)
-            .await
+        for seq in seqs {
+            self.wait_for(seq).await?;
+        }
+        Ok(())
     }
 
-    /// Makes `[offset, offset+length)` read as zeros.
+    /// Makes `[offset, offset+length)` read as zeros; returns once durable.
     pub async fn write_zeroes(&self, offset: u64, length: u64) -> Result<(), OplogError> {
-        self.submit_range(RecordKind::Zero, offset, length).await
+        let seq = self.append_waiting(Append::Zero { offset, length }).await?;
+        self.wait_for(seq).await
     }
 
     /// Records that the extent store holds newer, synced data for the range than any record
-    /// in the log: the range leaves the index, and replay will not resurrect older records.
+    /// in the log; returns once durable.
     pub async fn barrier(&self, offset: u64, length: u64) -> Result<(), OplogError> {
-        self.submit_range(RecordKind::Barrier, offset, length).await
+        let seq = self
+            .append_waiting(Append::Barrier { offset, length })
+            .await?;
+        self.wait_for(seq).await
     }
 
-    async fn submit_range(
-        &self,
-        kind: RecordKind,
-        offset: u64,
-        length: u64,
-    ) -> Result<(), OplogError> {
-        check_range(offset, length)?;
-        let mut done = 0;
-        while done < length {
-            let part = (length - done).min(MAX_RANGE_RECORD_BYTES);
-            // `part` is at most MAX_RANGE_RECORD_BYTES, which fits in a u32.
-            let part32 =
-                u32::try_from(part).map_err(|_| OplogError::InvalidRange { offset, length })?;
-            self.inner.submit(kind, offset + done, part32, &[]).await?;
-            done += part;
-        }
-        Ok(())
+    /// Drives the log until no I/O is under way or startable (pending batches written,
+    /// segments freed and prepared). For tests, tools and shutdown; consumes events.
+    pub async fn idle(&self) {
+        poll_fn(|cx| loop {
+            if self.inner.is_idle() {
+                return Poll::Ready(());
+            }
+            match self.inner.poll_event(cx) {
+                Poll::Ready(_) => continue,
+                Poll::Pending => return Poll::Pending,
+            }
+        })
+        .await
+    }
+
+    /// The outcome of record `seq`: `None` while it is pending or in flight.
+    pub fn outcome(&self, seq: Seq) -> Option<Result<(), OplogError>> {
+        self.inner.state.borrow().outcome(seq)
+    }
+
+    async fn append_waiting(&self, append: Append) -> Result<Seq, OplogError> {
+        poll_fn(|cx| loop {
+            match self.inner.try_append(&append) {
+                Ok(seq) => {
+                    self.inner.wakers.wake_all();
+                    return Poll::Ready(Ok(seq));
+                }
+                Err(TryAppendError::Rejected(error)) => return Poll::Ready(Err(error)),
+                Err(TryAppendError::Backpressure(_)) => {}
+            }
+            match self.inner.poll_event(cx) {
+                Poll::Ready(_) => continue,
+                Poll::Pending => return Poll::Pending,
+            }
+        })
+        .await
+    }
+
+    async fn wait_for(&self, seq: Seq) -> Result<(), OplogError> {
+        poll_fn(|cx| loop {
+            if let Some(outcome) = self.inner.state.borrow().outcome(seq) {
+                return Poll::Ready(outcome);
+            }
+            match self.inner.poll_event(cx) {
+                Poll::Ready(_) => continue,
+                Poll::Pending => return Poll::Pending,
+            }
+        })
+        .await
+    }
+
+    /// The largest write payload one record may carry (`try_append` refuses larger ones with
+    /// `TooLarge`; `write` splits them).
+    pub fn max_write_bytes(&self) -> u64 {
+        self.inner.config.max_write_bytes()
     }
 
     /// The pieces covering `[offset, offset+length)` exactly, in offset order.
@@ -366,15 +560,21 @@ impl<O: FileOpener + 'static> Oplog<O> {
                     source: PieceSource::Absent,
                 });
             }
-            let source = match span.target.data {
-                Some(data) => PieceSource::Data {
+            let source = match span.target.kind {
+                TargetKind::Data(data) => PieceSource::Data {
                     location: PieceLocation {
                         seq: span.target.seq,
                         segment: span.target.segment,
                         data,
                     },
                 },
-                None => PieceSource::Zero,
+                TargetKind::Zero => PieceSource::Zero,
+                TargetKind::Lost(lost) => PieceSource::Lost {
+                    location: LostLocation {
+                        segment: span.target.segment,
+                        lost,
+                    },
+                },
             };
             pieces.push(LogPiece {
                 offset: span.start,
@@ -394,8 +594,9 @@ impl<O: FileOpener + 'static> Oplog<O> {
     }
 
     /// Fills `buf` (exactly `piece.length` bytes) with the piece's contents: checksum-verified
-    /// log bytes for `Data`, zeros for `Zero`; `Absent` leaves it untouched. `Stale` means a
-    /// drain freed the record since the lookup: look up again.
+    /// log bytes for `Data`, zeros for `Zero`; `Absent` leaves it untouched; `Lost` fails with
+    /// [`OplogError::Lost`]. `Stale` means a drain freed the record since the lookup: look up
+    /// again. A chunk failing its CRC is [`OplogError::ChecksumMismatch`].
     pub async fn read_piece(&self, piece: &LogPiece, buf: &mut [u8]) -> Result<(), OplogError> {
         if buf.len() as u64 != piece.length {
             return Err(OplogError::InvalidRange {
@@ -420,12 +621,18 @@ impl<O: FileOpener + 'static> Oplog<O> {
                     )
                     .await
             }
+            PieceSource::Lost { location } => Err(self.inner.lost_error(
+                location.segment,
+                &location.lost,
+                piece.offset,
+                piece.length,
+            )),
         }
     }
 
     /// Live entries to move to the extent store: those of the oldest segments first (so
     /// space is freed oldest-first), about `max_bytes` of data (at least one entry), sorted by
-    /// offset. Zero entries cost nothing towards `max_bytes`.
+    /// offset. Zero and lost entries cost nothing towards `max_bytes`.
     pub fn drain_batch(&self, max_bytes: u64) -> Vec<DrainItem> {
         let mut state = self.inner.state.borrow_mut();
         let state = &mut *state;
@@ -436,10 +643,10 @@ impl<O: FileOpener + 'static> Oplog<O> {
         'segments: for (segment, spans) in state.index.segments() {
             state.drain_pinned.insert(segment);
             for span in spans {
-                let cost = if span.target.data.is_some() {
-                    span.end - span.start
-                } else {
-                    0
+                let (kind, cost) = match span.target.kind {
+                    TargetKind::Data(_) => (DrainKind::Data, span.end - span.start),
+                    TargetKind::Zero => (DrainKind::Zero, 0),
+                    TargetKind::Lost(_) => (DrainKind::Lost, 0),
                 };
                 if !items.is_empty() && bytes.saturating_add(cost) > max_bytes {
                     break 'segments;
@@ -448,7 +655,7 @@ impl<O: FileOpener + 'static> Oplog<O> {
                 items.push(DrainItem {
                     offset: span.start,
                     length: span.end - span.start,
-                    zero: span.target.data.is_none(),
+                    kind,
                     target: span.target,
                 });
             }
@@ -460,56 +667,68 @@ impl<O: FileOpener + 'static> Oplog<O> {
         items
     }
 
-    /// The bytes of a drain item (zeros for a zero item), checksum-verified.
+    /// The bytes of a drain item (zeros for a zero item), checksum-verified. A lost item
+    /// fails with [`OplogError::Lost`], a rotted chunk with
+    /// [`OplogError::ChecksumMismatch`]; both carry the range ([`OplogError::lost_range`]):
+    /// record it lost in the extent store, then complete the item like a copied one.
     pub async fn read_drain_item(&self, item: &DrainItem) -> Result<Bytes, OplogError> {
         let length = usize::try_from(item.length).map_err(|_| OplogError::InvalidRange {
             offset: item.offset,
             length: item.length,
         })?;
         let mut buf = vec![0u8; length];
-        if let Some(data) = &item.target.data {
-            self.inner
-                .read_data(
+        match &item.target.kind {
+            TargetKind::Data(data) => {
+                self.inner
+                    .read_data(
+                        item.target.segment,
+                        item.target.seq,
+                        data,
+                        item.offset,
+                        &mut buf,
+                    )
+                    .await?
+            }
+            TargetKind::Zero => {}
+            TargetKind::Lost(lost) => {
+                return Err(self.inner.lost_error(
                     item.target.segment,
-                    item.target.seq,
-                    data,
+                    lost,
                     item.offset,
-                    &mut buf,
-                )
-                .await?;
+                    item.length,
+                ))
+            }
         }
         Ok(Bytes::from(buf))
     }
 
-    /// Called once the items' data is durable in the extent store: drops the index entries
-    /// still pointing at the same records (parts overwritten meanwhile stay), frees segments
-    /// that hold nothing live any more (oldest first) and wakes writers waiting for space.
-    pub async fn complete_drain(&self, items: &[DrainItem]) -> Result<(), OplogError> {
-        {
-            let mut state = self.inner.state.borrow_mut();
-            for item in items {
-                let end = item.offset.saturating_add(item.length);
-                state
-                    .index
-                    .remove_if_record(item.offset, end, item.target.seq);
-            }
-            state.drain_pinned.clear();
-            state.retired.clear();
-        }
-        self.inner.free_segments().await?;
-        Ok(())
+    /// Called once every item is represented in the extent store, durably: its data copied
+    /// and synced, or (a lost or rotted item) its range recorded lost there. Drops the index
+    /// entries still pointing at the same records (parts overwritten meanwhile stay); segments
+    /// left with nothing live are then freed, oldest first, by the log's own I/O
+    /// ([`OplogEvent::SpaceFreed`] tells refused writers).
+    pub fn complete_drain(&self, items: &[DrainItem]) {
+        self.inner.complete_drain(items);
+        self.inner.wakers.wake_all();
     }
 
-    /// Bytes of the segment files, including records waiting for their commit.
+    /// Bytes of the log's segments in use: headers and batches written or in flight, plus the
+    /// pending batch.
     pub fn usage_bytes(&self) -> u64 {
-        self.inner.state.borrow().usage
+        self.inner.state.borrow().usage_bytes()
     }
 
     pub fn capacity_bytes(&self) -> u64 {
         self.inner.config.capacity_bytes
     }
 
-    /// Bytes of vdisk address space the index maps to the log (data and zero entries).
+    /// Segments holding (or ready to hold) batches, and segment files in all.
+    pub fn segment_counts(&self) -> (usize, usize) {
+        let state = self.inner.state.borrow();
+        (state.segments.len(), state.files)
+    }
+
+    /// Bytes of vdisk address space the index maps to the log (data, zero and lost entries).
     pub fn live_bytes(&self) -> u64 {
         self.inner.state.borrow().index.live_bytes()
     }
@@ -519,9 +738,9 @@ impl<O: FileOpener + 'static> Oplog<O> {
         self.inner.state.borrow().index.is_empty()
     }
 
-    /// A drain would help now: live data is above half the capacity, or writers wait for
-    /// space. Never true for an empty log, where a drain could not free anything (segments
-    /// holding only superseded records are freed by the waiting writers themselves).
+    /// A drain would help now: the segments in use hold more than half the capacity, or
+    /// appends were refused for lack of space. Never true for an empty log, where a drain
+    /// could not free anything.
     pub fn needs_drain(&self) -> bool {
         self.inner.needs_drain()
     }
@@ -537,9 +756,11 @@ impl<O: FileOpener + 'static> Oplog<O> {
         }
     }
 
-    /// Deletes every segment and the directory. Only for an empty log with no write under
-    /// way (else `NotEmpty`); other clones of this handle must not be used afterwards.
+    /// Deletes every file of the log and the directory, after finishing the I/O under way.
+    /// Only for an empty log with no pending write (else `NotEmpty`); other clones of this
+    /// handle must not be used afterwards.
     pub async fn destroy(self) -> Result<(), OplogError> {
+        self.idle().await;
         self.inner.destroy().await
     }
 
@@ -549,26 +770,57 @@ impl<O: FileOpener + 'static> Oplog<O> {
     }
 }
 
-impl<O: FileOpener> Inner<O> {
+impl<F: Filesystem> Inner<F> {
     fn needs_drain(&self) -> bool {
         let state = self.state.borrow();
         !state.index.is_empty()
-            && (state.index.live_data_bytes() > self.config.capacity_bytes / 2
-                || state.space_waiters > 0)
+            && (state.usage_bytes() > self.config.capacity_bytes / 2 || state.wants_space)
     }
 
-    fn failed_error(&self, reason: &str) -> OplogError {
-        OplogError::Failed {
-            path: self.config.dir.clone(),
-            reason: reason.to_string(),
+    /// The error a read of a lost range returns (`Stale` if its record was freed meanwhile).
+    fn lost_error(
+        &self,
+        segment: SegmentId,
+        lost: &LostLoc,
+        offset: u64,
+        length: u64,
+    ) -> OplogError {
+        let Some(handle) = self.state.borrow().handle(segment) else {
+            return OplogError::Stale { offset, length };
+        };
+        OplogError::Lost {
+            offset,
+            length,
+            path: handle.path.clone(),
+            file_offset: lost.file_offset,
+            reason: lost.cause.describe().into(),
         }
     }
 }
 
-/// Ranges must stay inside the 64-bit address space.
+fn log_report(dir: &Path, report: &ReplayReport) {
+    for lost in &report.lost {
+        tracing::error!(dir = %dir.display(), path = %lost.path.display(), file_offset = lost.file_offset,
+            offset = lost.offset, length = lost.length, reason = %lost.reason,
+            "oplog replay: acknowledged range lost to corruption; it reads as an error until drained or overwritten");
+    }
+    for damage in &report.repaired {
+        tracing::warn!(dir = %dir.display(), path = %damage.path.display(), file_offset = damage.file_offset,
+            reason = %damage.reason, "oplog replay: damage worked around without loss");
+    }
+    for torn in &report.torn {
+        tracing::info!(dir = %dir.display(), path = %torn.path.display(), file_offset = torn.file_offset,
+            batches = torn.batches, "oplog replay: torn tail of unacknowledged batches discarded");
+    }
+    if let Some(version) = report.legacy_version {
+        tracing::warn!(dir = %dir.display(), version, "oplog in an older format opened read-only: drain it and destroy it");
+    }
+}
+
+/// Ranges must stay inside the 64-bit address space and not be empty.
 fn check_range(offset: u64, length: u64) -> Result<(), OplogError> {
     match offset.checked_add(length) {
-        Some(_) => Ok(()),
-        None => Err(OplogError::InvalidRange { offset, length }),
+        Some(_) if length > 0 => Ok(()),
+        _ => Err(OplogError::InvalidRange { offset, length }),
     }
 }

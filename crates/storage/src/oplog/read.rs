@@ -1,19 +1,20 @@
 //! Checksum-verified reads of record payloads.
 
 use super::error::io_error;
-use super::format::{crcs_start, payload_start, verify_chunks, CHUNK_BYTES};
+use super::format::{verify_chunks, CHUNK_BYTES};
 use super::index::DataLoc;
-use super::{Inner, OplogError};
-use crate::disk::{FileIo, FileOpener};
+use super::state::ReadGuard;
+use super::{Inner, OplogError, SegmentId, Seq};
+use crate::fs::{DiskFile, Filesystem};
 
-impl<O: FileOpener> Inner<O> {
+impl<F: Filesystem> Inner<F> {
     /// Fills `buf` with the record's bytes for vdisk range `[offset, offset + buf.len())`.
     /// Reads the whole chunks enclosing the range and checks each against its CRC32C, so no
     /// unverified byte is returned.
     pub(super) async fn read_data(
         &self,
-        segment: u64,
-        seq: u64,
+        segment: SegmentId,
+        seq: Seq,
         data: &DataLoc,
         offset: u64,
         buf: &mut [u8],
@@ -26,9 +27,12 @@ impl<O: FileOpener> Inner<O> {
         if length == 0 {
             return Ok(());
         }
-        let Some((file, path)) = self.state.borrow().file(segment) else {
+        let Some(handle) = self.state.borrow().handle(segment) else {
             return Err(OplogError::Stale { offset, length });
         };
+        // Held across the reads: the file is not reused while they run.
+        let guard = ReadGuard::new(handle, self.wakers.clone());
+        let (file, path) = (&guard.handle.file, &guard.handle.path);
         let start = offset - data.record_offset;
         let end = start + length;
         let first_chunk = start / CHUNK_BYTES;
@@ -37,20 +41,20 @@ impl<O: FileOpener> Inner<O> {
         let chunk_bytes_end = (end_chunk * CHUNK_BYTES).min(data.record_length);
 
         let mut crcs = vec![0u8; ((end_chunk - first_chunk) * 4) as usize];
-        let crcs_at = data.file_offset + crcs_start() + first_chunk * 4;
-        file.read_at(&mut crcs, crcs_at)
+        file.read_at(&mut crcs, data.crcs_at + first_chunk * 4)
             .await
-            .map_err(|e| io_error(&path, e))?;
+            .map_err(|e| io_error(path, e))?;
         let mut chunks = vec![0u8; (chunk_bytes_end - chunk_bytes_start) as usize];
-        let payload_at = data.file_offset + payload_start(data.chunks) + chunk_bytes_start;
-        file.read_at(&mut chunks, payload_at)
+        file.read_at(&mut chunks, data.payload_at + chunk_bytes_start)
             .await
-            .map_err(|e| io_error(&path, e))?;
+            .map_err(|e| io_error(path, e))?;
 
         if let Err(bad) = verify_chunks(&crcs, &chunks, first_chunk) {
-            return Err(OplogError::Corrupt {
-                path,
-                file_offset: data.file_offset + payload_start(data.chunks) + bad * CHUNK_BYTES,
+            return Err(OplogError::ChecksumMismatch {
+                offset,
+                length,
+                path: path.clone(),
+                file_offset: data.payload_at + bad * CHUNK_BYTES,
                 reason: format!(
                     "payload chunk {bad} of record {seq} (vdisk offset {}) fails its CRC32C",
                     data.record_offset

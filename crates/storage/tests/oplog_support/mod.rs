@@ -1,14 +1,30 @@
 //! Helpers shared by the oplog integration tests.
 #![allow(dead_code)]
 
-use ashlar_storage::disk::{FileIo, FileOpener, StdFile};
-use ashlar_storage::oplog::{LogPiece, Oplog, OplogConfig, OplogError, PieceSource};
+pub mod memfs;
+
+#[allow(unused_imports)]
+pub use memfs::{FaultOp, MemFs, OpKind, Rng};
+
+use ashlar_storage::fs::Filesystem;
+use ashlar_storage::oplog::{
+    DrainKind, LogPiece, Oplog, OplogConfig, OplogError, PieceSource, ReplayReport,
+};
 use bytes::Bytes;
-use std::cell::Cell;
+use std::collections::BTreeMap;
 use std::future::Future;
-use std::io;
 use std::path::{Path, PathBuf};
-use std::rc::Rc;
+
+/// The fault-injecting filesystem the tests run on. (`fs::sim::SimFs` replaces `MemFs` here
+/// once it lands.)
+pub type TestFs = MemFs;
+
+/// The log directory the tests use on a `TestFs`.
+pub fn log_dir() -> PathBuf {
+    PathBuf::from("/fast/oplog/log")
+}
+
+pub const LOG_ID: u64 = 0x0A51_A400_0000_0001;
 
 /// Runs a future on a current-thread runtime inside a `LocalSet`, as a reactor does.
 pub fn run_local<F: Future>(future: F) -> F::Output {
@@ -17,6 +33,18 @@ pub fn run_local<F: Future>(future: F) -> F::Output {
         .build()
         .expect("runtime");
     tokio::task::LocalSet::new().block_on(&runtime, future)
+}
+
+/// Polls `future` once: its output if it is ready, else `None` (the future is dropped).
+pub async fn poll_once<F: Future>(future: F) -> Option<F::Output> {
+    let mut future = std::pin::pin!(future);
+    std::future::poll_fn(|cx| {
+        std::task::Poll::Ready(match future.as_mut().poll(cx) {
+            std::task::Poll::Ready(output) => Some(output),
+            std::task::Poll::Pending => None,
+        })
+    })
+    .await
 }
 
 /// Deterministic bytes: different seeds give different contents.
@@ -33,70 +61,38 @@ pub fn pattern(seed: u64, length: usize) -> Bytes {
     Bytes::from(bytes)
 }
 
-/// A file that counts `sync_data` calls and can be told to fail the next ones.
-pub struct CountingFile {
-    inner: StdFile,
-    faults: Faults,
+/// Bytes of a segment holding `batches` batches of one 4 KiB write each (8 KiB per batch),
+/// beside its 8 KiB header and the 4 KiB kept free for a seal.
+pub fn segment_for_batches(batches: u64) -> u64 {
+    8192 + batches * 8192 + 4096
 }
 
-/// Shared counters and fault switches of a [`CountingOpener`].
-#[derive(Clone, Default)]
-pub struct Faults {
-    pub syncs: Rc<Cell<usize>>,
-    /// Number of upcoming `sync_data` calls that fail with EIO.
-    pub fail_syncs: Rc<Cell<usize>>,
-}
-
-impl FileIo for CountingFile {
-    async fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        self.inner.read_at(buf, offset).await
-    }
-    async fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        self.inner.write_at(buf, offset).await
-    }
-    async fn sync_data(&self) -> io::Result<()> {
-        self.faults.syncs.set(self.faults.syncs.get() + 1);
-        let fail = self.faults.fail_syncs.get();
-        if fail > 0 {
-            self.faults.fail_syncs.set(fail - 1);
-            return Err(io::Error::from_raw_os_error(libc::EIO));
-        }
-        self.inner.sync_data().await
-    }
-    async fn punch_hole(&self, offset: u64, length: u64) -> io::Result<()> {
-        self.inner.punch_hole(offset, length).await
-    }
-    fn path(&self) -> &Path {
-        self.inner.path()
-    }
-}
-
-#[derive(Clone, Default)]
-pub struct CountingOpener {
-    pub faults: Faults,
-}
-
-impl FileOpener for CountingOpener {
-    type File = CountingFile;
-    fn open(&self, path: &Path, create: bool) -> io::Result<CountingFile> {
-        Ok(CountingFile {
-            inner: StdFile::open(path, create)?,
-            faults: self.faults.clone(),
-        })
-    }
-}
-
+/// A small configuration: `segment` bytes per segment, room for `capacity / segment`
+/// segments, batches of up to 64 KiB (or what the segment allows), 4 in flight.
 pub fn config(dir: &Path, capacity: u64, segment: u64) -> OplogConfig {
     OplogConfig {
         dir: dir.to_path_buf(),
+        log_id: LOG_ID,
         capacity_bytes: capacity,
         segment_bytes: segment,
-        max_commit_batch_bytes: 4 << 20,
+        max_batch_bytes: (64 << 10).min(segment - 12 * 1024),
+        max_batches_in_flight: 4,
+        max_spare_segments: usize::MAX,
     }
 }
 
-/// Bytes of a 4 KiB write record: header, one CRC, payload.
-pub const RECORD_4K: u64 = 40 + 4 + 4096;
+/// Opens a log and expects a clean replay (nothing lost, nothing repaired).
+pub async fn open_clean<F: Filesystem>(fs: &F, config: OplogConfig) -> Oplog<F> {
+    let (oplog, report) = Oplog::open(fs.clone(), config).await.expect("open");
+    assert!(report.lost.is_empty(), "unexpected losses: {report:?}");
+    assert!(report.repaired.is_empty(), "unexpected damage: {report:?}");
+    oplog
+}
+
+/// Opens a log and returns its replay report.
+pub async fn open_report<F: Filesystem>(fs: &F, config: OplogConfig) -> (Oplog<F>, ReplayReport) {
+    Oplog::open(fs.clone(), config).await.expect("open")
+}
 
 /// What one byte of the vdisk reads as, according to the oplog.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,11 +100,12 @@ pub enum LogByte {
     Absent,
     Zero,
     Data(u8),
+    Lost,
 }
 
-/// Looks up and reads `[offset, offset+length)`, byte by byte.
-pub async fn read_log<O: FileOpener + 'static>(
-    oplog: &Oplog<O>,
+/// Looks up and reads `[offset, offset+length)`, byte by byte (lost pieces as `Lost`).
+pub async fn read_log<F: Filesystem>(
+    oplog: &Oplog<F>,
     offset: u64,
     length: u64,
 ) -> Result<Vec<LogByte>, OplogError> {
@@ -117,19 +114,33 @@ pub async fn read_log<O: FileOpener + 'static>(
     let mut out = Vec::with_capacity(length as usize);
     for piece in &pieces {
         let mut buf = vec![0xA5u8; piece.length as usize];
-        oplog.read_piece(piece, &mut buf).await?;
+        let result = oplog.read_piece(piece, &mut buf).await;
         match piece.source {
-            PieceSource::Data { .. } => out.extend(buf.iter().map(|&b| LogByte::Data(b))),
+            PieceSource::Data { .. } => {
+                result?;
+                out.extend(buf.iter().map(|&b| LogByte::Data(b)));
+            }
             PieceSource::Zero => {
+                result?;
                 assert!(buf.iter().all(|&b| b == 0), "zero piece not zeroed");
                 out.extend(std::iter::repeat_n(LogByte::Zero, buf.len()));
             }
             PieceSource::Absent => {
+                result?;
                 assert!(
                     buf.iter().all(|&b| b == 0xA5),
                     "absent piece touched the buffer"
                 );
                 out.extend(std::iter::repeat_n(LogByte::Absent, buf.len()));
+            }
+            PieceSource::Lost { .. } => {
+                match result {
+                    Err(OplogError::Lost { offset, length, .. }) => {
+                        assert_eq!((offset, length), (piece.offset, piece.length));
+                    }
+                    other => panic!("a lost piece read as {other:?}"),
+                }
+                out.extend(std::iter::repeat_n(LogByte::Lost, buf.len()));
             }
         }
     }
@@ -137,11 +148,7 @@ pub async fn read_log<O: FileOpener + 'static>(
 }
 
 /// Reads `[offset, offset+length)` and expects it all to be data.
-pub async fn read_data<O: FileOpener + 'static>(
-    oplog: &Oplog<O>,
-    offset: u64,
-    length: u64,
-) -> Vec<u8> {
+pub async fn read_data<F: Filesystem>(oplog: &Oplog<F>, offset: u64, length: u64) -> Vec<u8> {
     read_log(oplog, offset, length)
         .await
         .expect("read")
@@ -168,40 +175,56 @@ pub fn check_exact_cover(pieces: &[LogPiece], offset: u64, length: u64) {
     );
 }
 
-/// Segment files in the directory, oldest first (spare files not included).
-pub fn segment_files(dir: &Path) -> Vec<PathBuf> {
-    oplog_files(dir, false)
+/// What the drains moved to the "extent store": byte values, or lost bytes.
+#[derive(Default)]
+pub struct Store {
+    pub bytes: BTreeMap<u64, u8>,
+    pub lost: BTreeMap<u64, ()>,
 }
 
-/// Spare files (freed segments kept for reuse) in the directory.
-pub fn spare_files(dir: &Path) -> Vec<PathBuf> {
-    oplog_files(dir, true)
+impl Store {
+    pub fn get(&self, at: u64) -> Option<u8> {
+        self.bytes.get(&at).copied()
+    }
 }
 
-fn oplog_files(dir: &Path, spares: bool) -> Vec<PathBuf> {
-    let is_spare = |p: &Path| {
-        p.file_name()
-            .and_then(|n| n.to_str())
-            .is_some_and(|n| n.starts_with("spare-"))
-    };
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .expect("read dir")
-        .map(|e| e.expect("entry").path())
-        .filter(|p| p.extension().is_some_and(|e| e == "oplog") && is_spare(p) == spares)
-        .collect();
-    files.sort();
-    files
+/// Simulates the engine's drain into a byte-map "extent store": copies data and zero items,
+/// records lost ones. Returns how many items it drained.
+pub async fn drain_into<F: Filesystem>(
+    oplog: &Oplog<F>,
+    store: &mut Store,
+    max_bytes: u64,
+) -> usize {
+    let items = oplog.drain_batch(max_bytes);
+    for item in &items {
+        match oplog.read_drain_item(item).await {
+            Ok(data) => {
+                assert_ne!(item.kind, DrainKind::Lost);
+                assert_eq!(data.len() as u64, item.length);
+                if item.kind == DrainKind::Zero {
+                    assert!(data.iter().all(|&b| b == 0));
+                }
+                for (i, b) in data.iter().enumerate() {
+                    store.bytes.insert(item.offset + i as u64, *b);
+                    store.lost.remove(&(item.offset + i as u64));
+                }
+            }
+            Err(error) => {
+                let (offset, length) = error.lost_range().expect("only lost ranges fail");
+                assert_eq!((offset, length), (item.offset, item.length));
+                for at in offset..offset + length {
+                    store.bytes.remove(&at);
+                    store.lost.insert(at, ());
+                }
+            }
+        }
+    }
+    oplog.complete_drain(&items);
+    items.len()
 }
 
-/// First sequence numbers of the segment files.
-pub fn segment_ids(dir: &Path) -> Vec<u64> {
-    segment_files(dir)
-        .iter()
-        .map(|p| {
-            p.file_stem()
-                .and_then(|s| s.to_str())
-                .and_then(|s| s.parse().ok())
-                .expect("segment name")
-        })
-        .collect()
+/// Drains until the log is empty, then lets it free what it can.
+pub async fn drain_all<F: Filesystem>(oplog: &Oplog<F>, store: &mut Store) {
+    while drain_into(oplog, store, u64::MAX).await > 0 {}
+    oplog.idle().await;
 }
