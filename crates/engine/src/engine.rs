@@ -4,17 +4,19 @@
 
 use crate::cache::{BlockCache, CacheCounters};
 use crate::catalog::{self, CatalogError, VdiskRecord};
-use crate::config::{EngineConfig, MAX_SHARDS};
+use crate::config::{EngineConfig, MAX_SHARDS, MIN_OPLOG_BYTES_PER_SHARD};
 use crate::reactor::{ReactorId, ReactorPool};
-use crate::shard::{drain_all, remove_oplog_dir, start_shard, ShardControl, ShardLink, ShardSpec};
+use crate::shard::{
+    drain_all, oplog_id, remove_oplog_dir, start_shard, ShardControl, ShardLink, ShardSpec,
+};
 use crate::startup;
 use crate::stats::{CounterSnapshot, IoRates};
 use crate::vdisk::{ShardMap, VdiskHandle, VdiskShared, SHARD_RANGE_BYTES};
 use ashlar_core::{Epoch, VdiskId, BLOCK_SIZE_BYTES, MAX_VDISK_SIZE_BYTES};
 use ashlar_meta::MetaStore;
-use ashlar_storage::disk::StdOpener;
 use ashlar_storage::extent_store::{self, ExtentStore, ExtentStoreConfig};
-use ashlar_storage::oplog::{Oplog, OplogConfig};
+use ashlar_storage::fs::{Filesystem, NodeFs};
+use ashlar_storage::oplog::{Oplog, OplogConfig, ReplayReport};
 use serde::Serialize;
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
@@ -106,6 +108,9 @@ pub struct VdiskStats {
     pub errors: u64,
     pub oplog_usage_bytes: u64,
     pub oplog_capacity_bytes: u64,
+    /// Ranges the last startup found lost to corruption in the vdisk's oplog (they read as
+    /// EIO until rewritten).
+    pub oplog_lost_ranges: u64,
     /// Rates over the interval since the previous stats request (at least 1 s).
     #[serde(flatten)]
     pub rates: IoRates,
@@ -244,7 +249,15 @@ impl<M: MetaStore> Engine<M> {
         engine.account_for_data(&records).await?;
         for record in records {
             let started = match engine.recover_oplogs(record.id).await {
-                Ok(epoch) => engine.start_vdisk(&record, epoch.next()).await,
+                Ok((epoch, lost_ranges)) => {
+                    let started = engine.start_vdisk(&record, epoch.next()).await;
+                    if let Ok(shared) = &started {
+                        shared
+                            .oplog_lost_ranges
+                            .store(lost_ranges, Ordering::Relaxed);
+                    }
+                    started
+                }
                 Err(error) => Err(error),
             };
             let entry = match started {
@@ -321,54 +334,59 @@ impl<M: MetaStore> Engine<M> {
     /// Replays and drains every oplog a previous run left for the vdisk, oldest shard-map
     /// epoch first, so the extent store holds every acknowledged write. Returns the newest
     /// epoch seen (0 if none).
-    async fn recover_oplogs(&self, vdisk: VdiskId) -> Result<Epoch, EngineError> {
+    /// Also returns how many ranges the replays found lost to corruption.
+    async fn recover_oplogs(&self, vdisk: VdiskId) -> Result<(Epoch, u64), EngineError> {
         let root = self.oplog_root(vdisk);
-        let mut logs = list_oplog_dirs(&root);
+        let mut logs = list_oplog_dirs(&self.config.fs, &root)
+            .await
+            .map_err(|e| EngineError::Storage(format!("listing {}: {e}", root.display())))?;
         if logs.is_empty() {
-            return Ok(Epoch(0));
+            return Ok((Epoch(0), 0));
         }
         logs.sort();
         let newest = logs.last().map(|(epoch, _, _)| *epoch).unwrap_or(Epoch(0));
         let disks = self.config.disks.clone();
         let fs = self.config.fs.clone();
-        let capacity = self.config.oplog_bytes_per_vdisk.max(1 << 20);
+        let capacity = self
+            .config
+            .oplog_bytes_per_vdisk
+            .max(MIN_OPLOG_BYTES_PER_SHARD);
         let max_open_egroups = self.config.max_open_egroups_per_shard;
         let reactor = self.reactors.get(ReactorId(vdisk.0 as usize));
-        reactor
+        let lost_ranges = reactor
             .run(move || async move {
                 let store = ExtentStore::new(
-                    fs,
+                    fs.clone(),
                     ExtentStoreConfig {
                         vdisk,
                         disks,
                         max_open_egroups,
                     },
                 );
+                let mut lost_ranges = 0;
                 for (epoch, shard, dir) in logs {
-                    let config = OplogConfig {
-                        dir: dir.clone(),
-                        capacity_bytes: capacity,
-                        segment_bytes: (capacity / 8).max(1 << 20),
-                        max_commit_batch_bytes: 4 << 20,
-                    };
-                    let oplog = Oplog::open(StdOpener, config)
+                    let config =
+                        OplogConfig::new(dir.clone(), oplog_id(vdisk, epoch, shard), capacity);
+                    let (oplog, report) = Oplog::open(fs.clone(), config)
                         .await
                         .map_err(|e| format!("replaying {}: {e}", dir.display()))?;
+                    log_replay_report(vdisk, &report);
+                    lost_ranges += report.lost.len() as u64;
                     let live = oplog.live_bytes();
                     drain_all(&oplog, &store).await?;
                     drop(oplog);
-                    remove_oplog_dir(&dir)?;
+                    remove_oplog_dir(&fs, &dir).await?;
                     if live > 0 {
                         tracing::info!(vdisk = %vdisk, epoch = epoch.0, shard, live_bytes = live,
                             "replayed oplog into the extent store");
                     }
                 }
-                Ok::<(), String>(())
+                Ok::<u64, String>(lost_ranges)
             })
             .await
             .map_err(|e| EngineError::Storage(e.to_string()))?
             .map_err(EngineError::Storage)?;
-        Ok(newest)
+        Ok((newest, lost_ranges))
     }
 
     /// Starts `count` gated shard controllers for `epoch`, spread over reactors.
@@ -685,6 +703,7 @@ impl<M: MetaStore> Engine<M> {
                     oplog_usage_bytes: shared.oplog_usage_bytes(),
                     oplog_capacity_bytes: self.config.oplog_bytes_per_shard(record.shards)
                         * record.shards as u64,
+                    oplog_lost_ranges: shared.oplog_lost_ranges.load(Ordering::Relaxed),
                     rates: sample.rates.clone(),
                 }
             })
@@ -762,27 +781,52 @@ fn fill_hit_rates(stats: &mut CacheStats) {
 }
 
 /// Oplog directories of a vdisk: `e<epoch>-s<shard>`, as (epoch, shard, path).
-fn list_oplog_dirs(root: &Path) -> Vec<(Epoch, u32, PathBuf)> {
-    let Ok(entries) = std::fs::read_dir(root) else {
-        return Vec::new();
+async fn list_oplog_dirs(fs: &NodeFs, root: &Path) -> std::io::Result<Vec<(Epoch, u32, PathBuf)>> {
+    let entries = match fs.list_dir(root).await {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
     };
     let mut dirs = Vec::new();
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let parsed = name
+    for entry in entries {
+        let parsed = entry
+            .name
             .strip_prefix('e')
             .and_then(|rest| rest.split_once("-s"))
             .and_then(|(epoch, shard)| {
                 Some((epoch.parse::<u64>().ok()?, shard.parse::<u32>().ok()?))
             });
+        let path = root.join(&entry.name);
         match parsed {
-            Some((epoch, shard)) => dirs.push((Epoch(epoch), shard, entry.path())),
-            None => {
-                tracing::warn!(path = %entry.path().display(), "ignoring unexpected entry in oplog directory")
+            Some((epoch, shard)) if entry.is_dir => dirs.push((Epoch(epoch), shard, path)),
+            _ => {
+                tracing::warn!(path = %path.display(), "ignoring unexpected entry in oplog directory")
             }
         }
     }
-    dirs
+    Ok(dirs)
+}
+
+/// Says what an oplog's replay found beyond its records: ranges lost to corruption (they
+/// read as EIO until overwritten), damage repaired, a torn tail cut off.
+fn log_replay_report(vdisk: VdiskId, report: &ReplayReport) {
+    for lost in &report.lost {
+        tracing::error!(vdisk = %vdisk, offset = lost.offset, length = lost.length,
+            file = %lost.path.display(), file_offset = lost.file_offset, reason = %lost.reason,
+            "acknowledged data lost to corruption in the oplog; these blocks read as EIO until rewritten");
+    }
+    for damage in &report.repaired {
+        tracing::warn!(vdisk = %vdisk, file = %damage.path.display(),
+            file_offset = damage.file_offset, reason = %damage.reason,
+            "oplog damage repaired from a second copy; no data lost");
+    }
+    for torn in &report.torn {
+        tracing::info!(vdisk = %vdisk, file = %torn.path.display(), file_offset = torn.file_offset,
+            batches = torn.batches, "oplog tail torn by a crash cut off (never acknowledged)");
+    }
+    if let Some(version) = report.legacy_version {
+        tracing::info!(vdisk = %vdisk, version, "upgrading an oplog of an older format by replay");
+    }
 }
 
 async fn retire_all(shards: &[ShardLink], discard: bool) -> Result<(), String> {

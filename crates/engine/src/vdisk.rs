@@ -45,6 +45,8 @@ pub struct VdiskShared {
     pub connections: AtomicUsize,
     /// Set when the vdisk is being deleted or the node is stopping: I/O fails with ESHUTDOWN.
     pub closing: AtomicBool,
+    /// Ranges the last startup's oplog replay found lost to corruption.
+    pub oplog_lost_ranges: AtomicU64,
 }
 
 impl VdiskShared {
@@ -57,6 +59,7 @@ impl VdiskShared {
             counters: VdiskCounters::default(),
             connections: AtomicUsize::new(0),
             closing: AtomicBool::new(false),
+            oplog_lost_ranges: AtomicU64::new(0),
         }
     }
 

@@ -509,7 +509,10 @@ fn reap_completions_wakes_waiting_futures() {
         let mut attempts = 0;
         loop {
             attempts += 1;
-            assert!(attempts <= 100, "no read ever had to wait for its completion");
+            assert!(
+                attempts <= 100,
+                "no read ever had to wait for its completion"
+            );
             let mut read = pin!(file.read_at(&mut buf, 0));
             let std_waker = Waker::from(waker.clone());
             let mut cx = Context::from_waker(&std_waker);

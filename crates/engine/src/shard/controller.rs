@@ -11,11 +11,13 @@
 //! saw a checksum mismatch while a writer ran (a read-modify-write seen half done) is parked
 //! and run again once no writer runs; only a mismatch that persists is reported.
 
+use super::appends::{LogWrite, LogWrites};
 use super::inline::{block_range, cache_key, Registration};
 use super::work::{self, DrainError, ReadData, ReadFailure};
 use super::{ShardControl, ShardError, ShardOp, ShardReply, ShardRequest, ShardSpec, Storage};
 use crate::cache::BlockCache;
 use ashlar_core::{BlockStatusRun, IoError, BLOCK_SIZE_BYTES};
+use ashlar_storage::oplog::{OplogError, OplogEvent};
 use bytes::Bytes;
 use futures_util::future::LocalBoxFuture;
 use futures_util::stream::{FuturesUnordered, StreamExt};
@@ -42,11 +44,11 @@ enum Finished {
         read: PendingRead,
         result: Result<ReadData, ReadFailure>,
     },
-    Written {
+    /// A bypass write's data is durable in the extent store (or failed).
+    Bypassed {
         request: ShardRequest,
         offset: u64,
         length: u64,
-        bypass: bool,
         result: Result<(), IoError>,
     },
     Status {
@@ -62,6 +64,8 @@ enum Event {
     Request(ShardRequest),
     Control(ShardControl),
     Finished(Finished),
+    /// The oplog wrote, failed, freed space or took its pending batch.
+    Log(OplogEvent),
     /// The oplog wants space back (live data above half its capacity, or writers waiting).
     DrainWanted,
     /// Writes paused long enough to drain in the background, or a drain retry is due.
@@ -125,7 +129,12 @@ pub(super) struct Controller {
     waiting_bypasses: VecDeque<(ShardRequest, u64, Bytes)>,
     /// Reads that saw a checksum mismatch while a writer ran; rerun when no writer runs.
     parked_reads: Vec<PendingRead>,
+    /// Writes on their way into the oplog (waiting to append, or for their commit).
+    log_writes: LogWrites,
     drain: DrainState,
+    /// Why the last drain step failed, until one succeeds: writers waiting for the space it
+    /// would have made get this error instead of waiting forever.
+    drain_failure: Option<IoError>,
     /// Count of extent-store writers started (bypasses and drain steps).
     writers_started: u64,
     last_write: Instant,
@@ -158,7 +167,9 @@ impl Controller {
             bypass_ranges: Vec::new(),
             waiting_bypasses: VecDeque::new(),
             parked_reads: Vec::new(),
+            log_writes: LogWrites::default(),
             drain: DrainState::Idle,
+            drain_failure: None,
             writers_started: 0,
             last_write: Instant::now(),
             retiring: None,
@@ -212,6 +223,7 @@ impl Controller {
                 Some(request) => Event::Request(request),
                 None => Event::RequestsClosed,
             },
+            event = storage.oplog.next_event() => Event::Log(event),
             () = storage.oplog.drain_wanted(), if drain_may_start => Event::DrainWanted,
             () = tokio::time::sleep_until(timer.unwrap_or_else(Instant::now)), if timer.is_some() => Event::DrainTimer,
             else => Event::Quiet,
@@ -228,6 +240,13 @@ impl Controller {
                 if let Flow::Stop = self.finish(finished) {
                     return Flow::Stop;
                 }
+            }
+            Event::Log(event) => {
+                tracing::trace!(vdisk = %self.spec.vdisk, shard = self.spec.index, ?event, "oplog event");
+                // Whatever happened (space freed, batch taken, records durable or failed),
+                // waiting writes may go on; finished ones are answered below.
+                let failed = self.log_writes.append_waiting(&self.storage.oplog);
+                self.answer_log_writes(failed);
             }
             Event::DrainWanted => self.start_drain(),
             Event::DrainTimer => {
@@ -246,6 +265,8 @@ impl Controller {
             }
         }
         self.start_waiting_writers();
+        let finished = self.log_writes.take_finished(&self.storage.oplog);
+        self.answer_log_writes(finished);
         self.maybe_hand_over();
         Flow::Continue
     }
@@ -279,6 +300,11 @@ impl Controller {
                 );
             }
         }
+        assert!(
+            self.log_writes.len() + self.waiting_bypasses.len() + self.parked_reads.len()
+                <= self.requests_in_flight,
+            "every queued write or read is a request in flight"
+        );
     }
 
     // ----- client requests -----
@@ -363,35 +389,46 @@ impl Controller {
             self.waiting_bypasses.push_back((request, offset, data));
             return;
         }
-        let storage = self.storage.clone();
-        let vdisk = self.spec.vdisk;
-        self.work.push(Box::pin(async move {
-            let result = work::append_write(storage, vdisk, offset, data).await;
-            Finished::Written {
-                request,
-                offset,
-                length,
-                bypass: false,
-                result,
-            }
-        }));
+        let max_record_bytes = self.storage.oplog.max_write_bytes();
+        self.submit(LogWrite::data(request, offset, data, max_record_bytes));
     }
 
     fn start_zeroes(&mut self, request: ShardRequest, offset: u64, length: u64) {
         self.invalidate(offset, length);
         self.last_write = Instant::now();
-        let storage = self.storage.clone();
-        let vdisk = self.spec.vdisk;
-        self.work.push(Box::pin(async move {
-            let result = work::append_zeroes(storage, vdisk, offset, length).await;
-            Finished::Written {
-                request,
-                offset,
-                length,
-                bypass: false,
-                result,
+        self.submit(LogWrite::zeroes(request, offset, length));
+    }
+
+    /// Hands a write to the oplog. While the log is full and its drain fails, the write gets
+    /// the drain's error at once: a full or failing disk is an error, never a hang.
+    fn submit(&mut self, write: LogWrite) {
+        if let Some(error) = self.drain_failure.clone() {
+            if self.log_writes.log_full() {
+                self.answer_log_write(write, Err(error));
+                return;
             }
-        }));
+        }
+        let failed = self.log_writes.submit(&self.storage.oplog, write);
+        self.answer_log_writes(failed);
+    }
+
+    fn answer_log_writes(&mut self, finished: Vec<(LogWrite, Result<(), OplogError>)>) {
+        for (write, result) in finished {
+            let offset = write.range.0;
+            let result = result.map_err(|e| work::oplog_error(self.spec.vdisk, offset, e));
+            self.answer_log_write(write, result);
+        }
+    }
+
+    /// Answers a write that went through the log (once it has an outcome, or was refused).
+    fn answer_log_write(&mut self, write: LogWrite, result: Result<(), IoError>) {
+        let (offset, end) = write.range;
+        if write.bypass {
+            self.bypass_ranges.retain(|r| *r != write.range);
+        }
+        self.invalidate(offset, end - offset);
+        self.publish_usage();
+        self.answer(write.request, result.map(|()| ShardReply::Done));
     }
 
     /// Starts the waiting bypass writes that may run now, in arrival order: not while a drain
@@ -415,11 +452,10 @@ impl Controller {
             let length = data.len() as u64;
             self.work.push(Box::pin(async move {
                 let result = work::write_bypass(storage, vdisk, offset, data).await;
-                Finished::Written {
+                Finished::Bypassed {
                     request,
                     offset,
                     length,
-                    bypass: true,
                     result,
                 }
             }));
@@ -437,21 +473,21 @@ impl Controller {
     fn finish(&mut self, finished: Finished) -> Flow {
         match finished {
             Finished::Read { read, result } => self.finish_read(read, result),
-            Finished::Written {
+            Finished::Bypassed {
                 request,
                 offset,
                 length,
-                bypass,
                 result,
-            } => {
-                if bypass {
-                    let range = (offset, offset + length);
-                    self.bypass_ranges.retain(|r| *r != range);
+            } => match result {
+                // The range stays locked until the barrier is durable (`answer_log_write`).
+                Ok(()) => self.submit(LogWrite::barrier(request, offset, length)),
+                Err(error) => {
+                    self.bypass_ranges
+                        .retain(|r| *r != (offset, offset + length));
+                    self.invalidate(offset, length);
+                    self.answer(request, Err(error));
                 }
-                self.invalidate(offset, length);
-                self.publish_usage();
-                self.answer(request, result.map(|()| ShardReply::Done));
-            }
+            },
             Finished::Status { request, result } => {
                 self.answer(request, result.map(ShardReply::Status));
             }
@@ -573,11 +609,22 @@ impl Controller {
     fn finish_drain(&mut self, result: Result<usize, DrainError>) {
         self.publish_usage();
         match result {
-            Ok(_) => self.drain = DrainState::Idle,
+            Ok(_) => {
+                self.drain = DrainState::Idle;
+                if self.drain_failure.take().is_some() {
+                    tracing::info!(vdisk = %self.spec.vdisk, shard = self.spec.index,
+                        "oplog drain works again");
+                }
+            }
             Err(error) => {
                 tracing::error!(vdisk = %self.spec.vdisk, shard = self.spec.index, %error,
                     no_space = error.is_no_space(),
                     "oplog drain failed; retrying in {DRAIN_RETRY_DELAY:?}");
+                let failure = error.to_io_error(self.spec.vdisk);
+                for write in self.log_writes.take_waiting_for_space() {
+                    self.answer_log_write(write, Err(failure.clone()));
+                }
+                self.drain_failure = Some(failure);
                 self.drain = DrainState::BackingOff {
                     until: Instant::now() + DRAIN_RETRY_DELAY,
                 };
@@ -617,10 +664,11 @@ impl Controller {
         }
         retiring.handing_over = true;
         let storage = self.storage.clone();
+        let fs = self.spec.fs.clone();
         let dir = self.spec.oplog_dir.clone();
         let discard = retiring.discard;
         self.work.push(Box::pin(async move {
-            Finished::HandedOver(work::hand_over(storage, dir, discard).await)
+            Finished::HandedOver(work::hand_over(storage, fs, dir, discard).await)
         }));
     }
 

@@ -12,6 +12,7 @@
 //!
 //! All state is touched only from this reactor thread.
 
+mod appends;
 mod controller;
 mod inline;
 mod work;
@@ -22,7 +23,7 @@ pub use work::{drain_all, remove_oplog_dir};
 use crate::cache::BlockCache;
 use crate::reactor::{ReactorId, ReplyRoute};
 use ashlar_core::{BlockStatusRun, Epoch, IoError, VdiskId};
-use ashlar_storage::disk::{Disk, StdOpener};
+use ashlar_storage::disk::Disk;
 use ashlar_storage::extent_store::{ExtentStore, ExtentStoreConfig};
 use ashlar_storage::fs::NodeFs;
 use ashlar_storage::oplog::{Oplog, OplogConfig};
@@ -34,10 +35,6 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
-
-/// The filesystem the oplog keeps its segments on (the oplog still uses the older file
-/// traits; the extent store runs on the node's [`NodeFs`]).
-pub(crate) type LogFs = StdOpener;
 
 /// What a shard is asked to do. Ranges never cross the shard's range boundaries: the vdisk
 /// handle splits requests before sending them.
@@ -134,7 +131,7 @@ pub struct ShardSpec {
     /// Client requests a controller works on at once (reads in flight, writes waiting for
     /// their commit); more wait in the request queue.
     pub max_requests_in_flight: usize,
-    /// The filesystem of the extent store's disks.
+    /// The filesystem of the node's disks (oplog and extent store).
     pub fs: NodeFs,
 }
 
@@ -159,8 +156,13 @@ pub struct ShardLink {
 
 /// The oplog and extent store of one shard, shared by the controller and its storage work.
 pub(crate) struct Storage {
-    pub oplog: Oplog<LogFs>,
+    pub oplog: Oplog<NodeFs>,
     pub store: ExtentStore<NodeFs>,
+}
+
+/// The id written into every file of a shard's oplog, so a file of another log is refused.
+pub fn oplog_id(vdisk: VdiskId, epoch: Epoch, shard: u32) -> u64 {
+    (vdisk.0 << 32) ^ (epoch.0 << 12) ^ u64::from(shard)
 }
 
 /// Starts a shard controller on the current reactor. It serves nothing until `gate` is true,
@@ -170,12 +172,16 @@ pub async fn start_shard(
     cache: Rc<RefCell<BlockCache>>,
     gate: watch::Receiver<bool>,
 ) -> Result<ShardLink, String> {
-    let oplog = Oplog::open(
-        StdOpener,
-        OplogConfig::new(spec.oplog_dir.clone(), spec.oplog_capacity_bytes),
-    )
-    .await
-    .map_err(|e| format!("cannot open oplog {}: {e}", spec.oplog_dir.display()))?;
+    let config = OplogConfig::new(
+        spec.oplog_dir.clone(),
+        oplog_id(spec.vdisk, spec.epoch, spec.index),
+        spec.oplog_capacity_bytes,
+    );
+    // A shard's log directory is new (older logs were drained at startup or hand-over), so
+    // there is nothing to report from its replay.
+    let (oplog, _report) = Oplog::open(spec.fs.clone(), config)
+        .await
+        .map_err(|e| format!("cannot open oplog {}: {e}", spec.oplog_dir.display()))?;
     let store = ExtentStore::new(
         spec.fs.clone(),
         ExtentStoreConfig {

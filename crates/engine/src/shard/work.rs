@@ -3,11 +3,11 @@
 //! state; each returns what it found or did.
 
 use super::inline::block_range;
-use super::{LogFs, Storage};
+use super::Storage;
 use ashlar_core::{BlockStatusRun, IoError, VdiskId, BLOCK_SIZE_BYTES, EXTENT_SIZE_BYTES};
 use ashlar_storage::extent_store::{ExtentError, ExtentStore, WriteBatch};
-use ashlar_storage::fs::NodeFs;
-use ashlar_storage::oplog::{LogPiece, Oplog, OplogError, PieceSource};
+use ashlar_storage::fs::{remove_tree, NodeFs};
+use ashlar_storage::oplog::{DrainKind, LogPiece, Oplog, OplogError, PieceSource};
 use bytes::{Bytes, BytesMut};
 use std::rc::Rc;
 
@@ -94,18 +94,6 @@ async fn read_log(
     match storage.oplog.read_piece(piece, slice).await {
         Ok(()) => Ok(()),
         Err(OplogError::Stale { .. }) => Err(ReadFailure::LogMoved),
-        Err(OplogError::Corrupt {
-            path,
-            file_offset,
-            reason,
-        }) => {
-            tracing::error!(vdisk = %vdisk, offset = piece.offset, path = %path.display(),
-                file_offset, %reason, "checksum mismatch in the oplog");
-            Err(ReadFailure::Failed(IoError::Io(format!(
-                "checksum mismatch in oplog {} at {file_offset}",
-                path.display()
-            ))))
-        }
         Err(other) => Err(ReadFailure::Failed(oplog_error(vdisk, piece.offset, other))),
     }
 }
@@ -134,7 +122,7 @@ async fn read_store(
 
 /// Whether a write goes straight to the extent store: whole extents with nothing of the
 /// range in the oplog (so no older log record can be drained over it later).
-pub(super) fn bypasses_oplog(oplog: &Oplog<LogFs>, offset: u64, length: u64) -> bool {
+pub(super) fn bypasses_oplog(oplog: &Oplog<NodeFs>, offset: u64, length: u64) -> bool {
     offset.is_multiple_of(EXTENT_SIZE_BYTES)
         && length.is_multiple_of(EXTENT_SIZE_BYTES)
         && length > 0
@@ -144,51 +132,20 @@ pub(super) fn bypasses_oplog(oplog: &Oplog<LogFs>, offset: u64, length: u64) -> 
             .all(|p| matches!(p.source, PieceSource::Absent))
 }
 
-pub(super) async fn append_write(
-    storage: Rc<Storage>,
-    vdisk: VdiskId,
-    offset: u64,
-    data: Bytes,
-) -> Result<(), IoError> {
-    storage
-        .oplog
-        .write(offset, data)
-        .await
-        .map_err(|e| oplog_error(vdisk, offset, e))
-}
-
-pub(super) async fn append_zeroes(
-    storage: Rc<Storage>,
-    vdisk: VdiskId,
-    offset: u64,
-    length: u64,
-) -> Result<(), IoError> {
-    storage
-        .oplog
-        .write_zeroes(offset, length)
-        .await
-        .map_err(|e| oplog_error(vdisk, offset, e))
-}
-
-/// Large, extent-aligned writes skip the oplog: written in place, synced, then a barrier
-/// record tells replay that older log records for the range are superseded.
+/// Large, extent-aligned writes skip the oplog: written in place, durable when this returns.
+/// The controller then appends a barrier record, which tells replay that older log records
+/// of the range are superseded, and acknowledges the write once the barrier is durable.
 pub(super) async fn write_bypass(
     storage: Rc<Storage>,
     vdisk: VdiskId,
     offset: u64,
     data: Bytes,
 ) -> Result<(), IoError> {
-    // Durable when it returns: the barrier below must not reach the log before the data.
     storage
         .store
         .write(offset, &data)
         .await
-        .map_err(|e| store_error(vdisk, offset, e))?;
-    storage
-        .oplog
-        .barrier(offset, data.len() as u64)
-        .await
-        .map_err(|e| oplog_error(vdisk, offset, e))
+        .map_err(|e| store_error(vdisk, offset, e))
 }
 
 pub(super) async fn block_status(
@@ -200,7 +157,10 @@ pub(super) async fn block_status(
     let mut runs: Vec<BlockStatusRun> = Vec::new();
     for piece in storage.oplog.lookup(offset, length) {
         match piece.source {
-            PieceSource::Data { .. } => push_run(&mut runs, piece.length, false),
+            // Lost data is still allocated data (reading it fails).
+            PieceSource::Data { .. } | PieceSource::Lost { .. } => {
+                push_run(&mut runs, piece.length, false)
+            }
             PieceSource::Zero => push_run(&mut runs, piece.length, true),
             PieceSource::Absent => {
                 let allocation = storage
@@ -243,6 +203,16 @@ pub(super) enum DrainError {
 }
 
 impl DrainError {
+    /// What a writer waiting for the space this drain would have made is told.
+    pub(super) fn to_io_error(&self, vdisk: VdiskId) -> IoError {
+        if self.is_no_space() {
+            return IoError::NoSpace;
+        }
+        IoError::Io(format!(
+            "the oplog of vdisk {vdisk} is full and cannot drain: {self}"
+        ))
+    }
+
     pub(super) fn is_no_space(&self) -> bool {
         matches!(
             self,
@@ -259,7 +229,7 @@ pub(super) async fn drain_step(storage: Rc<Storage>, max_bytes: u64) -> Result<u
 }
 
 async fn drain_batch(
-    oplog: &Oplog<LogFs>,
+    oplog: &Oplog<NodeFs>,
     store: &ExtentStore<NodeFs>,
     max_bytes: u64,
 ) -> Result<usize, DrainError> {
@@ -269,55 +239,61 @@ async fn drain_batch(
     }
     let mut data = Vec::with_capacity(items.len());
     for item in &items {
-        data.push(if item.zero {
-            None
-        } else {
-            Some(oplog.read_drain_item(item).await?)
+        data.push(match item.kind {
+            DrainKind::Data => Some(oplog.read_drain_item(item).await?),
+            DrainKind::Zero | DrainKind::Lost => None,
         });
     }
     let mut batch = WriteBatch::new();
     for (item, bytes) in items.iter().zip(&data) {
-        match bytes {
-            Some(bytes) => batch.write(item.offset, bytes),
-            None => batch.write_zeroes(item.offset, item.length),
+        match (item.kind, bytes) {
+            (DrainKind::Data, Some(bytes)) => batch.write(item.offset, bytes),
+            (DrainKind::Zero, _) => batch.write_zeroes(item.offset, item.length),
+            // Lost to corruption in the log: the blocks read as EIO until overwritten, and
+            // the log can let go of the record (a bad record costs its own blocks only).
+            (DrainKind::Lost, _) | (DrainKind::Data, None) => {
+                batch.mark_lost(item.offset, item.length)
+            }
         };
     }
     // Durable when it returns; only then may the log forget the items.
     store.apply(&batch).await?;
-    oplog.complete_drain(&items).await?;
+    oplog.complete_drain(&items);
     Ok(items.len())
 }
 
-/// Drains every live oplog entry into the extent store and syncs it. Used when a shard
-/// retires and when a node recovers oplogs left by a crash.
-pub async fn drain_all(oplog: &Oplog<LogFs>, store: &ExtentStore<NodeFs>) -> Result<(), String> {
+/// Drains every live oplog entry into the extent store, then lets the log finish freeing
+/// its segments. Used when a shard retires and when a node recovers oplogs left by a crash.
+pub async fn drain_all(oplog: &Oplog<NodeFs>, store: &ExtentStore<NodeFs>) -> Result<(), String> {
     while !oplog.is_empty() {
         drain_batch(oplog, store, u64::MAX)
             .await
             .map_err(|e| e.to_string())?;
     }
+    oplog.idle().await;
     Ok(())
 }
 
-pub fn remove_oplog_dir(dir: &std::path::Path) -> Result<(), String> {
-    match std::fs::remove_dir_all(dir) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(format!("cannot remove {}: {e}", dir.display())),
-    }
+/// Removes an oplog directory (a drained or discarded log), durably.
+pub async fn remove_oplog_dir(fs: &NodeFs, dir: &std::path::Path) -> Result<(), String> {
+    remove_tree(fs, dir)
+        .await
+        .map_err(|e| format!("cannot remove {}: {e}", dir.display()))
 }
 
 /// Final act of a retiring shard: leave nothing behind that a successor must know about.
 /// The drained log holds no live record, so removing it moves ownership with no data copied.
 pub(super) async fn hand_over(
     storage: Rc<Storage>,
+    fs: NodeFs,
     oplog_dir: std::path::PathBuf,
     discard: bool,
 ) -> Result<(), String> {
-    if !discard {
+    if discard {
+        storage.oplog.idle().await;
+    } else {
         drain_all(&storage.oplog, &storage.store).await?;
     }
-    storage.store.sync().await.map_err(|e| e.to_string())?;
     storage.store.close_all();
-    remove_oplog_dir(&oplog_dir)
+    remove_oplog_dir(&fs, &oplog_dir).await
 }

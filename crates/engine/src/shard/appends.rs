@@ -1,0 +1,190 @@
+//! Writes on their way into the oplog: appended without waiting (`Oplog::try_append`), in
+//! arrival order, and finished when the log says every record of the write has an outcome.
+//!
+//! A write the log cannot take yet (it is full until a drain frees a segment, or its pending
+//! batch is full) waits here, and so does every write after it, so appends keep the order in
+//! which writes arrived. Whether a record is durable is asked of the log (`Oplog::outcome`),
+//! not learnt from its events, so nothing depends on who consumed which event.
+
+use super::ShardRequest;
+use ashlar_storage::fs::NodeFs;
+use ashlar_storage::oplog::{Append, Backpressure, Oplog, OplogError, Seq, TryAppendError};
+use bytes::Bytes;
+use std::collections::VecDeque;
+
+/// One client write (or zeroing, or the barrier after a bypass write) and its records.
+pub(super) struct LogWrite {
+    pub request: ShardRequest,
+    /// Vdisk bytes the write covers.
+    pub range: (u64, u64),
+    /// The barrier of a bypass write: its range stays locked against other extent-store
+    /// writers until the barrier is durable.
+    pub bypass: bool,
+    /// Records still to append, in order.
+    pieces: VecDeque<Append>,
+    /// Records appended.
+    seqs: Vec<Seq>,
+}
+
+impl LogWrite {
+    /// `data` at `offset`, in records of at most `max_record_bytes`.
+    pub fn data(request: ShardRequest, offset: u64, data: Bytes, max_record_bytes: u64) -> Self {
+        assert!(max_record_bytes > 0, "the log takes records of some size");
+        let length = data.len() as u64;
+        let mut pieces = VecDeque::new();
+        let mut done = 0u64;
+        while done < length {
+            let part = (length - done).min(max_record_bytes);
+            pieces.push_back(Append::Write {
+                offset: offset + done,
+                data: data.slice(done as usize..(done + part) as usize),
+            });
+            done += part;
+        }
+        Self::new(request, (offset, offset + length), false, pieces)
+    }
+
+    pub fn zeroes(request: ShardRequest, offset: u64, length: u64) -> Self {
+        let pieces = VecDeque::from([Append::Zero { offset, length }]);
+        Self::new(request, (offset, offset + length), false, pieces)
+    }
+
+    pub fn barrier(request: ShardRequest, offset: u64, length: u64) -> Self {
+        let pieces = VecDeque::from([Append::Barrier { offset, length }]);
+        Self::new(request, (offset, offset + length), true, pieces)
+    }
+
+    fn new(
+        request: ShardRequest,
+        range: (u64, u64),
+        bypass: bool,
+        pieces: VecDeque<Append>,
+    ) -> Self {
+        LogWrite {
+            request,
+            range,
+            bypass,
+            pieces,
+            seqs: Vec::new(),
+        }
+    }
+
+    /// Appends the remaining records until the log refuses one.
+    fn append(&mut self, oplog: &Oplog<NodeFs>) -> Result<(), Refusal> {
+        while let Some(piece) = self.pieces.front() {
+            match oplog.try_append(piece.clone()) {
+                Ok(seq) => {
+                    self.seqs.push(seq);
+                    self.pieces.pop_front();
+                }
+                Err(TryAppendError::Backpressure(why)) => return Err(Refusal::Wait(why)),
+                Err(TryAppendError::Rejected(error)) => return Err(Refusal::Failed(error)),
+            }
+        }
+        Ok(())
+    }
+
+    /// The write's outcome once every record has one: the first failure, else success.
+    fn outcome(&self, oplog: &Oplog<NodeFs>) -> Option<Result<(), OplogError>> {
+        assert!(
+            self.pieces.is_empty(),
+            "asked for the outcome of a write not fully appended"
+        );
+        let mut result = Ok(());
+        for seq in &self.seqs {
+            match oplog.outcome(*seq)? {
+                Ok(()) => {}
+                Err(error) => {
+                    if result.is_ok() {
+                        result = Err(error);
+                    }
+                }
+            }
+        }
+        Some(result)
+    }
+}
+
+enum Refusal {
+    Wait(Backpressure),
+    Failed(OplogError),
+}
+
+/// A write that is done, with its outcome (to answer).
+pub(super) type Finished = (LogWrite, Result<(), OplogError>);
+
+#[derive(Default)]
+pub(super) struct LogWrites {
+    /// Not (fully) appended yet, in arrival order.
+    waiting: VecDeque<LogWrite>,
+    /// Every record appended, waiting for outcomes, in append order.
+    committing: VecDeque<LogWrite>,
+    /// Why the head of `waiting` waits.
+    waiting_for: Option<Backpressure>,
+}
+
+impl LogWrites {
+    /// Takes a new write: appended at once unless writes wait before it.
+    pub fn submit(&mut self, oplog: &Oplog<NodeFs>, write: LogWrite) -> Vec<Finished> {
+        self.waiting.push_back(write);
+        if self.waiting.len() == 1 {
+            self.append_waiting(oplog)
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// Appends waiting writes in order until the log refuses one (after the log freed space
+    /// or took its pending batch).
+    pub fn append_waiting(&mut self, oplog: &Oplog<NodeFs>) -> Vec<Finished> {
+        let mut failed = Vec::new();
+        self.waiting_for = None;
+        while let Some(mut write) = self.waiting.pop_front() {
+            match write.append(oplog) {
+                Ok(()) => self.committing.push_back(write),
+                Err(Refusal::Wait(why)) => {
+                    self.waiting.push_front(write);
+                    self.waiting_for = Some(why);
+                    break;
+                }
+                // Records of it already appended may still become durable; a failed write's
+                // range may hold old or new data, as a client must expect.
+                Err(Refusal::Failed(error)) => failed.push((write, Err(error))),
+            }
+        }
+        failed
+    }
+
+    /// Writes whose every record has an outcome.
+    pub fn take_finished(&mut self, oplog: &Oplog<NodeFs>) -> Vec<Finished> {
+        let mut finished = Vec::new();
+        let mut still = VecDeque::with_capacity(self.committing.len());
+        for write in self.committing.drain(..) {
+            match write.outcome(oplog) {
+                Some(result) => finished.push((write, result)),
+                None => still.push_back(write),
+            }
+        }
+        self.committing = still;
+        finished
+    }
+
+    /// Writes waiting because the log is full: the drain that would make room is failing,
+    /// so they are answered with its error instead of waiting for it.
+    pub fn take_waiting_for_space(&mut self) -> Vec<LogWrite> {
+        if self.waiting_for != Some(Backpressure::Full) {
+            return Vec::new();
+        }
+        self.waiting_for = None;
+        self.waiting.drain(..).collect()
+    }
+
+    /// The log refuses writes for want of space.
+    pub fn log_full(&self) -> bool {
+        self.waiting_for == Some(Backpressure::Full)
+    }
+
+    pub fn len(&self) -> usize {
+        self.waiting.len() + self.committing.len()
+    }
+}
