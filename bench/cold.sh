@@ -92,7 +92,8 @@ drop_caches() {
     sleep "$COLD_SETTLE"
 }
 
-# wait_drained : until the node's oplog is empty or has not shrunk for 5 s (at most DRAIN_WAIT s)
+# wait_drained : until the node's oplog holds at most 1 MiB (a few records can stay below the
+# drain trigger for good) or has not shrunk for 5 s; at most DRAIN_WAIT s
 wait_drained() {
     [ -n "$NODE_PID" ] || return 0
     local t0 last="" same=0 used
@@ -100,7 +101,7 @@ wait_drained() {
     while [ $(( $(date +%s) - t0 )) -lt "$DRAIN_WAIT" ]; do
         used=$(curl -s -m 5 "$API/stats/vdisks" | jq -r '[.vdisks[].oplog_usage_bytes] | add // 0' 2>/dev/null)
         [ -n "$used" ] || { log "no oplog figure from $API/stats/vdisks"; return 0; }
-        [ "$used" = 0 ] && return 0
+        [ "$used" -le 1048576 ] && return 0
         if [ "$used" = "$last" ]; then same=$((same + 1)); [ $same -ge 10 ] && return 0; else same=0; fi
         last=$used
         sleep 0.5
