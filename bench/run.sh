@@ -28,6 +28,7 @@
 #     node's --cache-size there), PAGECACHE_READ=4G, PAGECACHE_MODES="on" ("on off" adds a
 #     buffered control), UNCACHED_JOBS, DURABLE_JOBS, DROP_CACHES=1, ...: see cold.sh
 #   ASHLAR_BIN (default: build target/release/ashlar), SHARD_BENCH, ASHLAR_* (see ashlar.sh)
+#   OUT_ROOT=bench/results   where the run's directory goes (e.g. /tmp for a trial run)
 # The cold stages drop the page cache (`sync; echo 3 > /proc/sys/vm/drop_caches`: run as root).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -37,16 +38,6 @@ ALL_STAGES="raw nbdkit dsync ashlar uncached durable pagecache shard"
 STAGES=${STAGES:-$ALL_STAGES}
 UNCACHED_SIZE=${UNCACHED_SIZE:-4G} PAGECACHE_READ=${PAGECACHE_READ:-4G}
 has_stage() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
-if [ -z "${ASHLAR_BIN:-}" ]; then
-    (cd "$HERE/.." && cargo build --release -p ashlar -p ashlar-engine --examples --bins)
-    export ASHLAR_BIN=$HERE/../target/release/ashlar
-fi
-export ASHLAR_BIN
-SHARD_BENCH=${SHARD_BENCH:-$HERE/../target/release/examples/shard_bench}
-STAMP=$(date +%Y%m%d-%H%M%S)
-OUT_DIR=$HERE/results/$STAMP-$(hostname -s)
-mkdir -p "$OUT_DIR"
-export RESULTS_DIR=$OUT_DIR/raw
 only="" extra="" cold=""
 for st in $STAGES; do
     case $st in
@@ -59,6 +50,16 @@ for st in $STAGES; do
     esac
 done
 [ -n "$cold" ] && extra="$extra $HERE/cold.sh"
+if [ -z "${ASHLAR_BIN:-}" ]; then
+    (cd "$HERE/.." && cargo build --release -p ashlar -p ashlar-engine --examples --bins)
+    export ASHLAR_BIN=$HERE/../target/release/ashlar
+fi
+export ASHLAR_BIN
+SHARD_BENCH=${SHARD_BENCH:-$HERE/../target/release/examples/shard_bench}
+STAMP=$(date +%Y%m%d-%H%M%S)
+OUT_DIR=${OUT_ROOT:-$HERE/results}/$STAMP-$(hostname -s)
+mkdir -p "$OUT_DIR"
+export RESULTS_DIR=$OUT_DIR/raw
 export COLD_STAGES=${cold# } UNCACHED_SIZE PAGECACHE_READ
 # ONLY=" " (not empty: run-all.sh treats an empty ONLY as "all peers") runs no peer script.
 ONLY="${only:- }" EXTRA_SCRIPTS="${extra# }" OUT=$OUT_DIR/RESULTS.md "$PEERS/run-all.sh"
@@ -69,6 +70,14 @@ ONLY="${only:- }" EXTRA_SCRIPTS="${extra# }" OUT=$OUT_DIR/RESULTS.md "$PEERS/run
 if has_stage shard; then
     "$SHARD_BENCH" >> "$OUT_DIR/ratios.md" 2>"$OUT_DIR/shard_bench.log" || echo "shard_bench failed (see shard_bench.log)" >> "$OUT_DIR/ratios.md"
 fi
-rm -rf "$RESULTS_DIR/json"   # large; RESULTS.md, ratios.md and the TSV keep the figures
+# p50 latencies (ratios.py's QD1 rows) are only in fio's JSON: keep them in p50.tsv, which
+# ratios.py reads when json/ is gone, so ratios.md can be rebuilt from the committed results.
+for j in "$RESULTS_DIR"/json/*.qd*.json; do
+    [ -f "$j" ] || continue
+    b=$(basename "$j" .json)   # SYSTEM.WORKLOAD.qdN
+    jq -r --arg s "${b%%.*}" --arg w "$(echo "$b" | cut -d. -f2)" --arg q "${b##*.qd}" \
+        '[$s, $w, $q, (.jobs[0].mixed.lat_ns.percentile["50.000000"] / 1000 | tostring)] | @tsv' "$j" 2>/dev/null  || true
+done > "$RESULTS_DIR/p50.tsv"
+rm -rf "$RESULTS_DIR/json"   # large; RESULTS.md, ratios.md, the TSVs and p50.tsv keep the figures
 cat "$OUT_DIR/ratios.md"
 echo "results in $OUT_DIR"
