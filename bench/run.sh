@@ -4,7 +4,7 @@
 # then the cold stages (cold.sh: page cache dropped before every job, data larger than the
 # node's cache, durable writes, page-cache growth); then the ratios the targets are stated in,
 # and the in-process sharding benchmark.
-#   ./bench/run.sh                      # full run: RUNTIME=15 s per job (~35-45 min on 2 vCPUs)
+#   ./bench/run.sh                      # full run: RUNTIME=15 s per job (~25-30 min on 2 vCPUs)
 #   RUNTIME=5 SIZE=1G ./bench/run.sh    # quicker matrix; the cold stages still use UNCACHED_SIZE
 #   ASHLAR_BIN=target/release/ashlar STAGES="uncached durable pagecache" RUNTIME=5 \
 #       UNCACHED_SIZE=1G PAGECACHE_READ=1G ./bench/run.sh   # the new stages only, a few minutes
