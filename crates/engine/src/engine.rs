@@ -106,6 +106,7 @@ pub struct VdiskStats {
     pub read_bytes: u64,
     pub write_bytes: u64,
     pub errors: u64,
+    /// Written data in the oplog not yet drained to the extent store (vdisk bytes).
     pub oplog_usage_bytes: u64,
     pub oplog_capacity_bytes: u64,
     /// Ranges the last startup found lost to corruption in the vdisk's oplog (they read as

@@ -17,9 +17,6 @@ pub(super) struct LogWrite {
     pub request: ShardRequest,
     /// Vdisk bytes the write covers.
     pub range: (u64, u64),
-    /// The barrier of a bypass write: its range stays locked against other extent-store
-    /// writers until the barrier is durable.
-    pub bypass: bool,
     /// Records still to append, in order.
     pieces: VecDeque<Append>,
     /// Records appended.
@@ -41,29 +38,23 @@ impl LogWrite {
             });
             done += part;
         }
-        Self::new(request, (offset, offset + length), false, pieces)
+        Self::new(request, (offset, offset + length), pieces)
     }
 
     pub fn zeroes(request: ShardRequest, offset: u64, length: u64) -> Self {
         let pieces = VecDeque::from([Append::Zero { offset, length }]);
-        Self::new(request, (offset, offset + length), false, pieces)
+        Self::new(request, (offset, offset + length), pieces)
     }
 
     pub fn barrier(request: ShardRequest, offset: u64, length: u64) -> Self {
         let pieces = VecDeque::from([Append::Barrier { offset, length }]);
-        Self::new(request, (offset, offset + length), true, pieces)
+        Self::new(request, (offset, offset + length), pieces)
     }
 
-    fn new(
-        request: ShardRequest,
-        range: (u64, u64),
-        bypass: bool,
-        pieces: VecDeque<Append>,
-    ) -> Self {
+    fn new(request: ShardRequest, range: (u64, u64), pieces: VecDeque<Append>) -> Self {
         LogWrite {
             request,
             range,
-            bypass,
             pieces,
             seqs: Vec::new(),
         }

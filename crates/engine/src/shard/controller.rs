@@ -423,9 +423,6 @@ impl Controller {
     /// Answers a write that went through the log (once it has an outcome, or was refused).
     fn answer_log_write(&mut self, write: LogWrite, result: Result<(), IoError>) {
         let (offset, end) = write.range;
-        if write.bypass {
-            self.bypass_ranges.retain(|r| *r != write.range);
-        }
         self.invalidate(offset, end - offset);
         self.publish_usage();
         self.answer(write.request, result.map(|()| ShardReply::Done));
@@ -436,8 +433,11 @@ impl Controller {
     fn start_waiting_writers(&mut self) {
         while let Some((_, offset, data)) = self.waiting_bypasses.front() {
             let range = (*offset, offset + data.len() as u64);
+            // A drain the log wants goes first (bypasses must not starve it), unless it
+            // cannot start (nothing live to drain: the log frees space by itself).
+            let drain_first = self.storage.oplog.needs_drain() && self.drain_may_start_now();
             let blocked = matches!(self.drain, DrainState::Running)
-                || self.storage.oplog.needs_drain()
+                || drain_first
                 || self.bypass_ranges.iter().any(|r| overlaps(*r, range));
             if blocked {
                 break;
@@ -478,16 +478,21 @@ impl Controller {
                 offset,
                 length,
                 result,
-            } => match result {
-                // The range stays locked until the barrier is durable (`answer_log_write`).
-                Ok(()) => self.submit(LogWrite::barrier(request, offset, length)),
-                Err(error) => {
-                    self.bypass_ranges
-                        .retain(|r| *r != (offset, offset + length));
-                    self.invalidate(offset, length);
-                    self.answer(request, Err(error));
+            } => {
+                // The data is durable in the store: drains may run again. Its barrier needs no
+                // lock: a drain can only copy log records newer than the bypass's start (the
+                // bypass began with none of the range in the log), which were written
+                // concurrently with it, so either order of the two is one a client may see.
+                self.bypass_ranges
+                    .retain(|r| *r != (offset, offset + length));
+                match result {
+                    Ok(()) => self.submit(LogWrite::barrier(request, offset, length)),
+                    Err(error) => {
+                        self.invalidate(offset, length);
+                        self.answer(request, Err(error));
+                    }
                 }
-            },
+            }
             Finished::Status { request, result } => {
                 self.answer(request, result.map(ShardReply::Status));
             }
@@ -570,6 +575,13 @@ impl Controller {
 
     fn writers_running(&self) -> u64 {
         self.bypass_ranges.len() as u64 + u64::from(matches!(self.drain, DrainState::Running))
+    }
+
+    /// Whether a drain could start now if no bypass held the store (bypasses yield to it).
+    fn drain_may_start_now(&self) -> bool {
+        matches!(self.drain, DrainState::Idle)
+            && !self.retiring.as_ref().is_some_and(|r| r.handing_over)
+            && !self.storage.oplog.is_empty()
     }
 
     /// A retiring controller keeps draining until its hand-over: writes it still has in
@@ -692,9 +704,10 @@ impl Controller {
         }
     }
 
+    /// Publishes how much written data waits in the oplog for the drain.
     fn publish_usage(&self) {
         self.oplog_usage_bytes
-            .store(self.storage.oplog.usage_bytes(), Ordering::Relaxed);
+            .store(self.storage.oplog.live_bytes(), Ordering::Relaxed);
     }
 }
 

@@ -192,7 +192,7 @@ pub async fn start_shard(
     );
     let (request_tx, request_rx) = mpsc::channel(spec.request_queue_limit);
     let (control_tx, control_rx) = mpsc::channel(SHARD_CONTROL_QUEUE_LIMIT);
-    let oplog_usage_bytes = Arc::new(AtomicU64::new(oplog.usage_bytes()));
+    let oplog_usage_bytes = Arc::new(AtomicU64::new(oplog.live_bytes()));
     let key = ShardKey {
         vdisk: spec.vdisk,
         epoch: spec.epoch,
