@@ -1,0 +1,1122 @@
+//! The engine under disk faults, through the simulated disk (`SimFs`): power cuts at random
+//! points (during mixed I/O, drains, re-shards, and with a small open-egroup limit), a full
+//! disk, failing writes and syncs, bit rot in every kind of on-disk structure, and a slow
+//! disk.
+//!
+//! Every test starts `Engine`s in-process with `fs: NodeFs::Sim`, the data under the virtual
+//! root `/sim/disk0`, the metadata store (redb) in a real tempdir, and drives I/O through
+//! `VdiskHandle`s on the engine's reactors. Data is written in 4 KiB blocks whose bytes name
+//! their offset and the write that produced them, so a block from another write, another
+//! offset, or a mix of two writes is recognised. Seeds are fixed and named in every failure
+//! message.
+
+use ashlar_core::{BlockDevice, IoError, IoResult, VdiskId};
+use ashlar_engine::{Engine, EngineConfig, VdiskHandle, VdiskState};
+use ashlar_meta::EmbeddedMetaStore;
+use ashlar_storage::disk::{Disk, Tier};
+use ashlar_storage::fs::sim::{CutPolicy, CutReport, Times};
+use ashlar_storage::fs::{IoMode, NodeFs, SimFs};
+use bytes::Bytes;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+type TestEngine = Engine<EmbeddedMetaStore>;
+
+const BLOCK: u64 = 4096;
+const MIB: u64 = 1 << 20;
+/// Where the simulated disk is mounted, as the engine sees it.
+const DISK: &str = "/sim/disk0";
+/// Longest a single client request may take in these tests before it counts as a hang.
+const REQUEST_LIMIT: Duration = Duration::from_secs(15);
+
+/// The timing test takes this exclusively, every other test shares it: the timing test then
+/// never runs beside this binary's CPU-heavy tests (it still shares the machine with whatever
+/// else runs).
+static CPU: RwLock<()> = RwLock::new(());
+
+fn shared_cpu() -> std::sync::RwLockReadGuard<'static, ()> {
+    CPU.read().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Data patterns and the per-block model
+// ---------------------------------------------------------------------------------------------
+
+/// The data of write `seq` at `offset`: 16-byte records (vdisk byte offset of the record,
+/// sequence number).
+fn pattern(offset: u64, seq: u64, len: usize) -> Vec<u8> {
+    let mut data = Vec::with_capacity(len);
+    for i in 0..(len / 16) as u64 {
+        data.extend_from_slice(&(offset + i * 16).to_le_bytes());
+        data.extend_from_slice(&seq.to_le_bytes());
+    }
+    data
+}
+
+/// What a block holds, for failure messages.
+fn describe(block: &[u8]) -> String {
+    if block.iter().all(|&b| b == 0) {
+        return "zeros".into();
+    }
+    let word = |at: usize| u64::from_le_bytes(block[at..at + 8].try_into().unwrap());
+    let last = block.len() - 16;
+    format!(
+        "first record (offset {}, seq {}), last record (offset {}, seq {})",
+        word(0),
+        word(8),
+        word(last),
+        word(last + 8)
+    )
+}
+
+/// What a 4 KiB block should hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Content {
+    Zeros,
+    /// `pattern(block offset, seq)`.
+    Data(u64),
+}
+
+impl Content {
+    fn matches(self, offset: u64, block: &[u8]) -> bool {
+        match self {
+            Content::Zeros => block.iter().all(|&b| b == 0),
+            Content::Data(seq) => block.chunks_exact(16).enumerate().all(|(i, record)| {
+                record[..8] == (offset + i as u64 * 16).to_le_bytes()
+                    && record[8..] == seq.to_le_bytes()
+            }),
+        }
+    }
+}
+
+/// One block of the model.
+#[derive(Clone, Debug)]
+struct Slot {
+    /// The newest acknowledged write (zeros if none).
+    acked: Content,
+    /// The write covering the block whose reply has not arrived: at most one at a time, so the
+    /// outcome never depends on how the engine orders concurrent overlapping writes.
+    in_flight: Option<Content>,
+    /// Reads in flight over the block (no write starts under them).
+    readers: u32,
+    /// Writes that failed since the last acknowledged one: the block may hold any of them.
+    maybe: Vec<Content>,
+}
+
+impl Default for Slot {
+    fn default() -> Self {
+        Slot {
+            acked: Content::Zeros,
+            in_flight: None,
+            readers: 0,
+            maybe: Vec::new(),
+        }
+    }
+}
+
+impl Slot {
+    fn allowed(&self) -> impl Iterator<Item = Content> + '_ {
+        std::iter::once(self.acked)
+            .chain(self.in_flight)
+            .chain(self.maybe.iter().copied())
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Begin {
+    Write,
+    Zero,
+    Read,
+}
+
+/// The model of one vdisk: what every block may hold.
+struct Tracker {
+    slots: Vec<Slot>,
+    next_seq: u64,
+    acked_ops: u64,
+    /// Requests issued and not answered.
+    outstanding: u64,
+    failures: Vec<String>,
+    /// Set at a power cut: later replies change nothing (the snapshot counts those writes as
+    /// in flight).
+    frozen: bool,
+}
+
+impl Tracker {
+    fn new(bytes: u64, first_seq: u64) -> Self {
+        Tracker {
+            slots: vec![Slot::default(); (bytes / BLOCK) as usize],
+            next_seq: first_seq,
+            acked_ops: 0,
+            outstanding: 0,
+            failures: Vec::new(),
+            frozen: false,
+        }
+    }
+
+    /// Reserves `[first, first+count)` for a request if no write (or, for a write, no read)
+    /// is in flight there; returns the content a write will give it.
+    fn try_begin(&mut self, first: usize, count: usize, kind: Begin) -> Option<Content> {
+        let slots = &mut self.slots[first..first + count];
+        let free = match kind {
+            Begin::Read => slots.iter().all(|s| s.in_flight.is_none()),
+            Begin::Write | Begin::Zero => slots
+                .iter()
+                .all(|s| s.in_flight.is_none() && s.readers == 0),
+        };
+        if !free {
+            return None;
+        }
+        self.outstanding += 1;
+        let content = match kind {
+            Begin::Read => {
+                for slot in slots {
+                    slot.readers += 1;
+                }
+                return Some(Content::Zeros);
+            }
+            Begin::Zero => Content::Zeros,
+            Begin::Write => {
+                self.next_seq += 1;
+                Content::Data(self.next_seq)
+            }
+        };
+        for slot in slots {
+            slot.in_flight = Some(content);
+        }
+        Some(content)
+    }
+
+    /// Records a write's reply. A failed write may or may not have reached the disk.
+    fn finish_write(&mut self, first: usize, count: usize, content: Content, ok: bool) {
+        self.outstanding -= 1;
+        if self.frozen {
+            return;
+        }
+        for slot in &mut self.slots[first..first + count] {
+            slot.in_flight = None;
+            if ok {
+                slot.acked = content;
+                slot.maybe.clear();
+            } else {
+                slot.maybe.push(content);
+            }
+        }
+        if ok {
+            self.acked_ops += 1;
+        }
+    }
+
+    /// Checks a read's data against the model and releases its blocks.
+    fn finish_read(&mut self, first: usize, count: usize, result: &IoResult<Bytes>, what: &str) {
+        self.outstanding -= 1;
+        for slot in &mut self.slots[first..first + count] {
+            slot.readers -= 1;
+        }
+        if self.frozen {
+            return;
+        }
+        match result {
+            Err(error) => self
+                .failures
+                .push(format!("{what}: read failed: {error}")),
+            Ok(data) => {
+                for (i, block) in data.chunks(BLOCK as usize).enumerate() {
+                    let index = first + i;
+                    let offset = index as u64 * BLOCK;
+                    let slot = &self.slots[index];
+                    if !slot.allowed().any(|c| c.matches(offset, block)) {
+                        self.failures.push(format!(
+                            "{what}: read of block at {offset}: expected {:?} (or {:?}), found {}",
+                            slot.acked,
+                            slot.maybe,
+                            describe(block)
+                        ));
+                    }
+                }
+                self.acked_ops += 1;
+            }
+        }
+    }
+
+    /// The model at a power cut: from now on replies change nothing.
+    fn freeze(&mut self) -> Vec<Slot> {
+        self.frozen = true;
+        self.slots.clone()
+    }
+
+    /// After a check: every block holds what was found, nothing is in flight.
+    fn rebase(&mut self, found: Vec<Content>) {
+        assert_eq!(found.len(), self.slots.len());
+        for (slot, content) in self.slots.iter_mut().zip(found) {
+            *slot = Slot {
+                acked: content,
+                ..Slot::default()
+            };
+        }
+        self.frozen = false;
+        self.outstanding = 0;
+    }
+
+    fn in_flight_blocks(&self) -> usize {
+        self.slots.iter().filter(|s| s.in_flight.is_some()).count()
+    }
+}
+
+/// SplitMix64.
+#[derive(Clone)]
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed ^ 0x5DEE_CE66_D1CE_4E5B)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in `0..n`.
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    /// Uniform in `lo..=hi`.
+    fn between(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.below(hi - lo + 1)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A node: an engine on a simulated disk, restartable
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Clone, Debug)]
+struct Settings {
+    reactors: usize,
+    cache_bytes: u64,
+    oplog_bytes_per_vdisk: u64,
+    drain_batch_bytes: u64,
+    drain_idle: Duration,
+    max_open_egroups_per_shard: usize,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            reactors: 2,
+            cache_bytes: 16 * MIB,
+            oplog_bytes_per_vdisk: 32 * MIB,
+            drain_batch_bytes: MIB,
+            drain_idle: Duration::from_millis(20),
+            max_open_egroups_per_shard: 8,
+        }
+    }
+}
+
+struct Node {
+    sim: SimFs,
+    meta: EmbeddedMetaStore,
+    settings: Settings,
+    engine: Option<Arc<TestEngine>>,
+    _meta_dir: tempfile::TempDir,
+}
+
+fn extents_dir(id: VdiskId) -> PathBuf {
+    Path::new(DISK).join("extents").join(id.to_string())
+}
+
+fn oplog_dir(id: VdiskId) -> PathBuf {
+    Path::new(DISK).join("oplog").join(id.to_string())
+}
+
+impl Node {
+    async fn start(settings: Settings) -> Node {
+        let meta_dir = tempfile::tempdir().unwrap();
+        let meta = EmbeddedMetaStore::open(&meta_dir.path().join("meta.redb")).expect("meta");
+        let mut node = Node {
+            sim: SimFs::new(IoMode::Direct),
+            meta,
+            settings,
+            engine: None,
+            _meta_dir: meta_dir,
+        };
+        node.restart("first start").await;
+        node
+    }
+
+    fn config(&self) -> EngineConfig {
+        let s = &self.settings;
+        EngineConfig {
+            data_dir: self._meta_dir.path().to_path_buf(),
+            disks: vec![Disk {
+                path: PathBuf::from(DISK),
+                tier: Tier::Fast,
+            }],
+            reactors: s.reactors,
+            poll_window: Duration::ZERO,
+            cache_bytes: s.cache_bytes,
+            oplog_bytes_per_vdisk: s.oplog_bytes_per_vdisk,
+            shard_queue_limit: 64,
+            shard_requests_in_flight_limit:
+                ashlar_engine::config::DEFAULT_SHARD_REQUESTS_IN_FLIGHT_LIMIT,
+            drain_batch_bytes: s.drain_batch_bytes,
+            drain_idle: s.drain_idle,
+            max_open_egroups_per_shard: s.max_open_egroups_per_shard,
+            default_shards: 1,
+            fs: NodeFs::Sim(self.sim.clone()),
+        }
+    }
+
+    /// Starts a new engine on the same disk and metadata (the old one must be stopped). The
+    /// node must come up, with every vdisk online.
+    async fn restart(&mut self, label: &str) {
+        assert!(self.engine.is_none(), "{label}: the old engine still runs");
+        let engine = bounded(
+            format!("{label}: engine start"),
+            Duration::from_secs(60),
+            Engine::start(self.config(), self.meta.clone()),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{label}: the node did not come up: {e}"));
+        for vdisk in engine.list_vdisks() {
+            assert_eq!(
+                vdisk.state,
+                VdiskState::Online,
+                "{label}: vdisk {} did not come up: {:?}",
+                vdisk.name,
+                vdisk.status
+            );
+        }
+        self.engine = Some(engine);
+    }
+
+    fn engine(&self) -> &Arc<TestEngine> {
+        self.engine.as_ref().expect("engine running")
+    }
+
+    /// Stops the engine: its reactor threads end and every task on them is dropped.
+    async fn stop(&mut self) {
+        let mut engine = self.engine.take().expect("engine running");
+        // Jobs sent to the reactors hold a clone until they have opened their handle.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match Arc::try_unwrap(engine) {
+                Ok(engine) => {
+                    drop(engine);
+                    return;
+                }
+                Err(again) => {
+                    assert!(
+                        Instant::now() < deadline,
+                        "the engine is still referenced 10 s after it was asked to stop"
+                    );
+                    engine = again;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+        }
+    }
+
+    /// The process dies with the power: from now on the engine cannot change the disk (every
+    /// call sleeps), so nothing it does after the cut reaches the disk. Calls already under
+    /// way finish first (each acts atomically under the disk's lock).
+    async fn freeze_disk(&self) {
+        self.sim.set_delay(None, Duration::from_secs(3600));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    /// Cuts the power of a frozen disk, stops the engine and starts a new one.
+    async fn cut_and_restart(&mut self, policy: CutPolicy, label: &str) -> CutReport {
+        let report = self.sim.power_cut(policy);
+        self.stop().await;
+        self.sim.clear_delays();
+        self.restart(label).await;
+        report
+    }
+
+    async fn create(&self, name: &str, size: u64, shards: u32) -> VdiskId {
+        self.engine()
+            .create_vdisk(name, size, Some(shards))
+            .await
+            .unwrap_or_else(|e| panic!("creating {name}: {e}"))
+            .id
+    }
+
+    fn id(&self, name: &str) -> VdiskId {
+        self.engine().vdisk(name).expect("vdisk").id
+    }
+
+    fn stats(&self, name: &str) -> ashlar_engine::VdiskStats {
+        self.engine()
+            .vdisk_stats()
+            .into_iter()
+            .find(|s| s.name == name)
+            .expect("stats of the vdisk")
+    }
+
+    /// Runs `body` with a fresh handle of `vdisk` on reactor `reactor`, bounded in time.
+    async fn on_reactor<T, Fut>(
+        &self,
+        reactor: usize,
+        vdisk: &str,
+        limit: Duration,
+        body: impl FnOnce(VdiskHandle) -> Fut + Send + 'static,
+    ) -> T
+    where
+        T: Send + 'static,
+        Fut: Future<Output = T> + 'static,
+    {
+        let engine = self.engine().clone();
+        let name = vdisk.to_string();
+        let what = format!("I/O on {vdisk} (reactor {reactor})");
+        let reactor_handle = self.engine().reactors().handles()[reactor].clone();
+        let job = reactor_handle.run(move || async move {
+                let handle = engine.open(&name).expect("open the vdisk");
+                drop(engine);
+                body(handle).await
+            });
+        bounded(what, limit, job).await.expect("reactor running")
+    }
+
+    async fn write(&self, vdisk: &str, offset: u64, data: Vec<u8>) -> IoResult<()> {
+        self.on_reactor(0, vdisk, REQUEST_LIMIT, move |h| async move {
+            h.write(offset, Bytes::from(data), false).await
+        })
+        .await
+    }
+
+    async fn zero(&self, vdisk: &str, offset: u64, length: u64, punch: bool) -> IoResult<()> {
+        self.on_reactor(0, vdisk, REQUEST_LIMIT, move |h| async move {
+            h.write_zeroes(offset, length as u32, punch).await
+        })
+        .await
+    }
+
+    async fn read(&self, vdisk: &str, offset: u64, length: u64) -> IoResult<Bytes> {
+        self.on_reactor(0, vdisk, REQUEST_LIMIT, move |h| async move {
+            h.read(offset, length as u32).await
+        })
+        .await
+    }
+
+    /// Every block of `[0, blocks)`: its bytes or the error reading it gave. Reads in large
+    /// pieces and, where a piece fails, block by block.
+    async fn read_blocks(&self, vdisk: &str, blocks: usize) -> Vec<IoResult<Vec<u8>>> {
+        self.on_reactor(0, vdisk, Duration::from_secs(120), move |h| async move {
+            const PIECE_BLOCKS: usize = 64;
+            let mut out = Vec::with_capacity(blocks);
+            let mut first = 0;
+            while first < blocks {
+                let count = PIECE_BLOCKS.min(blocks - first);
+                let offset = first as u64 * BLOCK;
+                match h.read(offset, (count as u64 * BLOCK) as u32).await {
+                    Ok(data) => {
+                        out.extend(data.chunks(BLOCK as usize).map(|b| Ok(b.to_vec())));
+                    }
+                    Err(_) => {
+                        for i in 0..count {
+                            let at = offset + i as u64 * BLOCK;
+                            out.push(h.read(at, BLOCK as u32).await.map(|b| b.to_vec()));
+                        }
+                    }
+                }
+                first += count;
+            }
+            out
+        })
+        .await
+    }
+
+    /// A write through the model: reserved, issued, and recorded (acknowledged or not).
+    async fn tracked_write(
+        &self,
+        vdisk: &str,
+        tracker: &mut Tracker,
+        offset: u64,
+        length: u64,
+    ) -> IoResult<()> {
+        let (first, count) = ((offset / BLOCK) as usize, (length / BLOCK) as usize);
+        let content = tracker
+            .try_begin(first, count, Begin::Write)
+            .expect("nothing in flight");
+        let Content::Data(seq) = content else {
+            unreachable!()
+        };
+        let result = self
+            .write(vdisk, offset, pattern(offset, seq, length as usize))
+            .await;
+        tracker.finish_write(first, count, content, result.is_ok());
+        result
+    }
+
+    async fn tracked_zero(
+        &self,
+        vdisk: &str,
+        tracker: &mut Tracker,
+        offset: u64,
+        length: u64,
+        punch: bool,
+    ) -> IoResult<()> {
+        let (first, count) = ((offset / BLOCK) as usize, (length / BLOCK) as usize);
+        let content = tracker
+            .try_begin(first, count, Begin::Zero)
+            .expect("nothing in flight");
+        let result = self.zero(vdisk, offset, length, punch).await;
+        tracker.finish_write(first, count, content, result.is_ok());
+        result
+    }
+
+    /// Every block reads back as the model says (acknowledged data, or the data of a write
+    /// that failed since); no read fails.
+    async fn verify(&self, vdisk: &str, tracker: &Tracker, label: &str) {
+        let got = self.read_blocks(vdisk, tracker.slots.len()).await;
+        let bad = check_blocks(&tracker.slots, &got).1;
+        assert!(
+            bad.is_empty(),
+            "{label}: {} of {} blocks of {vdisk} read back wrong; first ones:\n{}",
+            bad.len(),
+            got.len(),
+            bad.iter().take(20).cloned().collect::<Vec<_>>().join("\n")
+        );
+    }
+}
+
+/// Awaits `future`, failing the test if it takes longer than `limit` (a hang).
+async fn bounded<T>(what: impl std::fmt::Display, limit: Duration, future: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(limit, future).await {
+        Ok(value) => value,
+        Err(_) => panic!("{what}: no answer within {limit:?} (hung)"),
+    }
+}
+
+/// Compares every block with what the model allows: returns what each block was found to
+/// hold and the blocks that hold anything else or failed to read.
+fn check_blocks(slots: &[Slot], got: &[IoResult<Vec<u8>>]) -> (Vec<Content>, Vec<String>) {
+    assert_eq!(slots.len(), got.len());
+    let mut found = Vec::with_capacity(slots.len());
+    let mut bad = Vec::new();
+    for (index, (slot, result)) in slots.iter().zip(got).enumerate() {
+        let offset = index as u64 * BLOCK;
+        match result {
+            Err(error) => {
+                bad.push(format!(
+                    "block at {offset}: read failed ({error}); expected {:?} or in flight {:?}",
+                    slot.acked, slot.in_flight
+                ));
+                found.push(slot.acked);
+            }
+            Ok(block) => match slot.allowed().find(|c| c.matches(offset, block)) {
+                Some(content) => found.push(content),
+                None => {
+                    bad.push(format!(
+                        "block at {offset}: expected {:?}, in flight {:?} or failed {:?}; found {}",
+                        slot.acked,
+                        slot.in_flight,
+                        slot.maybe,
+                        describe(block)
+                    ));
+                    found.push(slot.acked);
+                }
+            },
+        }
+    }
+    (found, bad)
+}
+
+// ---------------------------------------------------------------------------------------------
+// A concurrent workload for power cuts
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug)]
+enum Op {
+    Write { offset: u64, length: u64 },
+    Zero { offset: u64, length: u64, punch: bool },
+    Read { offset: u64, length: u64 },
+    Flush,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mix {
+    /// Small overlapping writes (oplog), whole-extent writes (bypass), write-zeroes (punched
+    /// and allocated), flushes and checked reads.
+    Mixed,
+    /// Small writes and zeroings only (everything goes through the oplog and its drains).
+    SmallOnly,
+    /// Small overwrites of a few hot spots in every extent, and whole-extent writes: many
+    /// egroups touched by every drain.
+    HotSpots,
+}
+
+impl Mix {
+    fn pick(self, rng: &mut Rng, region: u64) -> Op {
+        let small = |rng: &mut Rng, max_blocks: u64| {
+            let length = rng.between(1, max_blocks) * BLOCK;
+            let offset = rng.below((region - length) / BLOCK + 1) * BLOCK;
+            (offset, length)
+        };
+        let extents = region / MIB;
+        let roll = rng.below(100);
+        match self {
+            Mix::Mixed => match roll {
+                0..=39 => {
+                    let (offset, length) = small(rng, 16);
+                    Op::Write { offset, length }
+                }
+                40..=51 => {
+                    let count = if rng.below(4) == 0 { 2 } else { 1 };
+                    let offset = rng.below(extents - count + 1) * MIB;
+                    Op::Write {
+                        offset,
+                        length: count * MIB,
+                    }
+                }
+                52..=61 => {
+                    let (offset, length) = small(rng, 32);
+                    Op::Zero {
+                        offset,
+                        length,
+                        punch: true,
+                    }
+                }
+                62..=65 => Op::Zero {
+                    offset: rng.below(extents) * MIB,
+                    length: MIB,
+                    punch: true,
+                },
+                66..=71 => {
+                    let (offset, length) = small(rng, 8);
+                    Op::Zero {
+                        offset,
+                        length,
+                        punch: false,
+                    }
+                }
+                72..=79 => Op::Flush,
+                _ => {
+                    let (offset, length) = small(rng, 32);
+                    Op::Read { offset, length }
+                }
+            },
+            Mix::SmallOnly => match roll {
+                0..=84 => {
+                    let (offset, length) = small(rng, 16);
+                    Op::Write { offset, length }
+                }
+                _ => {
+                    let (offset, length) = small(rng, 16);
+                    Op::Zero {
+                        offset,
+                        length,
+                        punch: true,
+                    }
+                }
+            },
+            Mix::HotSpots => match roll {
+                0..=79 => {
+                    // One of 8 spots per extent, each 128 KiB apart.
+                    let length = rng.between(1, 8) * BLOCK;
+                    let offset = rng.below(extents) * MIB + rng.below(8) * 128 * 1024;
+                    Op::Write { offset, length }
+                }
+                80..=89 => Op::Write {
+                    offset: rng.below(extents) * MIB,
+                    length: MIB,
+                },
+                _ => {
+                    let length = rng.between(1, 8) * BLOCK;
+                    let offset = rng.below(extents) * MIB + rng.below(8) * 128 * 1024;
+                    Op::Read { offset, length }
+                }
+            },
+        }
+    }
+}
+
+/// Issues requests from `mix` until `stop`, at most one request in flight per block.
+async fn worker(
+    handle: VdiskHandle,
+    tracker: Arc<Mutex<Tracker>>,
+    stop: Arc<AtomicBool>,
+    mut rng: Rng,
+    mix: Mix,
+    region: u64,
+) {
+    while !stop.load(Ordering::Relaxed) {
+        let op = mix.pick(&mut rng, region);
+        let (offset, length, begin) = match op {
+            Op::Write { offset, length } => (offset, length, Begin::Write),
+            Op::Zero { offset, length, .. } => (offset, length, Begin::Zero),
+            Op::Read { offset, length } => (offset, length, Begin::Read),
+            Op::Flush => {
+                if let Err(error) = handle.flush().await {
+                    lock(&tracker)
+                        .failures
+                        .push(format!("flush failed: {error}"));
+                }
+                continue;
+            }
+        };
+        let (first, count) = ((offset / BLOCK) as usize, (length / BLOCK) as usize);
+        let Some(content) = lock(&tracker).try_begin(first, count, begin) else {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            continue;
+        };
+        match op {
+            Op::Write { .. } => {
+                let Content::Data(seq) = content else {
+                    unreachable!()
+                };
+                let data = Bytes::from(pattern(offset, seq, length as usize));
+                let result = handle.write(offset, data, false).await;
+                let mut t = lock(&tracker);
+                if let Err(error) = &result {
+                    if !t.frozen {
+                        t.failures.push(format!(
+                            "write seq {seq} [{offset}, +{length}) failed: {error}"
+                        ));
+                    }
+                }
+                t.finish_write(first, count, content, result.is_ok());
+            }
+            Op::Zero { punch, .. } => {
+                let result = handle.write_zeroes(offset, length as u32, punch).await;
+                let mut t = lock(&tracker);
+                if let Err(error) = &result {
+                    if !t.frozen {
+                        t.failures.push(format!(
+                            "write-zeroes [{offset}, +{length}) (punch {punch}) failed: {error}"
+                        ));
+                    }
+                }
+                t.finish_write(first, count, content, result.is_ok());
+            }
+            Op::Read { .. } => {
+                let result = handle.read(offset, length as u32).await;
+                lock(&tracker).finish_read(
+                    first,
+                    count,
+                    &result,
+                    &format!("read [{offset}, +{length})"),
+                );
+            }
+            Op::Flush => unreachable!(),
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Starts `per_reactor` workers on every reactor of the node.
+fn spawn_workers(
+    node: &Node,
+    vdisk: &str,
+    tracker: &Arc<Mutex<Tracker>>,
+    stop: &Arc<AtomicBool>,
+    seed: u64,
+    per_reactor: usize,
+    mix: Mix,
+    region: u64,
+) {
+    for (r, reactor) in node.engine().reactors().handles().iter().enumerate() {
+        let engine = node.engine().clone();
+        let name = vdisk.to_string();
+        let tracker = tracker.clone();
+        let stop = stop.clone();
+        reactor
+            .spawn_detached(move || async move {
+                let handle = engine.open(&name).expect("open");
+                drop(engine);
+                for w in 0..per_reactor {
+                    let rng = Rng::new(seed.wrapping_mul(1000) + (r * 100 + w) as u64);
+                    tokio::task::spawn_local(worker(
+                        handle.clone(),
+                        tracker.clone(),
+                        stop.clone(),
+                        rng,
+                        mix,
+                        region,
+                    ));
+                }
+            })
+            .expect("reactor running");
+    }
+}
+
+/// Waits until the workload has `target` acknowledged requests; fails on any error.
+async fn wait_for_acks(tracker: &Mutex<Tracker>, target: u64, label: &str) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        {
+            let t = lock(tracker);
+            assert!(
+                t.failures.is_empty(),
+                "{label}: requests failed with no fault injected: {:?}",
+                t.failures
+            );
+            if t.acked_ops >= target {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{label}: workload stalled at {} of {target} requests answered",
+                t.acked_ops
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// Where a power cut lands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CutDuring {
+    /// The workload itself.
+    Io,
+    /// Drains: the writers stop, the cut comes while idle drains move the oplog out.
+    Drain,
+    /// A change of the shard count while the workload runs.
+    Reshard,
+}
+
+#[derive(Default, Debug)]
+struct CutStats {
+    cuts: u64,
+    acked_ops: u64,
+    in_flight_blocks: u64,
+    /// Cuts that found unsynced extent-store changes (a drain or bypass write half done).
+    cuts_with_unsynced_egroups: u64,
+    reshards_finished_before_cut: u64,
+    changes_dropped: u64,
+    changes_kept: u64,
+}
+
+/// Runs the workload on a fresh node, cuts the power at a random point `lives` times
+/// (restarting each time) and checks every block after each restart.
+async fn power_cut_run(
+    seed: u64,
+    during: CutDuring,
+    settings: Settings,
+    region: u64,
+    shards: u32,
+    mix: Mix,
+    lives: u64,
+    stats: &mut CutStats,
+) {
+    let mut rng = Rng::new(seed);
+    let mut node = Node::start(settings).await;
+    let id = node.create("v", region, shards).await;
+    let tracker = Arc::new(Mutex::new(Tracker::new(region, seed << 32)));
+    for life in 0..lives {
+        let label = format!("seed {seed}, life {life}, cut during {during:?}, mix {mix:?}");
+        let stop = Arc::new(AtomicBool::new(false));
+        spawn_workers(&node, "v", &tracker, &stop, seed * 10 + life, 4, mix, region);
+        let target = lock(&tracker).acked_ops + rng.between(10, 400);
+        wait_for_acks(&tracker, target, &label).await;
+        match during {
+            CutDuring::Io => {}
+            CutDuring::Drain => {
+                // Writers stop; the cut lands while idle drains run.
+                stop.store(true, Ordering::Relaxed);
+                let deadline = Instant::now() + REQUEST_LIMIT;
+                while lock(&tracker).outstanding > 0 {
+                    assert!(Instant::now() < deadline, "{label}: requests never answered");
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                tokio::time::sleep(Duration::from_millis(rng.between(0, 30))).await;
+            }
+            CutDuring::Reshard => {
+                let current = node.engine().vdisk("v").unwrap().shards;
+                let to = if current == 1 { rng.between(2, 3) as u32 } else { 1 };
+                let wait = Duration::from_millis(rng.between(0, 40));
+                let reshard = node.engine().set_shards("v", to);
+                tokio::select! {
+                    result = reshard => {
+                        result.unwrap_or_else(|e| panic!("{label}: re-shard failed: {e}"));
+                        stats.reshards_finished_before_cut += 1;
+                    }
+                    () = tokio::time::sleep(wait) => {}
+                }
+            }
+        }
+        node.freeze_disk().await;
+        let unsynced_egroups = node
+            .sim
+            .files()
+            .iter()
+            .filter(|f| f.path.starts_with(extents_dir(id)) && f.pending_changes > 0)
+            .count();
+        let slots = {
+            let mut t = lock(&tracker);
+            assert!(
+                t.failures.is_empty(),
+                "{label}: requests failed with no fault injected: {:?}",
+                t.failures
+            );
+            stats.acked_ops += t.acked_ops;
+            stats.in_flight_blocks += t.in_flight_blocks() as u64;
+            t.freeze()
+        };
+        stop.store(true, Ordering::Relaxed);
+        let cut_seed = seed * 1000 + life;
+        let report = node
+            .cut_and_restart(CutPolicy::Random { seed: cut_seed }, &label)
+            .await;
+        stats.cuts += 1;
+        stats.cuts_with_unsynced_egroups += u64::from(unsynced_egroups > 0);
+        stats.changes_dropped += report.changes_dropped;
+        stats.changes_kept += report.changes_kept;
+        let got = node.read_blocks("v", slots.len()).await;
+        let (found, bad) = check_blocks(&slots, &got);
+        assert!(
+            bad.is_empty(),
+            "{label}: after a power cut (policy Random {{ seed: {cut_seed} }}, {report:?}) and \
+             restart, {} of {} blocks hold neither the newest acknowledged write nor one in \
+             flight at the cut; first ones:\n{}",
+            bad.len(),
+            slots.len(),
+            bad.iter().take(20).cloned().collect::<Vec<_>>().join("\n")
+        );
+        lock(&tracker).rebase(found);
+    }
+    // The node keeps working after its last restart: a fresh write reads back.
+    let fresh = pattern(0, u64::MAX, 8192);
+    node.write("v", 0, fresh.clone())
+        .await
+        .unwrap_or_else(|e| panic!("seed {seed}: write after the last restart failed: {e}"));
+    let back = node.read("v", 0, 8192).await.expect("read after restart");
+    assert!(back[..] == fresh[..], "seed {seed}: fresh write did not read back");
+    node.stop().await;
+}
+
+fn power_cut_settings() -> Settings {
+    Settings {
+        reactors: 2,
+        cache_bytes: 8 * MIB,
+        // The smallest oplog the engine makes (16 MiB per shard): drains start at half.
+        oplog_bytes_per_vdisk: 16 * MIB,
+        drain_batch_bytes: 256 * 1024,
+        drain_idle: Duration::from_millis(2),
+        max_open_egroups_per_shard: 8,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. Power cuts at random points
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "current_thread")]
+async fn power_cuts_during_mixed_io_keep_acknowledged_writes() {
+    let _cpu = shared_cpu();
+    let started = Instant::now();
+    let mut stats = CutStats::default();
+    for seed in 1..=32 {
+        power_cut_run(
+            seed,
+            CutDuring::Io,
+            power_cut_settings(),
+            8 * MIB,
+            2,
+            Mix::Mixed,
+            2,
+            &mut stats,
+        )
+        .await;
+    }
+    eprintln!("mixed I/O: {stats:?} in {:?}", started.elapsed());
+    assert!(stats.in_flight_blocks > 0, "no cut found a write in flight");
+    assert!(
+        stats.cuts_with_unsynced_egroups > 0,
+        "no cut found unsynced extent-store writes: the cuts never landed mid-write"
+    );
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn power_cuts_during_drains_keep_acknowledged_writes() {
+    let _cpu = shared_cpu();
+    let started = Instant::now();
+    let mut stats = CutStats::default();
+    for seed in 101..=124 {
+        power_cut_run(
+            seed,
+            CutDuring::Drain,
+            power_cut_settings(),
+            8 * MIB,
+            2,
+            Mix::SmallOnly,
+            2,
+            &mut stats,
+        )
+        .await;
+    }
+    eprintln!("drains: {stats:?} in {:?}", started.elapsed());
+    // With only oplog writes, unsynced extent-store changes at the cut mean a drain step was
+    // cut half done.
+    assert!(
+        stats.cuts_with_unsynced_egroups >= stats.cuts / 4,
+        "only {} of {} cuts landed during a drain step",
+        stats.cuts_with_unsynced_egroups,
+        stats.cuts
+    );
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn power_cuts_during_reshards_keep_acknowledged_writes() {
+    let _cpu = shared_cpu();
+    let started = Instant::now();
+    let mut stats = CutStats::default();
+    for seed in 201..=216 {
+        power_cut_run(
+            seed,
+            CutDuring::Reshard,
+            power_cut_settings(),
+            16 * MIB,
+            2,
+            Mix::Mixed,
+            2,
+            &mut stats,
+        )
+        .await;
+    }
+    eprintln!("re-shards: {stats:?} in {:?}", started.elapsed());
+    assert!(
+        stats.reshards_finished_before_cut < stats.cuts,
+        "every re-shard finished before its cut: none was cut half done"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. Eviction with a small open-egroup limit, then power cuts
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "current_thread")]
+async fn power_cuts_with_two_open_egroups_keep_acknowledged_writes() {
+    let _cpu = shared_cpu();
+    let started = Instant::now();
+    let mut stats = CutStats::default();
+    let settings = Settings {
+        max_open_egroups_per_shard: 2,
+        ..power_cut_settings()
+    };
+    for seed in 301..=310 {
+        // 64 MiB: 16 egroups, 8 per shard, four times the open limit.
+        power_cut_run(
+            seed,
+            CutDuring::Io,
+            settings.clone(),
+            64 * MIB,
+            2,
+            Mix::HotSpots,
+            2,
+            &mut stats,
+        )
+        .await;
+    }
+    eprintln!("two open egroups: {stats:?} in {:?}", started.elapsed());
+    assert!(stats.in_flight_blocks > 0, "no cut found a write in flight");
+}
