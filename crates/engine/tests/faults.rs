@@ -873,6 +873,31 @@ async fn wait_for_acks(tracker: &Mutex<Tracker>, target: u64, label: &str) {
     }
 }
 
+/// Waits (polling from this thread, which is not a reactor) until the engine has made `k`
+/// more write calls (writes, punches) into the vdisk's extent store, or none for 200 ms.
+async fn wait_for_store_writes(sim: &SimFs, id: VdiskId, k: u64) {
+    let dir = extents_dir(id);
+    let count = || {
+        let c = sim.op_counts(Some(&dir));
+        c.writes + c.durable_writes + c.punches
+    };
+    let target = count() + k;
+    let mut last = (count(), Instant::now());
+    loop {
+        let now = count();
+        if now >= target {
+            return;
+        }
+        if now != last.0 {
+            last = (now, Instant::now());
+        } else if last.1.elapsed() > Duration::from_millis(200) {
+            return;
+        }
+        // Blocks the test's thread only; the reactors run on their own.
+        std::thread::sleep(Duration::from_micros(20));
+    }
+}
+
 /// Where a power cut lands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum CutDuring {
@@ -913,7 +938,14 @@ async fn power_cut_run(
     let id = node.create("v", region, shards).await;
     let tracker = Arc::new(Mutex::new(Tracker::new(region, seed << 32)));
     for life in 0..lives {
-        let label = format!("seed {seed}, life {life}, cut during {during:?}, mix {mix:?}");
+        let label = format!("seed {seed}, life {life}, cut during {during:?}, mix {mix:?}, slow disk {}", seed % 2 == 0);
+        // Every other seed, each disk call takes 1 ms: the engine's storage futures then
+        // really wait between a write and its sync (the simulated disk answers at once
+        // otherwise), so many more cuts land with writes half done.
+        let slow = seed % 2 == 0;
+        if slow {
+            node.sim.set_delay(Some(Path::new(DISK)), Duration::from_millis(1));
+        }
         let stop = Arc::new(AtomicBool::new(false));
         spawn_workers(&node, "v", &tracker, &stop, seed * 10 + life, 4, mix, region);
         let target = lock(&tracker).acked_ops + rng.between(10, 400);
@@ -928,7 +960,6 @@ async fn power_cut_run(
                     assert!(Instant::now() < deadline, "{label}: requests never answered");
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }
-                tokio::time::sleep(Duration::from_millis(rng.between(0, 30))).await;
             }
             CutDuring::Reshard => {
                 let current = node.engine().vdisk("v").unwrap().shards;
@@ -944,6 +975,12 @@ async fn power_cut_run(
                 }
             }
         }
+        // Drain cuts, and half the others, land just after the engine's k-th next write call
+        // into the extent store: a drain step or bypass write is then almost surely half done.
+        if during == CutDuring::Drain || rng.below(2) == 0 {
+            let k = rng.between(1, 24);
+            wait_for_store_writes(&node.sim, id, k).await;
+        }
         node.freeze_disk().await;
         let unsynced_egroups = node
             .sim
@@ -951,6 +988,11 @@ async fn power_cut_run(
             .iter()
             .filter(|f| f.path.starts_with(extents_dir(id)) && f.pending_changes > 0)
             .count();
+        if std::env::var("FAULTS_DEBUG").is_ok() {
+            for f in node.sim.files().iter().filter(|f| f.pending_changes > 0) {
+                eprintln!("{label}: pending {} in {}", f.pending_changes, f.path.display());
+            }
+        }
         let slots = {
             let mut t = lock(&tracker);
             assert!(
@@ -1119,4 +1161,60 @@ async fn power_cuts_with_two_open_egroups_keep_acknowledged_writes() {
     }
     eprintln!("two open egroups: {stats:?} in {:?}", started.elapsed());
     assert!(stats.in_flight_blocks > 0, "no cut found a write in flight");
+}
+
+/// A re-shard whose caller stops waiting (an HTTP client that hangs up drops the request's
+/// future) must still keep the new shards closed until the old ones have drained: reads in
+/// between would miss data still in the old oplogs, and an old shard's drain could land over
+/// newer writes.
+#[tokio::test(flavor = "current_thread")]
+async fn a_reshard_whose_caller_gives_up_serves_no_stale_data() {
+    let _cpu = shared_cpu();
+    let mut node = Node::start(Settings {
+        // No background drain: the data stays in the old shards' oplogs until they retire.
+        drain_idle: Duration::from_secs(3600),
+        ..Settings::default()
+    })
+    .await;
+    let id = node.create("v", 8 * MIB, 2).await;
+    let mut tracker = Tracker::new(8 * MIB, 0);
+    for i in 0..64 {
+        node.tracked_write("v", &mut tracker, i * 128 * 1024, 8192)
+            .await
+            .expect("write");
+    }
+    // Every disk call takes 5 ms: the old shards' hand-over drains take a while.
+    node.sim.set_delay(Some(Path::new(DISK)), Duration::from_millis(5));
+    {
+        let reshard = node.engine().set_shards("v", 1);
+        tokio::select! {
+            result = reshard => panic!("the re-shard finished within 20 ms: {result:?}"),
+            () = tokio::time::sleep(Duration::from_millis(20)) => {}
+        }
+    }
+    // The re-shard's future is gone. Reads (which wait for the new shard) must see every
+    // acknowledged write.
+    node.verify("v", &tracker, "reads after an abandoned re-shard")
+        .await;
+    // The hand-over still completes: the old oplogs are drained and removed.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while node
+        .sim
+        .files()
+        .iter()
+        .any(|f| f.path.starts_with(oplog_dir(id).join("e0000000001-s0000")))
+    {
+        assert!(Instant::now() < deadline, "the old shards never handed over");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    node.sim.clear_delays();
+    for i in 0..64 {
+        node.tracked_write("v", &mut tracker, i * 128 * 1024 + 4096, 8192)
+            .await
+            .expect("write after the re-shard");
+    }
+    node.verify("v", &tracker, "after the hand-over").await;
+    node.stop().await;
+    node.restart("restart after an abandoned re-shard").await;
+    node.verify("v", &tracker, "after a restart").await;
 }
