@@ -1186,10 +1186,17 @@ async fn a_reshard_whose_caller_gives_up_serves_no_stale_data() {
     // Every disk call takes 5 ms: the old shards' hand-over drains take a while.
     node.sim.set_delay(Some(Path::new(DISK)), Duration::from_millis(5));
     {
+        // Given up on as soon as the new shard map is published: the old shards are then
+        // draining, which takes hundreds of disk calls.
         let reshard = node.engine().set_shards("v", 1);
-        tokio::select! {
-            result = reshard => panic!("the re-shard finished within 20 ms: {result:?}"),
-            () = tokio::time::sleep(Duration::from_millis(20)) => {}
+        tokio::pin!(reshard);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while node.engine().vdisk("v").unwrap().shards != 1 {
+            assert!(Instant::now() < deadline, "the new shard map was never published");
+            tokio::select! {
+                result = &mut reshard => panic!("the re-shard finished at once: {result:?}"),
+                () = tokio::time::sleep(Duration::from_millis(1)) => {}
+            }
         }
     }
     // The re-shard's future is gone. Reads (which wait for the new shard) must see every
@@ -1204,7 +1211,11 @@ async fn a_reshard_whose_caller_gives_up_serves_no_stale_data() {
         .iter()
         .any(|f| f.path.starts_with(oplog_dir(id).join("e0000000001-s0000")))
     {
-        assert!(Instant::now() < deadline, "the old shards never handed over");
+        assert!(
+            Instant::now() < deadline,
+            "the old shards never handed over: {:#?}",
+            node.sim.files()
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     node.sim.clear_delays();
