@@ -1229,3 +1229,348 @@ async fn a_reshard_whose_caller_gives_up_serves_no_stale_data() {
     node.restart("restart after an abandoned re-shard").await;
     node.verify("v", &tracker, "after a restart").await;
 }
+
+// ---------------------------------------------------------------------------------------------
+// 2. A full disk
+// ---------------------------------------------------------------------------------------------
+
+/// Writes fresh data into `vdisk` from `*cursor` on, a whole extent (straight to the extent
+/// store) and a run of 64 KiB writes (through the oplog) in turn, until a write fails for
+/// want of space. Every request is bounded in time; an error other than `NoSpace` fails the
+/// test. Returns the bytes acknowledged.
+async fn write_until_no_space(
+    node: &Node,
+    vdisk: &str,
+    tracker: &mut Tracker,
+    cursor: &mut u64,
+    label: &str,
+) -> u64 {
+    let limit = tracker.slots.len() as u64 * BLOCK;
+    let mut acked = 0;
+    for turn in 0.. {
+        assert!(
+            *cursor + MIB <= limit,
+            "{label}: {acked} bytes acknowledged and still no ENOSPC"
+        );
+        let at = *cursor;
+        *cursor += MIB;
+        let result = if turn % 2 == 0 {
+            node.tracked_write(vdisk, tracker, at, MIB).await
+        } else {
+            let mut result = Ok(());
+            for j in 0..16 {
+                result = node
+                    .tracked_write(vdisk, tracker, at + j * 64 * 1024, 64 * 1024)
+                    .await;
+                if result.is_err() {
+                    break;
+                }
+                acked += 64 * 1024;
+            }
+            result.map(|()| acked -= MIB)
+        };
+        match result {
+            Ok(()) => acked += MIB,
+            Err(IoError::NoSpace) => return acked,
+            Err(other) => panic!("{label}: a write at {at} failed with {other:?}, not NoSpace"),
+        }
+    }
+    unreachable!()
+}
+
+/// Retries a write of `length` at `offset` until it is acknowledged; only `NoSpace` (or,
+/// with `io_too`, EIO) may fail it meanwhile. Fails the test after `limit`.
+async fn write_until_ok(
+    node: &Node,
+    vdisk: &str,
+    tracker: &mut Tracker,
+    offset: u64,
+    length: u64,
+    io_too: bool,
+    limit: Duration,
+    label: &str,
+) -> Duration {
+    let started = Instant::now();
+    loop {
+        match node.tracked_write(vdisk, tracker, offset, length).await {
+            Ok(()) => return started.elapsed(),
+            Err(IoError::NoSpace) => {}
+            Err(IoError::Io(_)) if io_too => {}
+            Err(other) => panic!("{label}: write at {offset} failed with {other:?}"),
+        }
+        assert!(
+            started.elapsed() < limit,
+            "{label}: a write at {offset} still fails after {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_full_disk_fails_writes_and_they_succeed_once_space_returns() {
+    let _cpu = shared_cpu();
+    let started = Instant::now();
+    let mut node = Node::start(Settings {
+        drain_idle: Duration::from_millis(10),
+        ..Settings::default()
+    })
+    .await;
+    node.create("a", 256 * MIB, 1).await;
+    node.create("b", 64 * MIB, 1).await;
+    let mut a = Tracker::new(256 * MIB, 0);
+    let mut b = Tracker::new(64 * MIB, 1 << 40);
+    // b holds 16 MiB: deleting it frees at least that much.
+    for i in 0..16 {
+        node.tracked_write("b", &mut b, i * MIB, MIB)
+            .await
+            .expect("write b");
+    }
+    let mut cursor = 0;
+    for _ in 0..4 {
+        node.tracked_write("a", &mut a, cursor, MIB)
+            .await
+            .expect("write a");
+        cursor += MIB;
+    }
+    node.sim.set_capacity(node.sim.used_bytes() + 24 * MIB);
+
+    let label = "first fill";
+    let acked = write_until_no_space(&node, "a", &mut a, &mut cursor, label).await;
+    eprintln!("{label}: {acked} bytes acknowledged before ENOSPC");
+    // More writes of both kinds keep failing (or succeed), never hang.
+    for i in 0..6u64 {
+        let (offset, length) = if i % 2 == 0 {
+            (cursor, MIB)
+        } else {
+            (cursor, 64 * 1024)
+        };
+        cursor += MIB;
+        match node.tracked_write("a", &mut a, offset, length).await {
+            Ok(()) | Err(IoError::NoSpace) => {}
+            Err(other) => panic!("{label}: a write on a full disk failed with {other:?}"),
+        }
+    }
+    // Acknowledged data still reads back, on both vdisks.
+    node.verify("a", &a, "reads on a full disk").await;
+    node.verify("b", &b, "reads on a full disk").await;
+
+    // Deleting another vdisk frees space: writes succeed again, within a bounded time.
+    bounded("deleting b", REQUEST_LIMIT, node.engine().delete_vdisk("b", false))
+        .await
+        .expect("delete b");
+    let limit = Duration::from_secs(20);
+    let label = "after deleting b";
+    let took = write_until_ok(&node, "a", &mut a, cursor, MIB, false, limit, label).await;
+    cursor += MIB;
+    write_until_ok(&node, "a", &mut a, cursor, 64 * 1024, false, limit, label).await;
+    cursor += MIB;
+    eprintln!("{label}: writes succeed again after {took:?}");
+    node.verify("a", &a, label).await;
+
+    // Full again; then the disk grows and writes succeed again.
+    let label = "second fill";
+    let acked = write_until_no_space(&node, "a", &mut a, &mut cursor, label).await;
+    eprintln!("{label}: {acked} bytes acknowledged before ENOSPC");
+    node.sim.set_capacity(1 << 40);
+    let label = "after the disk grew";
+    let took = write_until_ok(&node, "a", &mut a, cursor, 64 * 1024, false, limit, label).await;
+    cursor += MIB;
+    write_until_ok(&node, "a", &mut a, cursor, MIB, false, limit, label).await;
+    eprintln!("{label}: writes succeed again after {took:?}");
+    node.verify("a", &a, label).await;
+
+    // Everything acknowledged is durable: a power cut (nothing in flight) and a restart keep it.
+    node.freeze_disk().await;
+    node.cut_and_restart(CutPolicy::Random { seed: 2 }, "ENOSPC test, power cut seed 2")
+        .await;
+    node.verify("a", &a, "after ENOSPC episodes, a power cut and a restart")
+        .await;
+    node.stop().await;
+    eprintln!("ENOSPC test took {:?}", started.elapsed());
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. EIO
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    Writes,
+    Syncs,
+}
+
+fn inject(sim: &SimFs, fault: Fault, prefix: &Path) {
+    match fault {
+        Fault::Writes => sim.fail_writes(Some(prefix), Times::Always),
+        Fault::Syncs => sim.fail_syncs(Some(prefix), Times::Always),
+    }
+}
+
+fn expect_eio(result: IoResult<()>, what: &str) {
+    match result {
+        Err(IoError::Io(_)) => {}
+        other => panic!("{what}: expected EIO, got {other:?}"),
+    }
+}
+
+/// The other vdisk is served meanwhile: writes of both kinds and reads.
+async fn other_vdisk_is_served(node: &Node, tracker: &mut Tracker, round: u64, label: &str) {
+    let base = (round % 4) * 2 * MIB;
+    node.tracked_write("y", tracker, base, MIB)
+        .await
+        .unwrap_or_else(|e| panic!("{label}: whole-extent write to y failed: {e}"));
+    for i in 0..8 {
+        node.tracked_write("y", tracker, base + MIB + i * 8192, 4096)
+            .await
+            .unwrap_or_else(|e| panic!("{label}: small write to y failed: {e}"));
+    }
+    node.verify("y", tracker, label).await;
+}
+
+/// Two vdisks with data in the extent store and in the oplog.
+async fn two_vdisks(node: &Node) -> (VdiskId, Tracker, Tracker) {
+    let x = node.create("x", 64 * MIB, 1).await;
+    node.create("y", 16 * MIB, 1).await;
+    let mut tx = Tracker::new(64 * MIB, 0);
+    let mut ty = Tracker::new(16 * MIB, 1 << 40);
+    for (name, t) in [("x", &mut tx), ("y", &mut ty)] {
+        for i in 0..4 {
+            node.tracked_write(name, t, i * MIB, MIB).await.expect("write");
+        }
+        for i in 0..32 {
+            node.tracked_write(name, t, 4 * MIB + i * 64 * 1024, 16 * 1024)
+                .await
+                .expect("write");
+        }
+    }
+    (x, tx, ty)
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn failing_extent_store_writes_and_syncs_fail_requests_and_heal() {
+    let _cpu = shared_cpu();
+    let started = Instant::now();
+    let mut node = Node::start(Settings {
+        drain_idle: Duration::from_millis(10),
+        ..Settings::default()
+    })
+    .await;
+    let (x, mut tx, mut ty) = two_vdisks(&node).await;
+    let store = extents_dir(x);
+    for (round, fault) in [Fault::Writes, Fault::Syncs].into_iter().enumerate() {
+        let round = round as u64;
+        let label = format!("failing {fault:?} in x's extent store");
+        inject(&node.sim, fault, &store);
+        // A whole-extent write goes straight to the store: it fails, at once.
+        let bypass_at = 8 * MIB + round * MIB;
+        expect_eio(
+            node.tracked_write("x", &mut tx, bypass_at, MIB).await,
+            &format!("{label}: whole-extent write"),
+        );
+        // Small writes are durable in the oplog and acknowledged; nothing drains, so once the
+        // log is full they fail with the drain's error instead of waiting for it.
+        let mut acknowledged = 0;
+        let mut failed = None;
+        for i in 0..128 {
+            let offset = 16 * MIB + i * 256 * 1024;
+            match node.tracked_write("x", &mut tx, offset, 256 * 1024).await {
+                Ok(()) => acknowledged += 1,
+                Err(IoError::Io(e)) => {
+                    failed = Some(e);
+                    break;
+                }
+                Err(other) => panic!("{label}: small write failed with {other:?}, not EIO"),
+            }
+        }
+        let failed = failed.unwrap_or_else(|| {
+            panic!("{label}: 32 MiB of small writes acknowledged into a 16 MiB oplog that cannot drain")
+        });
+        eprintln!("{label}: {acknowledged} small writes acknowledged, then: {failed}");
+        for i in 0..3 {
+            expect_eio(
+                node.tracked_write("x", &mut tx, 60 * MIB + i * 8192, 8192)
+                    .await,
+                &format!("{label}: small write into a full oplog"),
+            );
+        }
+        other_vdisk_is_served(&node, &mut ty, round, &label).await;
+        node.verify("x", &tx, &format!("{label}: reads of x")).await;
+
+        node.sim.clear_failures();
+        let label = format!("{label}, then healed");
+        let limit = Duration::from_secs(20);
+        let took = write_until_ok(&node, "x", &mut tx, 60 * MIB, 8192, true, limit, &label).await;
+        write_until_ok(&node, "x", &mut tx, bypass_at, MIB, true, limit, &label).await;
+        eprintln!("{label}: writes succeed again after {took:?}");
+        node.verify("x", &tx, &label).await;
+        node.verify("y", &ty, &label).await;
+    }
+    // Everything acknowledged is durable, also what was rewritten after failed syncs.
+    node.freeze_disk().await;
+    node.cut_and_restart(CutPolicy::Random { seed: 3 }, "extent-store EIO test, power cut seed 3")
+        .await;
+    node.verify("x", &tx, "after extent-store faults, a power cut and a restart")
+        .await;
+    node.verify("y", &ty, "after extent-store faults, a power cut and a restart")
+        .await;
+    node.stop().await;
+    eprintln!("extent-store EIO test took {:?}", started.elapsed());
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn failing_oplog_writes_and_syncs_fail_requests_and_heal() {
+    let _cpu = shared_cpu();
+    let started = Instant::now();
+    let mut node = Node::start(Settings {
+        drain_idle: Duration::from_millis(10),
+        ..Settings::default()
+    })
+    .await;
+    let (x, mut tx, mut ty) = two_vdisks(&node).await;
+    let log = oplog_dir(x);
+    for (round, fault) in [Fault::Writes, Fault::Syncs].into_iter().enumerate() {
+        let round = round as u64;
+        let label = format!("failing {fault:?} in x's oplog");
+        inject(&node.sim, fault, &log);
+        for i in 0..4 {
+            expect_eio(
+                node.tracked_write("x", &mut tx, 20 * MIB + i * 8192, 8192)
+                    .await,
+                &format!("{label}: small write"),
+            );
+        }
+        expect_eio(
+            node.tracked_zero("x", &mut tx, 21 * MIB, 16384, true).await,
+            &format!("{label}: write-zeroes"),
+        );
+        // A whole-extent write lands in the store, but its barrier record cannot be logged.
+        let bypass_at = 8 * MIB + round * MIB;
+        expect_eio(
+            node.tracked_write("x", &mut tx, bypass_at, MIB).await,
+            &format!("{label}: whole-extent write"),
+        );
+        other_vdisk_is_served(&node, &mut ty, round, &label).await;
+        node.verify("x", &tx, &format!("{label}: reads of x")).await;
+
+        node.sim.clear_failures();
+        let label = format!("{label}, then healed");
+        let limit = Duration::from_secs(20);
+        let took = write_until_ok(&node, "x", &mut tx, 20 * MIB, 8192, true, limit, &label).await;
+        write_until_ok(&node, "x", &mut tx, bypass_at, MIB, true, limit, &label).await;
+        node.tracked_zero("x", &mut tx, 21 * MIB, 16384, true)
+            .await
+            .unwrap_or_else(|e| panic!("{label}: write-zeroes failed: {e}"));
+        eprintln!("{label}: writes succeed again after {took:?}");
+        node.verify("x", &tx, &label).await;
+        node.verify("y", &ty, &label).await;
+    }
+    node.freeze_disk().await;
+    node.cut_and_restart(CutPolicy::Random { seed: 4 }, "oplog EIO test, power cut seed 4")
+        .await;
+    node.verify("x", &tx, "after oplog faults, a power cut and a restart")
+        .await;
+    node.verify("y", &ty, "after oplog faults, a power cut and a restart")
+        .await;
+    node.stop().await;
+    eprintln!("oplog EIO test took {:?}", started.elapsed());
+}
