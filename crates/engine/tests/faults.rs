@@ -1572,3 +1572,332 @@ async fn failing_oplog_writes_and_syncs_fail_requests_and_heal() {
     node.stop().await;
     eprintln!("oplog EIO test took {:?}", started.elapsed());
 }
+
+// ---------------------------------------------------------------------------------------------
+// 4. Corruption on disk
+// ---------------------------------------------------------------------------------------------
+
+fn u32_at(data: &[u8], at: u64) -> u32 {
+    u32::from_le_bytes(data[at as usize..at as usize + 4].try_into().unwrap())
+}
+
+fn u64_at(data: &[u8], at: u64) -> u64 {
+    u64::from_le_bytes(data[at as usize..at as usize + 8].try_into().unwrap())
+}
+
+/// One record of an oplog segment file, located by reading the file as docs/oplog-format.md
+/// describes it.
+#[derive(Clone, Debug)]
+struct LogRecord {
+    file: PathBuf,
+    /// File offset of the batch holding it, and of the record itself.
+    batch_at: u64,
+    record_at: u64,
+    kind: u8,
+    offset: u64,
+    length: u64,
+    chunks: u64,
+}
+
+/// Every record of every batch of the active segment files under `dir`, in file order.
+fn oplog_records(sim: &SimFs, dir: &Path) -> Vec<LogRecord> {
+    let mut records = Vec::new();
+    for file in sim.files() {
+        let name = file.path.file_name().unwrap().to_string_lossy().to_string();
+        if !file.path.starts_with(dir) || !name.starts_with("seg-") {
+            continue;
+        }
+        let data = sim.read_live(&file.path).expect("segment file");
+        // Segment header, slot 0: magic "AOPS", version 3, state 1 = active, segment id.
+        if data.len() < 8192 || &data[0..4] != b"AOPS" || data[4] != 3 || data[5] != 1 {
+            continue;
+        }
+        let segment_id = u64_at(&data, 24);
+        let mut at = 8192u64;
+        while at + 72 <= data.len() as u64 {
+            // Batch header: magic "AOPB", version, flags (bit 0: seal), segment id at 16,
+            // record count at 56, batch bytes at 60, then 24-byte table entries from 72.
+            let batch = &data[at as usize..];
+            if &batch[0..4] != b"AOPB" || batch[4] != 3 || u64_at(batch, 16) != segment_id {
+                break;
+            }
+            if batch[5] & 1 == 1 {
+                break;
+            }
+            let count = u64::from(u32_at(batch, 56));
+            let bytes = u64::from(u32_at(batch, 60));
+            let mut record_at = at + 72 + 24 * count;
+            for i in 0..count {
+                let entry = 72 + 24 * i;
+                let (offset, length, kind) = (
+                    u64_at(batch, entry),
+                    u64_at(batch, entry + 8),
+                    batch[entry as usize + 16],
+                );
+                assert_eq!(
+                    &data[record_at as usize..record_at as usize + 4],
+                    b"AOPR",
+                    "record {i} of the batch at {at} of {}",
+                    file.path.display()
+                );
+                let chunks = if kind == 1 { length.div_ceil(4096) } else { 0 };
+                records.push(LogRecord {
+                    file: file.path.clone(),
+                    batch_at: at,
+                    record_at,
+                    kind,
+                    offset,
+                    length,
+                    chunks,
+                });
+                // Record: 40-byte header, 4-byte CRC per chunk, payload (writes only).
+                record_at += 40 + 4 * chunks + if kind == 1 { length } else { 0 };
+            }
+            at += bytes;
+        }
+    }
+    records
+}
+
+/// Reads every block of `vdisk`: blocks in `damaged` must fail with EIO, every other block
+/// must read exactly as the model says. Returns how many reads failed.
+async fn check_damage(node: &Node, vdisk: &str, tracker: &Tracker, damaged: &[usize], label: &str) {
+    let got = node.read_blocks(vdisk, tracker.slots.len()).await;
+    let mut bad = Vec::new();
+    for (index, result) in got.iter().enumerate() {
+        let offset = index as u64 * BLOCK;
+        let slot = &tracker.slots[index];
+        match (damaged.contains(&index), result) {
+            (true, Err(IoError::Io(_))) => {}
+            (true, other) => bad.push(format!(
+                "damaged block at {offset}: expected EIO, got {}",
+                match other {
+                    Ok(block) => format!("data: {}", describe(block)),
+                    Err(e) => format!("{e:?}"),
+                }
+            )),
+            (false, Ok(block)) if slot.allowed().any(|c| c.matches(offset, block)) => {}
+            (false, other) => bad.push(format!(
+                "block at {offset}: expected {:?}, got {}",
+                slot.acked,
+                match other {
+                    Ok(block) => describe(block),
+                    Err(e) => format!("{e:?}"),
+                }
+            )),
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "{label}: {} of {} blocks of {vdisk} wrong; first ones:\n{}",
+        bad.len(),
+        got.len(),
+        bad.iter().take(20).cloned().collect::<Vec<_>>().join("\n")
+    );
+}
+
+/// Rewrites the damaged blocks with new data: writing into damage works, and they read
+/// back.
+async fn rewrite_damage(node: &Node, vdisk: &str, tracker: &mut Tracker, damaged: &[usize], label: &str) {
+    for &index in damaged {
+        node.tracked_write(vdisk, tracker, index as u64 * BLOCK, BLOCK)
+            .await
+            .unwrap_or_else(|e| panic!("{label}: rewriting a damaged block failed: {e}"));
+    }
+    node.verify(vdisk, tracker, &format!("{label}: after rewriting the damage"))
+        .await;
+}
+
+/// Where bytes are flipped in an oplog, and what that damages.
+#[derive(Clone, Copy, Debug)]
+enum LogRot {
+    /// A byte of the first payload chunk of a record: that chunk's 4 KiB are lost.
+    Payload,
+    /// A byte of a record's header: the record's whole range is lost.
+    RecordHeader,
+    /// A byte of a batch header: the batch is recovered from its records' own headers.
+    BatchHeader,
+}
+
+async fn oplog_rot(rot: LogRot) {
+    let _cpu = shared_cpu();
+    let label = format!("oplog rot in a {rot:?}");
+    let mut node = Node::start(Settings {
+        // Nothing drains: every record stays in the oplog until the restart.
+        drain_idle: Duration::from_secs(3600),
+        ..Settings::default()
+    })
+    .await;
+    let c = node.create("c", 16 * MIB, 1).await;
+    node.create("d", 8 * MIB, 1).await;
+    let mut tc = Tracker::new(16 * MIB, 0);
+    let mut td = Tracker::new(8 * MIB, 1 << 40);
+    // One 8 KiB write per batch (one at a time), at distinct offsets.
+    for i in 0..200 {
+        node.tracked_write("c", &mut tc, i * 64 * 1024, 8192)
+            .await
+            .expect("write c");
+    }
+    node.tracked_write("d", &mut td, 0, MIB).await.expect("write d");
+    for i in 0..50 {
+        node.tracked_write("d", &mut td, MIB + i * 32 * 1024, 8192)
+            .await
+            .expect("write d");
+    }
+    node.stop().await;
+
+    let records: Vec<LogRecord> = oplog_records(&node.sim, &oplog_dir(c))
+        .into_iter()
+        .filter(|r| r.kind == 1)
+        .collect();
+    assert!(
+        records.len() >= 200,
+        "{label}: found {} write records in c's oplog, expected 200",
+        records.len()
+    );
+    let victim = records[records.len() / 2].clone();
+    assert_eq!(victim.length, 8192, "{label}: {victim:?}");
+    let first_block = (victim.offset / BLOCK) as usize;
+    let (at, damaged, lost_ranges) = match rot {
+        LogRot::Payload => (
+            victim.record_at + 40 + 4 * victim.chunks + 100,
+            vec![first_block],
+            1,
+        ),
+        // The low byte of the record's vdisk offset.
+        LogRot::RecordHeader => (victim.record_at + 16, vec![first_block, first_block + 1], 1),
+        // The low byte of the batch's first sequence number.
+        LogRot::BatchHeader => (victim.batch_at + 48, vec![], 0),
+    };
+    eprintln!(
+        "{label}: flipping byte {at} of {} ({victim:?}), damaging blocks {damaged:?}",
+        victim.file.display()
+    );
+    node.sim.flip_bits(&victim.file, at, 0x5a).expect("flip");
+
+    node.restart(&format!("{label}: restart over the damage")).await;
+    let lost = node.stats("c").oplog_lost_ranges;
+    assert_eq!(lost, lost_ranges, "{label}: oplog_lost_ranges of c");
+    assert_eq!(node.stats("d").oplog_lost_ranges, 0, "{label}: d lost nothing");
+    check_damage(&node, "c", &tc, &damaged, &label).await;
+    node.verify("d", &td, &format!("{label}: the other vdisk")).await;
+    if !damaged.is_empty() {
+        assert!(
+            node.stats("c").errors > 0,
+            "{label}: failed reads are not counted"
+        );
+    }
+    // The loss is durable (the extent store marked the blocks lost): still EIO after another
+    // restart, until rewritten.
+    node.stop().await;
+    node.restart(&format!("{label}: second restart")).await;
+    check_damage(&node, "c", &tc, &damaged, &format!("{label}, second restart")).await;
+    rewrite_damage(&node, "c", &mut tc, &damaged, &label).await;
+    node.stop().await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn rot_in_an_oplog_payload_costs_its_own_block_only() {
+    oplog_rot(LogRot::Payload).await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn rot_in_an_oplog_record_header_costs_its_record_only() {
+    oplog_rot(LogRot::RecordHeader).await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn rot_in_an_oplog_batch_header_loses_nothing() {
+    oplog_rot(LogRot::BatchHeader).await;
+}
+
+/// Where bytes are flipped in an egroup file (docs/extent-store-format.md), and what that
+/// damages.
+#[derive(Clone, Copy, Debug)]
+enum StoreRot {
+    /// The checksum block of extent 1: every block of that extent.
+    ChecksumBlock,
+    /// The egroup header: every block of the egroup.
+    Header,
+    /// Data block 9 of extent 2: that block.
+    DataBlock,
+}
+
+async fn extent_store_rot(rot: StoreRot) {
+    let _cpu = shared_cpu();
+    let label = format!("extent-store rot in a {rot:?}");
+    let mut node = Node::start(Settings::default()).await;
+    let c = node.create("c", 8 * MIB, 1).await;
+    node.create("d", 8 * MIB, 1).await;
+    let mut tc = Tracker::new(8 * MIB, 0);
+    let mut td = Tracker::new(8 * MIB, 1 << 40);
+    // Every block of c written (whole extents), then small overwrites through the oplog.
+    for (name, t) in [("c", &mut tc), ("d", &mut td)] {
+        for i in 0..8 {
+            node.tracked_write(name, t, i * MIB, MIB).await.expect("write");
+        }
+        for i in 0..40 {
+            node.tracked_write(name, t, i * 200 * 1024, 8192)
+                .await
+                .expect("write");
+        }
+    }
+    // A restart drains every oplog into the extent store.
+    node.stop().await;
+    node.restart(&format!("{label}: restart that drains")).await;
+    node.verify("c", &tc, &label).await;
+    node.stop().await;
+
+    let egroup = extents_dir(c).join(format!("{:016x}.egroup", 0));
+    let blocks_per_extent = (MIB / BLOCK) as usize;
+    let (at, damaged): (u64, Vec<usize>) = match rot {
+        // Extent 1's checksum block is at 4096 × (1 + 1); flip the CRC slot 0 of its entry 7.
+        StoreRot::ChecksumBlock => (
+            4096 * 2 + 12 * 7 + 4,
+            (blocks_per_extent..2 * blocks_per_extent).collect(),
+        ),
+        // The header's vdisk id field.
+        StoreRot::Header => (24, (0..4 * blocks_per_extent).collect()),
+        // Data block b of extent e is at 4096 × (5 + 256·e + b).
+        StoreRot::DataBlock => (
+            4096 * (5 + 256 * 2 + 9) + 123,
+            vec![2 * blocks_per_extent + 9],
+        ),
+    };
+    eprintln!(
+        "{label}: flipping byte {at} of {}, damaging {} blocks",
+        egroup.display(),
+        damaged.len()
+    );
+    node.sim.flip_bits(&egroup, at, 0x5a).expect("flip");
+
+    node.restart(&format!("{label}: restart over the damage")).await;
+    check_damage(&node, "c", &tc, &damaged, &label).await;
+    node.verify("d", &td, &format!("{label}: the other vdisk")).await;
+    assert!(
+        node.stats("c").errors > 0,
+        "{label}: failed reads are not counted"
+    );
+    assert_eq!(node.stats("d").errors, 0, "{label}: the other vdisk had errors");
+    rewrite_damage(&node, "c", &mut tc, &damaged, &label).await;
+    node.stop().await;
+    node.restart(&format!("{label}: restart after the rewrite")).await;
+    node.verify("c", &tc, &format!("{label}: after rewrite and restart"))
+        .await;
+    node.stop().await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn rot_in_a_checksum_block_costs_its_extent_only() {
+    extent_store_rot(StoreRot::ChecksumBlock).await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn rot_in_an_egroup_header_costs_its_egroup_only() {
+    extent_store_rot(StoreRot::Header).await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn rot_in_a_data_block_costs_that_block_only() {
+    extent_store_rot(StoreRot::DataBlock).await;
+}
