@@ -610,11 +610,7 @@ impl<M: MetaStore> Engine<M> {
         // gate unopened while the old shards still hold data in their oplogs. If it does stop
         // waiting, the catalog keeps the old shard count; a restart replays every epoch's
         // oplog, oldest first, so no data depends on it.
-        let hand_over = tokio::spawn(open_after_hand_over(
-            old_map.clone(),
-            gate,
-            shared.clone(),
-        ));
+        let hand_over = tokio::spawn(open_after_hand_over(old_map.clone(), gate, shared.clone()));
         let handed_over = hand_over
             .await
             .unwrap_or_else(|e| Err(format!("the hand-over task ended: {e}")));

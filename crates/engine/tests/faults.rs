@@ -19,9 +19,10 @@ use ashlar_storage::fs::{IoMode, NodeFs, SimFs};
 use bytes::Bytes;
 use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tokio::sync::RwLock;
 
 type TestEngine = Engine<EmbeddedMetaStore>;
 
@@ -35,11 +36,7 @@ const REQUEST_LIMIT: Duration = Duration::from_secs(15);
 /// The timing test takes this exclusively, every other test shares it: the timing test then
 /// never runs beside this binary's CPU-heavy tests (it still shares the machine with whatever
 /// else runs).
-static CPU: RwLock<()> = RwLock::new(());
-
-fn shared_cpu() -> std::sync::RwLockReadGuard<'static, ()> {
-    CPU.read().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
+static CPU: RwLock<()> = RwLock::const_new(());
 
 // ---------------------------------------------------------------------------------------------
 // Data patterns and the per-block model
@@ -224,9 +221,7 @@ impl Tracker {
             return;
         }
         match result {
-            Err(error) => self
-                .failures
-                .push(format!("{what}: read failed: {error}")),
+            Err(error) => self.failures.push(format!("{what}: read failed: {error}")),
             Ok(data) => {
                 for (i, block) in data.chunks(BLOCK as usize).enumerate() {
                     let index = first + i;
@@ -452,10 +447,6 @@ impl Node {
             .id
     }
 
-    fn id(&self, name: &str) -> VdiskId {
-        self.engine().vdisk(name).expect("vdisk").id
-    }
-
     fn stats(&self, name: &str) -> ashlar_engine::VdiskStats {
         self.engine()
             .vdisk_stats()
@@ -481,10 +472,10 @@ impl Node {
         let what = format!("I/O on {vdisk} (reactor {reactor})");
         let reactor_handle = self.engine().reactors().handles()[reactor].clone();
         let job = reactor_handle.run(move || async move {
-                let handle = engine.open(&name).expect("open the vdisk");
-                drop(engine);
-                body(handle).await
-            });
+            let handle = engine.open(&name).expect("open the vdisk");
+            drop(engine);
+            body(handle).await
+        });
         bounded(what, limit, job).await.expect("reactor running")
     }
 
@@ -592,7 +583,11 @@ impl Node {
 }
 
 /// Awaits `future`, failing the test if it takes longer than `limit` (a hang).
-async fn bounded<T>(what: impl std::fmt::Display, limit: Duration, future: impl Future<Output = T>) -> T {
+async fn bounded<T>(
+    what: impl std::fmt::Display,
+    limit: Duration,
+    future: impl Future<Output = T>,
+) -> T {
     match tokio::time::timeout(limit, future).await {
         Ok(value) => value,
         Err(_) => panic!("{what}: no answer within {limit:?} (hung)"),
@@ -639,9 +634,19 @@ fn check_blocks(slots: &[Slot], got: &[IoResult<Vec<u8>>]) -> (Vec<Content>, Vec
 
 #[derive(Clone, Copy, Debug)]
 enum Op {
-    Write { offset: u64, length: u64 },
-    Zero { offset: u64, length: u64, punch: bool },
-    Read { offset: u64, length: u64 },
+    Write {
+        offset: u64,
+        length: u64,
+    },
+    Zero {
+        offset: u64,
+        length: u64,
+        punch: bool,
+    },
+    Read {
+        offset: u64,
+        length: u64,
+    },
     Flush,
 }
 
@@ -742,17 +747,26 @@ impl Mix {
     }
 }
 
-/// Issues requests from `mix` until `stop`, at most one request in flight per block.
+/// What the workers of a power-cut run do.
+#[derive(Clone, Copy, Debug)]
+struct Workload {
+    mix: Mix,
+    /// Bytes of the vdisk, all of them written.
+    region: u64,
+    workers_per_reactor: usize,
+}
+
+/// Issues requests from the workload's mix until `stop`, at most one request in flight per
+/// block.
 async fn worker(
     handle: VdiskHandle,
     tracker: Arc<Mutex<Tracker>>,
     stop: Arc<AtomicBool>,
     mut rng: Rng,
-    mix: Mix,
-    region: u64,
+    workload: Workload,
 ) {
     while !stop.load(Ordering::Relaxed) {
-        let op = mix.pick(&mut rng, region);
+        let op = workload.mix.pick(&mut rng, workload.region);
         let (offset, length, begin) = match op {
             Op::Write { offset, length } => (offset, length, Begin::Write),
             Op::Zero { offset, length, .. } => (offset, length, Begin::Zero),
@@ -815,19 +829,19 @@ async fn worker(
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Starts `per_reactor` workers on every reactor of the node.
+/// Starts the workload's workers on every reactor of the node.
 fn spawn_workers(
     node: &Node,
     vdisk: &str,
     tracker: &Arc<Mutex<Tracker>>,
     stop: &Arc<AtomicBool>,
     seed: u64,
-    per_reactor: usize,
-    mix: Mix,
-    region: u64,
+    workload: Workload,
 ) {
     for (r, reactor) in node.engine().reactors().handles().iter().enumerate() {
         let engine = node.engine().clone();
@@ -838,15 +852,14 @@ fn spawn_workers(
             .spawn_detached(move || async move {
                 let handle = engine.open(&name).expect("open");
                 drop(engine);
-                for w in 0..per_reactor {
+                for w in 0..workload.workers_per_reactor {
                     let rng = Rng::new(seed.wrapping_mul(1000) + (r * 100 + w) as u64);
                     tokio::task::spawn_local(worker(
                         handle.clone(),
                         tracker.clone(),
                         stop.clone(),
                         rng,
-                        mix,
-                        region,
+                        workload,
                     ));
                 }
             })
@@ -932,12 +945,12 @@ async fn power_cut_run(
     seed: u64,
     during: CutDuring,
     settings: Settings,
-    region: u64,
     shards: u32,
-    mix: Mix,
+    workload: Workload,
     lives: u64,
     stats: &mut CutStats,
 ) {
+    let Workload { mix, region, .. } = workload;
     let mut rng = Rng::new(seed);
     let mut node = Node::start(settings).await;
     let id = node.create("v", region, shards).await;
@@ -946,18 +959,19 @@ async fn power_cut_run(
         let label = format!(
             "seed {seed}, life {life}, cut during {during:?}, mix {mix:?}, slow disk {}, \
              dying disk {}",
-            seed % 2 == 0,
+            seed.is_multiple_of(2),
             during == CutDuring::Io && seed % 4 == 1
         );
         // Every other seed, each disk call takes 1 ms: the engine's storage futures then
         // really wait between a write and its sync (the simulated disk answers at once
         // otherwise), so many more cuts land with writes half done.
-        let slow = seed % 2 == 0;
+        let slow = seed.is_multiple_of(2);
         if slow {
-            node.sim.set_delay(Some(Path::new(DISK)), Duration::from_millis(1));
+            node.sim
+                .set_delay(Some(Path::new(DISK)), Duration::from_millis(1));
         }
         let stop = Arc::new(AtomicBool::new(false));
-        spawn_workers(&node, "v", &tracker, &stop, seed * 10 + life, 4, mix, region);
+        spawn_workers(&node, "v", &tracker, &stop, seed * 10 + life, workload);
         let target = lock(&tracker).acked_ops + rng.between(10, 400);
         wait_for_acks(&tracker, target, &label).await;
         // Some cuts come after the disk has been failing every write and sync for a few
@@ -977,13 +991,20 @@ async fn power_cut_run(
                 stop.store(true, Ordering::Relaxed);
                 let deadline = Instant::now() + REQUEST_LIMIT;
                 while lock(&tracker).outstanding > 0 {
-                    assert!(Instant::now() < deadline, "{label}: requests never answered");
+                    assert!(
+                        Instant::now() < deadline,
+                        "{label}: requests never answered"
+                    );
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }
             }
             CutDuring::Reshard => {
                 let current = node.engine().vdisk("v").unwrap().shards;
-                let to = if current == 1 { rng.between(2, 3) as u32 } else { 1 };
+                let to = if current == 1 {
+                    rng.between(2, 3) as u32
+                } else {
+                    1
+                };
                 let wait = Duration::from_millis(rng.between(0, 40));
                 let reshard = node.engine().set_shards("v", to);
                 tokio::select! {
@@ -1010,7 +1031,11 @@ async fn power_cut_run(
             .count();
         if std::env::var("FAULTS_DEBUG").is_ok() {
             for f in node.sim.files().iter().filter(|f| f.pending_changes > 0) {
-                eprintln!("{label}: pending {} in {}", f.pending_changes, f.path.display());
+                eprintln!(
+                    "{label}: pending {} in {}",
+                    f.pending_changes,
+                    f.path.display()
+                );
             }
         }
         let slots = {
@@ -1054,7 +1079,10 @@ async fn power_cut_run(
         .await
         .unwrap_or_else(|e| panic!("seed {seed}: write after the last restart failed: {e}"));
     let back = node.read("v", 0, 8192).await.expect("read after restart");
-    assert!(back[..] == fresh[..], "seed {seed}: fresh write did not read back");
+    assert!(
+        back[..] == fresh[..],
+        "seed {seed}: fresh write did not read back"
+    );
     node.stop().await;
 }
 
@@ -1076,7 +1104,7 @@ fn power_cut_settings() -> Settings {
 
 #[tokio::test(flavor = "current_thread")]
 async fn power_cuts_during_mixed_io_keep_acknowledged_writes() {
-    let _cpu = shared_cpu();
+    let _cpu = CPU.read().await;
     let started = Instant::now();
     let mut stats = CutStats::default();
     for seed in 1..=48 {
@@ -1084,9 +1112,12 @@ async fn power_cuts_during_mixed_io_keep_acknowledged_writes() {
             seed,
             CutDuring::Io,
             power_cut_settings(),
-            8 * MIB,
             2,
-            Mix::Mixed,
+            Workload {
+                mix: Mix::Mixed,
+                region: 8 * MIB,
+                workers_per_reactor: 4,
+            },
             2,
             &mut stats,
         )
@@ -1102,7 +1133,7 @@ async fn power_cuts_during_mixed_io_keep_acknowledged_writes() {
 
 #[tokio::test(flavor = "current_thread")]
 async fn power_cuts_during_drains_keep_acknowledged_writes() {
-    let _cpu = shared_cpu();
+    let _cpu = CPU.read().await;
     let started = Instant::now();
     let mut stats = CutStats::default();
     for seed in 101..=124 {
@@ -1110,9 +1141,12 @@ async fn power_cuts_during_drains_keep_acknowledged_writes() {
             seed,
             CutDuring::Drain,
             power_cut_settings(),
-            8 * MIB,
             2,
-            Mix::SmallOnly,
+            Workload {
+                mix: Mix::SmallOnly,
+                region: 8 * MIB,
+                workers_per_reactor: 4,
+            },
             2,
             &mut stats,
         )
@@ -1131,7 +1165,7 @@ async fn power_cuts_during_drains_keep_acknowledged_writes() {
 
 #[tokio::test(flavor = "current_thread")]
 async fn power_cuts_during_reshards_keep_acknowledged_writes() {
-    let _cpu = shared_cpu();
+    let _cpu = CPU.read().await;
     let started = Instant::now();
     let mut stats = CutStats::default();
     for seed in 201..=216 {
@@ -1139,9 +1173,12 @@ async fn power_cuts_during_reshards_keep_acknowledged_writes() {
             seed,
             CutDuring::Reshard,
             power_cut_settings(),
-            16 * MIB,
             2,
-            Mix::Mixed,
+            Workload {
+                mix: Mix::Mixed,
+                region: 16 * MIB,
+                workers_per_reactor: 4,
+            },
             2,
             &mut stats,
         )
@@ -1160,7 +1197,7 @@ async fn power_cuts_during_reshards_keep_acknowledged_writes() {
 
 #[tokio::test(flavor = "current_thread")]
 async fn power_cuts_with_two_open_egroups_keep_acknowledged_writes() {
-    let _cpu = shared_cpu();
+    let _cpu = CPU.read().await;
     let started = Instant::now();
     let mut stats = CutStats::default();
     let settings = Settings {
@@ -1173,9 +1210,12 @@ async fn power_cuts_with_two_open_egroups_keep_acknowledged_writes() {
             seed,
             CutDuring::Io,
             settings.clone(),
-            64 * MIB,
             2,
-            Mix::HotSpots,
+            Workload {
+                mix: Mix::HotSpots,
+                region: 64 * MIB,
+                workers_per_reactor: 4,
+            },
             2,
             &mut stats,
         )
@@ -1191,7 +1231,7 @@ async fn power_cuts_with_two_open_egroups_keep_acknowledged_writes() {
 /// newer writes.
 #[tokio::test(flavor = "current_thread")]
 async fn a_reshard_whose_caller_gives_up_serves_no_stale_data() {
-    let _cpu = shared_cpu();
+    let _cpu = CPU.read().await;
     let mut node = Node::start(Settings {
         // No background drain: the data stays in the old shards' oplogs until they retire.
         drain_idle: Duration::from_secs(3600),
@@ -1206,7 +1246,8 @@ async fn a_reshard_whose_caller_gives_up_serves_no_stale_data() {
             .expect("write");
     }
     // Every disk call takes 5 ms: the old shards' hand-over drains take a while.
-    node.sim.set_delay(Some(Path::new(DISK)), Duration::from_millis(5));
+    node.sim
+        .set_delay(Some(Path::new(DISK)), Duration::from_millis(5));
     {
         // Given up on as soon as the new shard map is published: the old shards are then
         // draining, which takes hundreds of disk calls.
@@ -1214,7 +1255,10 @@ async fn a_reshard_whose_caller_gives_up_serves_no_stale_data() {
         tokio::pin!(reshard);
         let deadline = Instant::now() + Duration::from_secs(30);
         while node.engine().vdisk("v").unwrap().shards != 1 {
-            assert!(Instant::now() < deadline, "the new shard map was never published");
+            assert!(
+                Instant::now() < deadline,
+                "the new shard map was never published"
+            );
             tokio::select! {
                 result = &mut reshard => panic!("the re-shard finished at once: {result:?}"),
                 () = tokio::time::sleep(Duration::from_millis(1)) => {}
@@ -1295,7 +1339,7 @@ async fn write_until_no_space(
 }
 
 /// Retries a write of `length` at `offset` until it is acknowledged; only `NoSpace` (or,
-/// with `io_too`, EIO) may fail it meanwhile. Fails the test after `limit`.
+/// with `io_too`, EIO) may fail it meanwhile. Fails the test after 20 s.
 async fn write_until_ok(
     node: &Node,
     vdisk: &str,
@@ -1303,9 +1347,9 @@ async fn write_until_ok(
     offset: u64,
     length: u64,
     io_too: bool,
-    limit: Duration,
     label: &str,
 ) -> Duration {
+    let limit = Duration::from_secs(20);
     let started = Instant::now();
     loop {
         match node.tracked_write(vdisk, tracker, offset, length).await {
@@ -1324,7 +1368,7 @@ async fn write_until_ok(
 
 #[tokio::test(flavor = "current_thread")]
 async fn a_full_disk_fails_writes_and_they_succeed_once_space_returns() {
-    let _cpu = shared_cpu();
+    let _cpu = CPU.read().await;
     let started = Instant::now();
     let mut node = Node::start(Settings {
         drain_idle: Duration::from_millis(10),
@@ -1371,14 +1415,17 @@ async fn a_full_disk_fails_writes_and_they_succeed_once_space_returns() {
     node.verify("b", &b, "reads on a full disk").await;
 
     // Deleting another vdisk frees space: writes succeed again, within a bounded time.
-    bounded("deleting b", REQUEST_LIMIT, node.engine().delete_vdisk("b", false))
-        .await
-        .expect("delete b");
-    let limit = Duration::from_secs(20);
+    bounded(
+        "deleting b",
+        REQUEST_LIMIT,
+        node.engine().delete_vdisk("b", false),
+    )
+    .await
+    .expect("delete b");
     let label = "after deleting b";
-    let took = write_until_ok(&node, "a", &mut a, cursor, MIB, false, limit, label).await;
+    let took = write_until_ok(&node, "a", &mut a, cursor, MIB, false, label).await;
     cursor += MIB;
-    write_until_ok(&node, "a", &mut a, cursor, 64 * 1024, false, limit, label).await;
+    write_until_ok(&node, "a", &mut a, cursor, 64 * 1024, false, label).await;
     cursor += MIB;
     eprintln!("{label}: writes succeed again after {took:?}");
     node.verify("a", &a, label).await;
@@ -1389,16 +1436,19 @@ async fn a_full_disk_fails_writes_and_they_succeed_once_space_returns() {
     eprintln!("{label}: {acked} bytes acknowledged before ENOSPC");
     node.sim.set_capacity(1 << 40);
     let label = "after the disk grew";
-    let took = write_until_ok(&node, "a", &mut a, cursor, 64 * 1024, false, limit, label).await;
+    let took = write_until_ok(&node, "a", &mut a, cursor, 64 * 1024, false, label).await;
     cursor += MIB;
-    write_until_ok(&node, "a", &mut a, cursor, MIB, false, limit, label).await;
+    write_until_ok(&node, "a", &mut a, cursor, MIB, false, label).await;
     eprintln!("{label}: writes succeed again after {took:?}");
     node.verify("a", &a, label).await;
 
     // Everything acknowledged is durable: a power cut (nothing in flight) and a restart keep it.
     node.freeze_disk().await;
-    node.cut_and_restart(CutPolicy::Random { seed: 2 }, "ENOSPC test, power cut seed 2")
-        .await;
+    node.cut_and_restart(
+        CutPolicy::Random { seed: 2 },
+        "ENOSPC test, power cut seed 2",
+    )
+    .await;
     node.verify("a", &a, "after ENOSPC episodes, a power cut and a restart")
         .await;
     node.stop().await;
@@ -1451,7 +1501,9 @@ async fn two_vdisks(node: &Node) -> (VdiskId, Tracker, Tracker) {
     let mut ty = Tracker::new(16 * MIB, 1 << 40);
     for (name, t) in [("x", &mut tx), ("y", &mut ty)] {
         for i in 0..4 {
-            node.tracked_write(name, t, i * MIB, MIB).await.expect("write");
+            node.tracked_write(name, t, i * MIB, MIB)
+                .await
+                .expect("write");
         }
         for i in 0..32 {
             node.tracked_write(name, t, 4 * MIB + i * 64 * 1024, 16 * 1024)
@@ -1464,7 +1516,7 @@ async fn two_vdisks(node: &Node) -> (VdiskId, Tracker, Tracker) {
 
 #[tokio::test(flavor = "current_thread")]
 async fn failing_extent_store_writes_and_syncs_fail_requests_and_heal() {
-    let _cpu = shared_cpu();
+    let _cpu = CPU.read().await;
     let started = Instant::now();
     let mut node = Node::start(Settings {
         drain_idle: Duration::from_millis(10),
@@ -1518,9 +1570,8 @@ async fn failing_extent_store_writes_and_syncs_fail_requests_and_heal() {
 
         node.sim.clear_failures();
         let label = format!("{label}, then healed");
-        let limit = Duration::from_secs(20);
-        let took = write_until_ok(&node, "x", &mut tx, 60 * MIB, 8192, true, limit, &label).await;
-        write_until_ok(&node, "x", &mut tx, bypass_at, MIB, true, limit, &label).await;
+        let took = write_until_ok(&node, "x", &mut tx, 60 * MIB, 8192, true, &label).await;
+        write_until_ok(&node, "x", &mut tx, bypass_at, MIB, true, &label).await;
         eprintln!("{label}: writes succeed again after {took:?}");
         node.verify("x", &tx, &label).await;
         node.verify("y", &ty, &label).await;
@@ -1545,19 +1596,30 @@ async fn failing_extent_store_writes_and_syncs_fail_requests_and_heal() {
 
     // Everything acknowledged is durable, also what was rewritten after failed syncs.
     node.freeze_disk().await;
-    node.cut_and_restart(CutPolicy::Random { seed: 3 }, "extent-store EIO test, power cut seed 3")
-        .await;
-    node.verify("x", &tx, "after extent-store faults, a power cut and a restart")
-        .await;
-    node.verify("y", &ty, "after extent-store faults, a power cut and a restart")
-        .await;
+    node.cut_and_restart(
+        CutPolicy::Random { seed: 3 },
+        "extent-store EIO test, power cut seed 3",
+    )
+    .await;
+    node.verify(
+        "x",
+        &tx,
+        "after extent-store faults, a power cut and a restart",
+    )
+    .await;
+    node.verify(
+        "y",
+        &ty,
+        "after extent-store faults, a power cut and a restart",
+    )
+    .await;
     node.stop().await;
     eprintln!("extent-store EIO test took {:?}", started.elapsed());
 }
 
 #[tokio::test(flavor = "current_thread")]
 async fn failing_oplog_writes_and_syncs_fail_requests_and_heal() {
-    let _cpu = shared_cpu();
+    let _cpu = CPU.read().await;
     let started = Instant::now();
     let mut node = Node::start(Settings {
         drain_idle: Duration::from_millis(10),
@@ -1592,9 +1654,8 @@ async fn failing_oplog_writes_and_syncs_fail_requests_and_heal() {
 
         node.sim.clear_failures();
         let label = format!("{label}, then healed");
-        let limit = Duration::from_secs(20);
-        let took = write_until_ok(&node, "x", &mut tx, 20 * MIB, 8192, true, limit, &label).await;
-        write_until_ok(&node, "x", &mut tx, bypass_at, MIB, true, limit, &label).await;
+        let took = write_until_ok(&node, "x", &mut tx, 20 * MIB, 8192, true, &label).await;
+        write_until_ok(&node, "x", &mut tx, bypass_at, MIB, true, &label).await;
         node.tracked_zero("x", &mut tx, 21 * MIB, 16384, true)
             .await
             .unwrap_or_else(|e| panic!("{label}: write-zeroes failed: {e}"));
@@ -1603,8 +1664,11 @@ async fn failing_oplog_writes_and_syncs_fail_requests_and_heal() {
         node.verify("y", &ty, &label).await;
     }
     node.freeze_disk().await;
-    node.cut_and_restart(CutPolicy::Random { seed: 4 }, "oplog EIO test, power cut seed 4")
-        .await;
+    node.cut_and_restart(
+        CutPolicy::Random { seed: 4 },
+        "oplog EIO test, power cut seed 4",
+    )
+    .await;
     node.verify("x", &tx, "after oplog faults, a power cut and a restart")
         .await;
     node.verify("y", &ty, "after oplog faults, a power cut and a restart")
@@ -1738,14 +1802,24 @@ async fn check_damage(node: &Node, vdisk: &str, tracker: &Tracker, damaged: &[us
 
 /// Rewrites the damaged blocks with new data: writing into damage works, and they read
 /// back.
-async fn rewrite_damage(node: &Node, vdisk: &str, tracker: &mut Tracker, damaged: &[usize], label: &str) {
+async fn rewrite_damage(
+    node: &Node,
+    vdisk: &str,
+    tracker: &mut Tracker,
+    damaged: &[usize],
+    label: &str,
+) {
     for &index in damaged {
         node.tracked_write(vdisk, tracker, index as u64 * BLOCK, BLOCK)
             .await
             .unwrap_or_else(|e| panic!("{label}: rewriting a damaged block failed: {e}"));
     }
-    node.verify(vdisk, tracker, &format!("{label}: after rewriting the damage"))
-        .await;
+    node.verify(
+        vdisk,
+        tracker,
+        &format!("{label}: after rewriting the damage"),
+    )
+    .await;
 }
 
 /// Where bytes are flipped in an oplog, and what that damages.
@@ -1760,7 +1834,7 @@ enum LogRot {
 }
 
 async fn oplog_rot(rot: LogRot) {
-    let _cpu = shared_cpu();
+    let _cpu = CPU.read().await;
     let label = format!("oplog rot in a {rot:?}");
     let mut node = Node::start(Settings {
         // Nothing drains: every record stays in the oplog until the restart.
@@ -1778,7 +1852,9 @@ async fn oplog_rot(rot: LogRot) {
             .await
             .expect("write c");
     }
-    node.tracked_write("d", &mut td, 0, MIB).await.expect("write d");
+    node.tracked_write("d", &mut td, 0, MIB)
+        .await
+        .expect("write d");
     for i in 0..50 {
         node.tracked_write("d", &mut td, MIB + i * 32 * 1024, 8192)
             .await
@@ -1815,12 +1891,18 @@ async fn oplog_rot(rot: LogRot) {
     );
     node.sim.flip_bits(&victim.file, at, 0x5a).expect("flip");
 
-    node.restart(&format!("{label}: restart over the damage")).await;
+    node.restart(&format!("{label}: restart over the damage"))
+        .await;
     let lost = node.stats("c").oplog_lost_ranges;
     assert_eq!(lost, lost_ranges, "{label}: oplog_lost_ranges of c");
-    assert_eq!(node.stats("d").oplog_lost_ranges, 0, "{label}: d lost nothing");
+    assert_eq!(
+        node.stats("d").oplog_lost_ranges,
+        0,
+        "{label}: d lost nothing"
+    );
     check_damage(&node, "c", &tc, &damaged, &label).await;
-    node.verify("d", &td, &format!("{label}: the other vdisk")).await;
+    node.verify("d", &td, &format!("{label}: the other vdisk"))
+        .await;
     if !damaged.is_empty() {
         assert!(
             node.stats("c").errors > 0,
@@ -1831,7 +1913,14 @@ async fn oplog_rot(rot: LogRot) {
     // restart, until rewritten.
     node.stop().await;
     node.restart(&format!("{label}: second restart")).await;
-    check_damage(&node, "c", &tc, &damaged, &format!("{label}, second restart")).await;
+    check_damage(
+        &node,
+        "c",
+        &tc,
+        &damaged,
+        &format!("{label}, second restart"),
+    )
+    .await;
     rewrite_damage(&node, "c", &mut tc, &damaged, &label).await;
     node.stop().await;
 }
@@ -1864,7 +1953,7 @@ enum StoreRot {
 }
 
 async fn extent_store_rot(rot: StoreRot) {
-    let _cpu = shared_cpu();
+    let _cpu = CPU.read().await;
     let label = format!("extent-store rot in a {rot:?}");
     let mut node = Node::start(Settings::default()).await;
     let c = node.create("c", 8 * MIB, 1).await;
@@ -1874,7 +1963,9 @@ async fn extent_store_rot(rot: StoreRot) {
     // Every block of c written (whole extents), then small overwrites through the oplog.
     for (name, t) in [("c", &mut tc), ("d", &mut td)] {
         for i in 0..8 {
-            node.tracked_write(name, t, i * MIB, MIB).await.expect("write");
+            node.tracked_write(name, t, i * MIB, MIB)
+                .await
+                .expect("write");
         }
         for i in 0..40 {
             node.tracked_write(name, t, i * 200 * 1024, 8192)
@@ -1911,17 +2002,24 @@ async fn extent_store_rot(rot: StoreRot) {
     );
     node.sim.flip_bits(&egroup, at, 0x5a).expect("flip");
 
-    node.restart(&format!("{label}: restart over the damage")).await;
+    node.restart(&format!("{label}: restart over the damage"))
+        .await;
     check_damage(&node, "c", &tc, &damaged, &label).await;
-    node.verify("d", &td, &format!("{label}: the other vdisk")).await;
+    node.verify("d", &td, &format!("{label}: the other vdisk"))
+        .await;
     assert!(
         node.stats("c").errors > 0,
         "{label}: failed reads are not counted"
     );
-    assert_eq!(node.stats("d").errors, 0, "{label}: the other vdisk had errors");
+    assert_eq!(
+        node.stats("d").errors,
+        0,
+        "{label}: the other vdisk had errors"
+    );
     rewrite_damage(&node, "c", &mut tc, &damaged, &label).await;
     node.stop().await;
-    node.restart(&format!("{label}: restart after the rewrite")).await;
+    node.restart(&format!("{label}: restart after the rewrite"))
+        .await;
     node.verify("c", &tc, &format!("{label}: after rewrite and restart"))
         .await;
     node.stop().await;
@@ -1954,7 +2052,7 @@ async fn rot_in_a_data_block_costs_that_block_only() {
 #[tokio::test(flavor = "current_thread")]
 async fn a_slow_disk_does_not_stall_cached_reads_of_another_vdisk() {
     // Alone: no CPU-heavy test of this binary runs beside it.
-    let _cpu = CPU.write().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let _cpu = CPU.write().await;
     const DISK_DELAY: Duration = Duration::from_millis(50);
     let mut node = Node::start(Settings {
         reactors: 1,
@@ -1966,7 +2064,9 @@ async fn a_slow_disk_does_not_stall_cached_reads_of_another_vdisk() {
     let b = node.create("b", 64 * MIB, 1).await;
     let mut ta = Tracker::new(4 * MIB, 0);
     let mut tb = Tracker::new(64 * MIB, 1 << 40);
-    node.tracked_write("a", &mut ta, 0, MIB).await.expect("write a");
+    node.tracked_write("a", &mut ta, 0, MIB)
+        .await
+        .expect("write a");
     for i in 0..64 {
         node.tracked_write("b", &mut tb, i * MIB, MIB)
             .await
@@ -1997,8 +2097,12 @@ async fn a_slow_disk_does_not_stall_cached_reads_of_another_vdisk() {
             let next_block = std::rc::Rc::new(std::cell::Cell::new(0u64));
             let mut readers = Vec::new();
             for _ in 0..32 {
-                let (b, stop, in_flight, next_block) =
-                    (b.clone(), stop.clone(), in_flight.clone(), next_block.clone());
+                let (b, stop, in_flight, next_block) = (
+                    b.clone(),
+                    stop.clone(),
+                    in_flight.clone(),
+                    next_block.clone(),
+                );
                 readers.push(tokio::task::spawn_local(async move {
                     let mut latencies = Vec::new();
                     while !stop.get() {
@@ -2068,8 +2172,15 @@ async fn a_slow_disk_does_not_stall_cached_reads_of_another_vdisk() {
     );
     // The setting is what it claims: b's reads went to its slow disk, 32 at a time, all
     // along, and a's came from the cache.
-    assert!(b_min >= DISK_DELAY, "b's reads did not wait for the disk: {b_min:?}");
-    assert!(b_latencies.len() >= 64, "b made no progress: {} reads", b_latencies.len());
+    assert!(
+        b_min >= DISK_DELAY,
+        "b's reads did not wait for the disk: {b_min:?}"
+    );
+    assert!(
+        b_latencies.len() >= 64,
+        "b made no progress: {} reads",
+        b_latencies.len()
+    );
     assert!(
         b_in_flight_min >= 16,
         "only {b_in_flight_min} of b's reads were in flight during a's reads"
