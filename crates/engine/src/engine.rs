@@ -606,15 +606,20 @@ impl<M: MetaStore> Engine<M> {
             shards: links,
         }));
         let started = Instant::now();
-        if let Err(error) = retire_all(&old_map.shards, false).await {
-            // The old oplogs stay on disk and are replayed (oldest epoch first) on restart;
-            // serving the new map now could expose older data, so stop serving this vdisk.
-            shared.closing.store(true, Ordering::Relaxed);
+        // The hand-over and the opening of the gate run in a task of their own: a caller that
+        // stops waiting (an HTTP client that hangs up drops this future) must not drop the
+        // gate unopened while the old shards still hold data in their oplogs. If it does stop
+        // waiting, the catalog keeps the old shard count; a restart replays every epoch's
+        // oplog, oldest first, so no data depends on it.
+        let hand_over = tokio::spawn(open_after_hand_over(old_map.clone(), gate, shared.clone()));
+        let handed_over = hand_over
+            .await
+            .unwrap_or_else(|e| Err(format!("the hand-over task ended: {e}")));
+        if let Err(error) = handed_over {
             return Err(EngineError::Storage(format!(
                 "re-sharding '{name}' failed: {error}; vdisk taken offline"
             )));
         }
-        let _ = gate.send(true);
         record.shards = shards;
         catalog::update(&self.meta, &record).await?;
         self.replace_record(record.clone());
@@ -828,6 +833,23 @@ fn log_replay_report(vdisk: VdiskId, report: &ReplayReport) {
     if let Some(version) = report.legacy_version {
         tracing::info!(vdisk = %vdisk, version, "upgrading an oplog of an older format by replay");
     }
+}
+
+/// Retires the shards of an old map, then opens the gate of the new one. If the hand-over
+/// fails, the old oplogs stay on disk and are replayed (oldest epoch first) on restart;
+/// serving the new map now could expose older data, so the vdisk stops serving and the gate
+/// is dropped unopened (the new shards then end without serving).
+async fn open_after_hand_over(
+    old_map: Arc<ShardMap>,
+    gate: watch::Sender<bool>,
+    shared: Arc<VdiskShared>,
+) -> Result<(), String> {
+    if let Err(error) = retire_all(&old_map.shards, false).await {
+        shared.closing.store(true, Ordering::Relaxed);
+        return Err(error);
+    }
+    let _ = gate.send(true);
+    Ok(())
 }
 
 async fn retire_all(shards: &[ShardLink], discard: bool) -> Result<(), String> {

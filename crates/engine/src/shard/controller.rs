@@ -186,7 +186,10 @@ impl Controller {
     ) {
         while !*gate.borrow_and_update() {
             if gate.changed().await.is_err() {
-                break;
+                // The gate was dropped unopened (the hand-over before it failed): serving now
+                // could expose data older than what the old shards still hold. End without
+                // serving; queued requests see their shard gone and fail or retry.
+                return;
             }
         }
         self.registration.set_serving(true);

@@ -401,13 +401,16 @@ impl Disk {
             .sum()
     }
 
-    /// Drops inodes that no directory names (live or durable) and no handle holds.
+    /// Drops inodes that no directory names (live, durable, or in a pending entry change a
+    /// power cut may still make durable) and no handle holds.
     pub(super) fn collect_garbage(&mut self) {
         loop {
             let mut referenced = HashSet::from([ROOT]);
             for node in self.nodes.values() {
                 if let Node::Dir(dir) = node {
                     referenced.extend(dir.live.values().chain(dir.durable.values()).copied());
+                    let pending = dir.pending.iter().flatten();
+                    referenced.extend(pending.filter_map(|(_, target)| *target));
                 }
             }
             let doomed: Vec<Ino> = self
