@@ -157,7 +157,7 @@ fn partial_write_into_a_corrupt_block_does_not_wedge_the_oplog() {
     );
     // The drain runs when writes pause; the oplog must empty.
     let drained = common::wait_until(std::time::Duration::from_secs(20), || {
-        node.vdisk_stats("c")["oplog_usage_bytes"].as_u64() == Some(0)
+        node.vdisk_stats("c")["oplog_live_bytes"].as_u64() == Some(0)
     });
     assert!(drained, "oplog never drained: {}", node.vdisk_stats("c"));
     assert_eq!(

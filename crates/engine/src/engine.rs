@@ -106,7 +106,10 @@ pub struct VdiskStats {
     pub read_bytes: u64,
     pub write_bytes: u64,
     pub errors: u64,
+    /// Segment space the oplogs use (a drained log keeps its tail segment until it fills).
     pub oplog_usage_bytes: u64,
+    /// Bytes of the vdisk whose newest data is only in the oplogs: 0 once all is drained.
+    pub oplog_live_bytes: u64,
     pub oplog_capacity_bytes: u64,
     /// Ranges the last startup found lost to corruption in the vdisk's oplog (they read as
     /// EIO until rewritten).
@@ -701,6 +704,7 @@ impl<M: MetaStore> Engine<M> {
                     write_bytes: snapshot.write_bytes,
                     errors: snapshot.errors,
                     oplog_usage_bytes: shared.oplog_usage_bytes(),
+                    oplog_live_bytes: shared.oplog_live_bytes(),
                     oplog_capacity_bytes: self.config.oplog_bytes_per_shard(record.shards)
                         * record.shards as u64,
                     oplog_lost_ranges: shared.oplog_lost_ranges.load(Ordering::Relaxed),
