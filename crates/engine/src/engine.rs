@@ -822,7 +822,7 @@ fn log_replay_report(vdisk: VdiskId, report: &ReplayReport) {
     for damage in &report.repaired {
         tracing::warn!(vdisk = %vdisk, file = %damage.path.display(),
             file_offset = damage.file_offset, reason = %damage.reason,
-            "oplog damage repaired from a second copy; no data lost");
+            "oplog damage worked around (a second header copy, or the record headers or batch table); no data lost");
     }
     for torn in &report.torn {
         tracing::info!(vdisk = %vdisk, file = %torn.path.display(), file_offset = torn.file_offset,
