@@ -650,7 +650,12 @@ impl<M: MetaStore> Engine<M> {
         shared.closing.store(true, Ordering::Relaxed);
         // Catalog first, leaving a tombstone: a crash after this leaves data that startup
         // removes (the tombstone says it may), never a catalog entry whose data is half gone.
-        catalog::delete(&self.meta, &record).await?;
+        if let Err(error) = catalog::delete(&self.meta, &record).await {
+            // Nothing was deleted: the vdisk is served again rather than left refusing
+            // every request and connection until a restart.
+            shared.closing.store(false, Ordering::Relaxed);
+            return Err(error.into());
+        }
         lock(&self.vdisks).remove(name);
         let map = shared.map.load_full();
         if let Err(error) = retire_all(&map.shards, true).await {
