@@ -7,8 +7,8 @@ mod common;
 
 use common::nbd::{NbdConn, EIO};
 use common::{describe, run_bounded, CmdOut, Node, Rng, MIB};
-use std::os::unix::fs::FileExt;
 use std::collections::BTreeSet;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 const BLOCK: u64 = 4096;
@@ -274,7 +274,12 @@ fn check_blocks(node: &Node, vdisk: &str, image: &Image, broken: &BTreeSet<u64>)
         problems.is_empty(),
         "{vdisk}: {} of {VDISK_BLOCKS} blocks wrong; first ones:\n{}",
         problems.len(),
-        problems.iter().take(20).cloned().collect::<Vec<_>>().join("\n")
+        problems
+            .iter()
+            .take(20)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
     );
     failed
 }
@@ -500,7 +505,8 @@ fn oplog_damage(damage: OplogDamage) {
     );
     let batch = log[log.len() / 2].clone();
     assert!(
-        log.iter().any(|b| b.number - b.window.min(b.number) >= batch.number),
+        log.iter()
+            .any(|b| b.number - b.window.min(b.number) >= batch.number),
         "no batch vouches for batch {}: {:?}",
         batch.number,
         log.iter().map(|b| (b.number, b.window)).collect::<Vec<_>>()
@@ -618,7 +624,11 @@ fn extent_damage(damage: ExtentDamage) {
         let drained = common::wait_until(std::time::Duration::from_secs(30), || {
             node.vdisk_stats(vdisk)["oplog_live_bytes"].as_u64() == Some(0)
         });
-        assert!(drained, "{vdisk}'s oplog never drained: {}", node.vdisk_stats(vdisk));
+        assert!(
+            drained,
+            "{vdisk}'s oplog never drained: {}",
+            node.vdisk_stats(vdisk)
+        );
     }
     let dir_name = node.vdisk_dir_name("victim");
     assert!(node.sigterm_and_wait().success());
@@ -658,7 +668,11 @@ fn extent_damage(damage: ExtentDamage) {
         "{damage:?}: {} blocks of the damaged range are re-drained from the oplog",
         blocks_of(&[damaged]).len() - broken.len()
     );
-    assert!(broken.len() > 200, "too few damaged blocks: {}", broken.len());
+    assert!(
+        broken.len() > 200,
+        "too few damaged blocks: {}",
+        broken.len()
+    );
     flip_byte(&path, flip_at);
 
     node.restart();
@@ -689,7 +703,11 @@ fn extent_damage(damage: ExtentDamage) {
     let drained = common::wait_until(std::time::Duration::from_secs(30), || {
         node.vdisk_stats("victim")["oplog_live_bytes"].as_u64() == Some(0)
     });
-    assert!(drained, "oplog never drained: {}", node.vdisk_stats("victim"));
+    assert!(
+        drained,
+        "oplog never drained: {}",
+        node.vdisk_stats("victim")
+    );
     let mut still_broken = broken.clone();
     still_broken.remove(&(start / BLOCK + 3));
     check_blocks(&node, "victim", &victim, &still_broken);

@@ -331,6 +331,24 @@ fn full_disk(kind: FsKind, direct_io: &str) {
     main.check(&node, "main", "on the full disk");
     filler.check(&node, "filler", "on the full disk");
 
+    // A real client sees the error too (the other vdisk, about to be deleted, is written).
+    let qemu = CmdOut::from_output(run_bounded(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            "-c",
+            "write -P 0xab 40M 1M",
+            node.uri("filler").as_str(),
+        ],
+        60,
+    ));
+    assert!(
+        format!("{}{}", qemu.stdout, qemu.stderr).contains("No space left on device"),
+        "qemu-io writing to the full disk must report ENOSPC: {qemu:?}"
+    );
+    node.assert_alive();
+
     // 6. Deleting the other vdisk frees space; writes succeed again within 30 s.
     let before = fs.free_bytes();
     let deleted = Instant::now();

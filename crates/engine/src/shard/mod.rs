@@ -167,7 +167,8 @@ pub struct OplogGauges {
 
 impl OplogGauges {
     pub(crate) fn publish(&self, oplog: &Oplog<NodeFs>) {
-        self.usage_bytes.store(oplog.usage_bytes(), Ordering::Relaxed);
+        self.usage_bytes
+            .store(oplog.usage_bytes(), Ordering::Relaxed);
         self.live_bytes.store(oplog.live_bytes(), Ordering::Relaxed);
     }
 }
@@ -219,13 +220,8 @@ pub async fn start_shard(
     };
     let storage = Rc::new(Storage { oplog, store });
     let registration = inline::register(key, storage.clone(), cache.clone());
-    let controller = controller::Controller::new(
-        spec,
-        storage,
-        cache,
-        registration,
-        oplog_gauges.clone(),
-    );
+    let controller =
+        controller::Controller::new(spec, storage, cache, registration, oplog_gauges.clone());
     tokio::task::spawn_local(controller.run(request_rx, control_rx, gate));
     Ok(ShardLink {
         requests: request_tx,
