@@ -100,7 +100,7 @@ wait_drained() {
     local t0 last="" same=0 used
     t0=$(date +%s)
     while [ $(( $(date +%s) - t0 )) -lt "$DRAIN_WAIT" ]; do
-        used=$(curl -s -m 5 "$API/stats/vdisks" | jq -r '[.vdisks[].oplog_usage_bytes] | add // 0' 2>/dev/null)
+        used=$(curl -s -m 5 "$API/stats/vdisks" | jq -r '[.vdisks[].oplog_live_bytes] | add // 0' 2>/dev/null)
         [ -n "$used" ] || { log "no oplog figure from $API/stats/vdisks"; return 0; }
         [ "$used" -le 1048576 ] && return 0
         if [ "$used" = "$last" ]; then same=$((same + 1)); [ $same -ge 10 ] && return 0; else same=0; fi

@@ -13,7 +13,7 @@ pub fn render_metrics(engine: &NodeEngine) -> String {
     let mut out = String::new();
     let stats = engine.vdisk_stats();
     type Getter = fn(&ashlar_engine::VdiskStats) -> f64;
-    let vdisk_metrics: [(&str, &str, &str, Getter); 11] = [
+    let vdisk_metrics: [(&str, &str, &str, Getter); 12] = [
         (
             "ashlar_vdisk_read_ops_total",
             "counter",
@@ -65,8 +65,14 @@ pub fn render_metrics(engine: &NodeEngine) -> String {
         (
             "ashlar_vdisk_oplog_usage_bytes",
             "gauge",
-            "Oplog bytes in use.",
+            "Oplog segment bytes in use.",
             |s| s.oplog_usage_bytes as f64,
+        ),
+        (
+            "ashlar_vdisk_oplog_live_bytes",
+            "gauge",
+            "Vdisk bytes whose newest data is only in the oplog (not yet drained).",
+            |s| s.oplog_live_bytes as f64,
         ),
         (
             "ashlar_vdisk_read_latency_p99_seconds",

@@ -65,6 +65,23 @@ fn kill9_during_mixed_size_overwrites_keeps_acknowledged_data() {
 }
 
 #[test]
+fn kill9_with_constant_egroup_eviction_keeps_acknowledged_data() {
+    // Each shard keeps at most two extent groups open while writes (and the drain) spread
+    // over 16 egroups (64 MiB): every few operations an egroup is evicted and reopened, which
+    // must re-normalize it (docs/extent-store-format.md) before overwriting its blocks.
+    let mut node = Node::start_with(&["--max-open-egroups", "2"]);
+    node.create_vdisk("evict", "256M");
+    let run = write_until_killed(&mut node, "evict", &[4096, 65536, MIB], 64 * MIB, |_| {});
+    assert!(
+        run.acked_writes > 200,
+        "too few writes: {}",
+        run.acked_writes
+    );
+    node.restart();
+    check_after_restart(&node, "evict", &run);
+}
+
+#[test]
 fn kill9_right_after_shard_changes_keeps_acknowledged_data() {
     let mut node = Node::start();
     node.create_vdisk_shards("crashresh", "256M", 2);

@@ -106,8 +106,10 @@ pub struct VdiskStats {
     pub read_bytes: u64,
     pub write_bytes: u64,
     pub errors: u64,
-    /// Written data in the oplog not yet drained to the extent store (vdisk bytes).
+    /// Segment space the oplogs use (a drained log keeps its tail segment until it fills).
     pub oplog_usage_bytes: u64,
+    /// Bytes of the vdisk whose newest data is only in the oplogs: 0 once all is drained.
+    pub oplog_live_bytes: u64,
     pub oplog_capacity_bytes: u64,
     /// Ranges the last startup found lost to corruption in the vdisk's oplog (they read as
     /// EIO until rewritten).
@@ -653,7 +655,12 @@ impl<M: MetaStore> Engine<M> {
         shared.closing.store(true, Ordering::Relaxed);
         // Catalog first, leaving a tombstone: a crash after this leaves data that startup
         // removes (the tombstone says it may), never a catalog entry whose data is half gone.
-        catalog::delete(&self.meta, &record).await?;
+        if let Err(error) = catalog::delete(&self.meta, &record).await {
+            // Nothing was deleted: the vdisk is served again rather than left refusing
+            // every request and connection until a restart.
+            shared.closing.store(false, Ordering::Relaxed);
+            return Err(error.into());
+        }
         lock(&self.vdisks).remove(name);
         let map = shared.map.load_full();
         if let Err(error) = retire_all(&map.shards, true).await {
@@ -707,6 +714,7 @@ impl<M: MetaStore> Engine<M> {
                     write_bytes: snapshot.write_bytes,
                     errors: snapshot.errors,
                     oplog_usage_bytes: shared.oplog_usage_bytes(),
+                    oplog_live_bytes: shared.oplog_live_bytes(),
                     oplog_capacity_bytes: self.config.oplog_bytes_per_shard(record.shards)
                         * record.shards as u64,
                     oplog_lost_ranges: shared.oplog_lost_ranges.load(Ordering::Relaxed),
@@ -824,7 +832,7 @@ fn log_replay_report(vdisk: VdiskId, report: &ReplayReport) {
     for damage in &report.repaired {
         tracing::warn!(vdisk = %vdisk, file = %damage.path.display(),
             file_offset = damage.file_offset, reason = %damage.reason,
-            "oplog damage repaired from a second copy; no data lost");
+            "oplog damage worked around (a second header copy, or the record headers or batch table); no data lost");
     }
     for torn in &report.torn {
         tracing::info!(vdisk = %vdisk, file = %torn.path.display(), file_offset = torn.file_offset,

@@ -72,7 +72,17 @@ impl VdiskShared {
             .load()
             .shards
             .iter()
-            .map(|s| s.oplog_usage_bytes.load(Ordering::Relaxed))
+            .map(|s| s.oplog_gauges.usage_bytes.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Bytes of the vdisk whose newest data is only in the oplogs (not yet drained).
+    pub fn oplog_live_bytes(&self) -> u64 {
+        self.map
+            .load()
+            .shards
+            .iter()
+            .map(|s| s.oplog_gauges.live_bytes.load(Ordering::Relaxed))
             .sum()
     }
 

@@ -22,8 +22,8 @@ use tokio::runtime::Handle;
 use tokio::sync::Notify;
 
 use crate::engine::{
-    check_key, check_range, storage_error, Inner, State, FORMAT_VERSION, KV, META, META_FORMAT,
-    META_LEASE_EPOCH, META_REVISION,
+    check_key, check_range, storage_error, Inner, SpaceReserve, State, FORMAT_VERSION, KV, META,
+    META_FORMAT, META_LEASE_EPOCH, META_REVISION,
 };
 use crate::error::MetaError;
 use crate::lease::LeaseTable;
@@ -92,7 +92,10 @@ impl EmbeddedMetaStore {
         }
         let db = Database::create(path).map_err(|e| storage_error(path, e))?;
         sync_directory_entries(path).map_err(|e| storage_error(path, redb::StorageError::Io(e)))?;
+        // Before the first commit: the disk may already be full.
+        let reserve = SpaceReserve::open(path);
         let (revision, epoch, dropped) = recover(&db, path)?;
+        reserve.renew(path);
         if dropped > 0 {
             tracing::info!(
                 path = %path.display(),
@@ -114,6 +117,7 @@ impl EmbeddedMetaStore {
                 ),
             }),
             expiry_wake: Arc::new(Notify::new()),
+            reserve,
         });
         spawn_expiry_task(&inner);
         Ok(EmbeddedMetaStore { inner })

@@ -47,6 +47,70 @@ pub(crate) struct Inner {
     pub(crate) state: Mutex<State>,
     /// Wakes the expiry task: on a grant (maybe an earlier deadline) and on drop.
     pub(crate) expiry_wake: Arc<Notify>,
+    pub(crate) reserve: SpaceReserve,
+}
+
+/// Disk space kept allocated for the store file beyond its end (`fallocate` with
+/// `FALLOC_FL_KEEP_SIZE`), renewed after every commit. redb grows the file and writes its
+/// pages into that space, so a commit does not need free space on the filesystem: when data
+/// fills the disk, metadata updates (deleting a vdisk to free space among them) still work.
+/// Without it, one commit failing with ENOSPC would also make redb fail every later call
+/// until the file is reopened.
+pub(crate) struct SpaceReserve {
+    file: Option<std::fs::File>,
+    /// Whether the last attempt failed (logged once per failing streak).
+    failing: std::sync::atomic::AtomicBool,
+}
+
+/// Bytes kept allocated beyond the end of the store file: many times a control-plane commit.
+pub(crate) const RESERVE_BYTES: u64 = 4 << 20;
+
+impl SpaceReserve {
+    pub(crate) fn open(path: &Path) -> SpaceReserve {
+        let file = std::fs::OpenOptions::new().write(true).open(path);
+        if let Err(error) = &file {
+            tracing::warn!(path = %path.display(), %error,
+                "cannot open the metadata store to reserve space for it");
+        }
+        let reserve = SpaceReserve {
+            file: file.ok(),
+            failing: std::sync::atomic::AtomicBool::new(false),
+        };
+        reserve.renew(path);
+        reserve
+    }
+
+    /// Allocates the file's holes and `RESERVE_BYTES` past its end (best effort: where the
+    /// filesystem cannot, the store works as before).
+    pub(crate) fn renew(&self, path: &Path) {
+        use std::os::fd::AsRawFd;
+        use std::sync::atomic::Ordering;
+        let Some(file) = &self.file else { return };
+        let result = file.metadata().and_then(|meta| {
+            let end = i64::try_from(meta.len() + RESERVE_BYTES).unwrap_or(i64::MAX);
+            // SAFETY: fallocate on an open descriptor; no memory is passed.
+            let r = unsafe { libc::fallocate(file.as_raw_fd(), libc::FALLOC_FL_KEEP_SIZE, 0, end) };
+            if r == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+        match result {
+            Ok(()) => {
+                if self.failing.swap(false, Ordering::Relaxed) {
+                    tracing::info!(path = %path.display(), "space for the metadata store is reserved again");
+                }
+            }
+            Err(error) if error.raw_os_error() == Some(libc::EOPNOTSUPP) => {}
+            Err(error) => {
+                if !self.failing.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(path = %path.display(), %error,
+                        "cannot reserve disk space for the metadata store; on a full disk its updates may fail");
+                }
+            }
+        }
+    }
 }
 
 impl Drop for Inner {
@@ -270,6 +334,7 @@ impl Inner {
         }
         // Durability::Immediate (redb's default): commit returns after fsync.
         wtx.commit().map_err(|e| self.err(e))?;
+        self.reserve.renew(&self.path);
 
         st.revision = rev;
         st.leases.apply(&events);

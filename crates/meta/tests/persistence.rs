@@ -17,6 +17,29 @@ use ashlar_meta::{EmbeddedMetaStore, KeyRange, MetaError, MetaStore, Revision};
 const CHILD_MODE: &str = "ASHLAR_META_CHILD";
 const CHILD_PATH: &str = "ASHLAR_META_CHILD_PATH";
 
+/// The store keeps disk space allocated past the end of its file, so commits still find
+/// room when data fills the filesystem (the full-disk e2e tests show it end to end).
+#[tokio::test]
+async fn space_is_reserved_beyond_the_end_of_the_file() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = common::db_path(&dir);
+    let store = EmbeddedMetaStore::open(&path).expect("open");
+    for i in 0..20 {
+        store
+            .put(format!("/k{i}").as_bytes(), &[7u8; 1000], None)
+            .await
+            .expect("put");
+        let meta = std::fs::metadata(&path).unwrap();
+        assert!(
+            meta.blocks() * 512 >= meta.len() + (4 << 20),
+            "after commit {i}: {} bytes allocated for a file of {} bytes",
+            meta.blocks() * 512,
+            meta.len()
+        );
+    }
+}
+
 #[tokio::test]
 async fn state_survives_close_and_reopen() {
     let dir = tempfile::tempdir().expect("tempdir");

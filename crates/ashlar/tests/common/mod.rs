@@ -726,7 +726,7 @@ pub fn wait_until(limit: Duration, mut condition: impl FnMut() -> bool) -> bool 
 }
 
 /// Polls GET /stats/vdisks every 50 ms in a thread and keeps the maxima of a vdisk's
-/// `connections` and `oplog_usage_bytes`, to see what happened while a client ran.
+/// `connections` and `oplog_live_bytes` (data in the oplog), to see what happened while a client ran.
 pub struct StatsWatcher {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     thread: Option<std::thread::JoinHandle<(u64, u64)>>,
@@ -750,7 +750,7 @@ impl StatsWatcher {
                             if v["name"] == vdisk.as_str() {
                                 connections =
                                     connections.max(v["connections"].as_u64().unwrap_or(0));
-                                oplog = oplog.max(v["oplog_usage_bytes"].as_u64().unwrap_or(0));
+                                oplog = oplog.max(v["oplog_live_bytes"].as_u64().unwrap_or(0));
                             }
                         }
                     }

@@ -289,6 +289,67 @@ impl NbdConn {
         Ok(out)
     }
 
+    /// Reads `length` bytes as separate requests of `block` bytes (up to 32 in flight) and
+    /// returns each one's outcome: its data, or the errno the server answered. Unlike
+    /// `read_range`, a failed request does not stop the others, so a test sees exactly which
+    /// blocks fail.
+    pub fn read_blocks(
+        &mut self,
+        offset: u64,
+        length: u64,
+        block: u32,
+    ) -> io::Result<Vec<Result<Vec<u8>, u32>>> {
+        let count = length.div_ceil(block as u64) as usize;
+        let mut out: Vec<Option<Result<Vec<u8>, u32>>> = (0..count).map(|_| None).collect();
+        let mut next = 0usize;
+        let mut pending: std::collections::HashMap<u64, (usize, u32)> = Default::default();
+        while next < count || !pending.is_empty() {
+            while next < count && pending.len() < 32 {
+                let at = next as u64 * block as u64;
+                let len = (block as u64).min(length - at) as u32;
+                let cookie = self.cookie();
+                self.send(CMD_READ, cookie, offset + at, len, &[])?;
+                pending.insert(cookie, (next, len));
+                next += 1;
+            }
+            let (error, cookie) = self.reply()?;
+            let (index, len) = pending
+                .remove(&cookie)
+                .ok_or_else(|| protocol_error(format!("unknown cookie {cookie}")))?;
+            out[index] = Some(if error != 0 {
+                Err(error)
+            } else {
+                let mut data = vec![0u8; len as usize];
+                self.stream.read_exact(&mut data)?;
+                Ok(data)
+            });
+        }
+        Ok(out.into_iter().map(|r| r.unwrap()).collect())
+    }
+
+    /// Writes every `(offset, data)` with up to 32 requests in flight; returns each write's
+    /// NBD error (0 = success), in the order given.
+    pub fn write_many(&mut self, writes: &[(u64, Vec<u8>)]) -> io::Result<Vec<u32>> {
+        let mut errors = vec![u32::MAX; writes.len()];
+        let mut next = 0usize;
+        let mut pending: std::collections::HashMap<u64, usize> = Default::default();
+        while next < writes.len() || !pending.is_empty() {
+            while next < writes.len() && pending.len() < 32 {
+                let (offset, data) = &writes[next];
+                let cookie = self.cookie();
+                self.send(CMD_WRITE, cookie, *offset, data.len() as u32, data)?;
+                pending.insert(cookie, next);
+                next += 1;
+            }
+            let (error, cookie) = self.reply()?;
+            let index = pending
+                .remove(&cookie)
+                .ok_or_else(|| protocol_error(format!("unknown cookie {cookie}")))?;
+            errors[index] = error;
+        }
+        Ok(errors)
+    }
+
     /// NBD_CMD_DISC, then close.
     pub fn disconnect(mut self) {
         let cookie = self.cookie();

@@ -14,7 +14,9 @@
 use super::appends::{LogWrite, LogWrites};
 use super::inline::{block_range, cache_key, Registration};
 use super::work::{self, DrainError, ReadData, ReadFailure};
-use super::{ShardControl, ShardError, ShardOp, ShardReply, ShardRequest, ShardSpec, Storage};
+use super::{
+    OplogGauges, ShardControl, ShardError, ShardOp, ShardReply, ShardRequest, ShardSpec, Storage,
+};
 use crate::cache::BlockCache;
 use ashlar_core::{BlockStatusRun, IoError, BLOCK_SIZE_BYTES};
 use ashlar_storage::oplog::{OplogError, OplogEvent};
@@ -24,7 +26,6 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -115,7 +116,7 @@ pub(super) struct Controller {
     storage: Rc<Storage>,
     cache: Rc<RefCell<BlockCache>>,
     registration: Registration,
-    oplog_usage_bytes: Arc<AtomicU64>,
+    oplog_gauges: Arc<OplogGauges>,
     work: FuturesUnordered<LocalBoxFuture<'static, Finished>>,
     /// Client requests accepted and not yet answered (in `work`, waiting for a writer slot,
     /// or parked reads). At most `spec.max_requests_in_flight`.
@@ -149,7 +150,7 @@ impl Controller {
         storage: Rc<Storage>,
         cache: Rc<RefCell<BlockCache>>,
         registration: Registration,
-        oplog_usage_bytes: Arc<AtomicU64>,
+        oplog_gauges: Arc<OplogGauges>,
     ) -> Self {
         assert!(
             spec.max_requests_in_flight > 0,
@@ -160,7 +161,7 @@ impl Controller {
             storage,
             cache,
             registration,
-            oplog_usage_bytes,
+            oplog_gauges,
             work: FuturesUnordered::new(),
             requests_in_flight: 0,
             generations: vec![0; WRITE_GENERATION_BUCKETS],
@@ -250,6 +251,7 @@ impl Controller {
                 // waiting writes may go on; finished ones are answered below.
                 let failed = self.log_writes.append_waiting(&self.storage.oplog);
                 self.answer_log_writes(failed);
+                self.publish_usage();
             }
             Event::DrainWanted => self.start_drain(),
             Event::DrainTimer => {
@@ -707,10 +709,9 @@ impl Controller {
         }
     }
 
-    /// Publishes how much written data waits in the oplog for the drain.
+    /// Publishes the oplog's space use and how much written data waits for the drain.
     fn publish_usage(&self) {
-        self.oplog_usage_bytes
-            .store(self.storage.oplog.live_bytes(), Ordering::Relaxed);
+        self.oplog_gauges.publish(&self.storage.oplog);
     }
 }
 

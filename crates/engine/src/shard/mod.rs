@@ -31,7 +31,7 @@ use bytes::Bytes;
 use std::cell::RefCell;
 use std::path::PathBuf;
 use std::rc::Rc;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -148,10 +148,29 @@ pub struct ShardKey {
 pub struct ShardLink {
     pub requests: mpsc::Sender<ShardRequest>,
     pub control: mpsc::Sender<ShardControl>,
-    pub oplog_usage_bytes: Arc<AtomicU64>,
+    pub oplog_gauges: Arc<OplogGauges>,
     pub key: ShardKey,
     /// The reactor the controller runs on; `None` when started off the reactors (tests).
     pub reactor: Option<ReactorId>,
+}
+
+/// What a shard's oplog holds, published by its controller for the stats.
+#[derive(Default, Debug)]
+pub struct OplogGauges {
+    /// Bytes of segment space in use (batches written and not yet freed). A drained log
+    /// keeps its tail segment until it fills, so this need not return to zero.
+    pub usage_bytes: AtomicU64,
+    /// Bytes of vdisk address space whose newest data is only in the log (not yet drained
+    /// into the extent store): zero once everything acknowledged was drained.
+    pub live_bytes: AtomicU64,
+}
+
+impl OplogGauges {
+    pub(crate) fn publish(&self, oplog: &Oplog<NodeFs>) {
+        self.usage_bytes
+            .store(oplog.usage_bytes(), Ordering::Relaxed);
+        self.live_bytes.store(oplog.live_bytes(), Ordering::Relaxed);
+    }
 }
 
 /// The oplog and extent store of one shard, shared by the controller and its storage work.
@@ -192,7 +211,8 @@ pub async fn start_shard(
     );
     let (request_tx, request_rx) = mpsc::channel(spec.request_queue_limit);
     let (control_tx, control_rx) = mpsc::channel(SHARD_CONTROL_QUEUE_LIMIT);
-    let oplog_usage_bytes = Arc::new(AtomicU64::new(oplog.live_bytes()));
+    let oplog_gauges = Arc::new(OplogGauges::default());
+    oplog_gauges.publish(&oplog);
     let key = ShardKey {
         vdisk: spec.vdisk,
         epoch: spec.epoch,
@@ -200,18 +220,13 @@ pub async fn start_shard(
     };
     let storage = Rc::new(Storage { oplog, store });
     let registration = inline::register(key, storage.clone(), cache.clone());
-    let controller = controller::Controller::new(
-        spec,
-        storage,
-        cache,
-        registration,
-        oplog_usage_bytes.clone(),
-    );
+    let controller =
+        controller::Controller::new(spec, storage, cache, registration, oplog_gauges.clone());
     tokio::task::spawn_local(controller.run(request_rx, control_rx, gate));
     Ok(ShardLink {
         requests: request_tx,
         control: control_tx,
-        oplog_usage_bytes,
+        oplog_gauges,
         key,
         reactor: crate::reactor::current_reactor(),
     })
