@@ -229,3 +229,38 @@ fn egroups_spread_over_disks_are_found_again_and_removed() {
         assert_eq!(store.cached_egroups(), 0);
     });
 }
+
+/// A disk that fails every sync (a dying disk) must still serve reads of what it holds: a
+/// fresh store's listing tries to sync its directories, and that failure is the writes'
+/// business, not the reads'. Writes fail with EIO, then succeed once the disk is healthy.
+#[test]
+fn reads_survive_a_disk_whose_syncs_fail_and_writes_resume_after() {
+    use ashlar_storage::fs::sim::Times;
+    use ashlar_storage::fs::{Filesystem, IoMode, SimFs};
+    run_local(async {
+        let fs = SimFs::new(IoMode::Buffered);
+        let root = Path::new("/disk0");
+        fs.create_dir_all(root).await.unwrap();
+        let data = pattern(3, 64 << 10);
+        let store = ExtentStore::new(fs.clone(), config(&[root]));
+        store.write(1 << 20, &data).await.unwrap();
+        drop(store);
+
+        fs.fail_syncs(None, Times::Always);
+        let fresh = ExtentStore::new(fs.clone(), config(&[root]));
+        let mut back = vec![0u8; data.len()];
+        fresh.read(1 << 20, &mut back).await.unwrap();
+        assert!(back == data, "read through a disk failing syncs differs");
+        let error = fresh.write(0, &data).await.unwrap_err();
+        assert!(
+            error.to_string().contains("Input/output error"),
+            "a write on a disk failing syncs reports EIO: {error}"
+        );
+
+        fs.clear_failures();
+        fresh.write(0, &data).await.unwrap();
+        let mut first = vec![0u8; data.len()];
+        fresh.read(0, &mut first).await.unwrap();
+        assert!(first == data, "a write after the disk recovered reads back");
+    });
+}

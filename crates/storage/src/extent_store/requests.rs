@@ -114,7 +114,7 @@ impl<F: Filesystem> ExtentStore<F> {
         for (offset, length) in batch.ranges() {
             range_end(offset, length)?;
         }
-        self.ensure_listing().await?;
+        self.ensure_durable_listing().await?;
         let groups = batch.by_egroup(|first, last| self.known_in(first, last));
         let width = self.config.max_open_egroups.max(1);
         let mut groups = groups.into_iter().peekable();
@@ -134,7 +134,7 @@ impl<F: Filesystem> ExtentStore<F> {
     }
 
     async fn apply_egroup(&self, egroup: u64, ops: Vec<Op<'_>>) -> Result<(), ExtentError> {
-        self.ensure_listing().await?;
+        self.ensure_durable_listing().await?;
         let create = ops.iter().any(Op::needs_egroup);
         if !create && self.find(egroup).is_none() {
             return Ok(());

@@ -57,6 +57,9 @@ impl<D> Slot<D> {
 struct Known {
     disks: Vec<HashSet<u64>>,
     dir_exists: Vec<bool>,
+    /// Whether the listed directories (and their parents) have been synced since listing.
+    /// Reads do not need it; a write does, before it relies on a listed file (`apply`).
+    dirs_synced: bool,
 }
 
 impl Known {
@@ -98,8 +101,10 @@ impl<F: Filesystem> ExtentStore<F> {
         self.open.borrow().len()
     }
 
-    /// Lists each disk's vdisk directory once and makes the listed entries durable (after a
-    /// kill -9 a listed file may still lack a durable directory entry).
+    /// Lists each disk's vdisk directory once. Tries to make the listed entries durable too
+    /// (after a kill -9 a listed file may still lack a durable directory entry); a failed
+    /// directory sync does not fail the listing, since reads do not depend on it: writes call
+    /// [`Self::ensure_durable_listing`], which retries it.
     pub(super) async fn ensure_listing(&self) -> Result<(), ExtentError> {
         if self.known.borrow().is_some() {
             return Ok(());
@@ -111,6 +116,7 @@ impl<F: Filesystem> ExtentStore<F> {
         let mut known = Known {
             disks: Vec::new(),
             dir_exists: Vec::new(),
+            dirs_synced: false,
         };
         for disk in &self.config.disks {
             let dir = egroup_dir(&disk.path, self.config.vdisk);
@@ -129,12 +135,6 @@ impl<F: Filesystem> ExtentStore<F> {
                         }
                         set.insert(egroup);
                     }
-                    for synced in dir.ancestors().take(3) {
-                        self.fs
-                            .sync_dir(synced)
-                            .await
-                            .map_err(|e| io_error(synced, None, e))?;
-                    }
                     true
                 }
                 Err(e) if e.kind() == io::ErrorKind::NotFound => false,
@@ -143,7 +143,49 @@ impl<F: Filesystem> ExtentStore<F> {
             known.disks.push(set);
             known.dir_exists.push(exists);
         }
+        known.dirs_synced = match self.sync_listed_dirs(&known.dir_exists).await {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::warn!(vdisk = %self.config.vdisk, %error,
+                    "syncing the extent store's directories failed: reads go on, writes retry it");
+                false
+            }
+        };
         *self.known.borrow_mut() = Some(known);
+        Ok(())
+    }
+
+    /// The listing, with its directories durable: a write may rely on every listed file.
+    pub(super) async fn ensure_durable_listing(&self) -> Result<(), ExtentError> {
+        self.ensure_listing().await?;
+        let dir_exists = match self.known.borrow().as_ref() {
+            Some(known) if !known.dirs_synced => known.dir_exists.clone(),
+            _ => return Ok(()),
+        };
+        self.sync_listed_dirs(&dir_exists).await?;
+        if let Some(known) = self.known.borrow_mut().as_mut() {
+            known.dirs_synced = true;
+        }
+        Ok(())
+    }
+
+    /// Syncs each existing vdisk directory and its two parents.
+    async fn sync_listed_dirs(&self, dir_exists: &[bool]) -> Result<(), ExtentError> {
+        for (disk, _) in self
+            .config
+            .disks
+            .iter()
+            .zip(dir_exists)
+            .filter(|(_, e)| **e)
+        {
+            let dir = egroup_dir(&disk.path, self.config.vdisk);
+            for synced in dir.ancestors().take(3) {
+                self.fs
+                    .sync_dir(synced)
+                    .await
+                    .map_err(|e| io_error(synced, None, e))?;
+            }
+        }
         Ok(())
     }
 
