@@ -69,8 +69,10 @@ pub struct NodeArgs {
     /// Requests queued per shard controller before clients wait.
     #[arg(long, default_value_t = 1024, value_name = "N")]
     pub shard_queue_limit: usize,
-    /// Extent groups each shard keeps open (about 12 KiB of checksums and one fd each).
-    #[arg(long, default_value_t = 256, value_name = "N")]
+    /// Extent groups each shard keeps open (about 12.3 KiB of checksums and one file
+    /// descriptor each; each covers 4 MiB of the vdisk, so the default covers 4 GiB per shard).
+    /// A read or write of an egroup that is not open first reads its checksum blocks from disk.
+    #[arg(long, default_value_t = 1024, value_name = "N")]
     pub max_open_egroups: usize,
     /// Disk I/O with O_DIRECT (`on`, the default: data is cached once, in Ashlar's cache) or
     /// through the kernel page cache (`off`). Files on a filesystem that refuses O_DIRECT

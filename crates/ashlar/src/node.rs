@@ -28,11 +28,46 @@ const REFUSAL_WARNING_INTERVAL: Duration = Duration::from_secs(10);
 
 pub fn run(args: NodeArgs) -> Result<()> {
     init_logging();
+    raise_open_file_limit();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("starting the control runtime")?;
     runtime.block_on(serve(args))
+}
+
+/// Each shard keeps up to `--max-open-egroups` files open, and every client holds a socket:
+/// the usual soft limit of 1024 descriptors is far below what the defaults need, so the node
+/// raises its soft limit to the hard one (what any unprivileged process may do).
+fn raise_open_file_limit() {
+    // SAFETY: getrlimit/setrlimit with a struct owned by this frame.
+    let (before, after) = unsafe {
+        let mut limit: libc::rlimit = std::mem::zeroed();
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            return;
+        }
+        let before = limit.rlim_cur;
+        if limit.rlim_cur < limit.rlim_max {
+            limit.rlim_cur = limit.rlim_max;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                return;
+            }
+        }
+        (before, limit.rlim_cur)
+    };
+    if after < 16_384 {
+        tracing::warn!(
+            open_files_limit = after,
+            "the open-files limit is low for a storage node (raise `ulimit -Hn`): \
+             each shard keeps up to --max-open-egroups files open"
+        );
+    } else if before != after {
+        tracing::debug!(
+            from = before,
+            to = after,
+            "raised the open-files soft limit"
+        );
+    }
 }
 
 fn init_logging() {
