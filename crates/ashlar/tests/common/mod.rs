@@ -229,7 +229,7 @@ impl Node {
             nbd_port: 0,
             http_port: 0,
             extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
-            rust_log: "info".to_string(),
+            rust_log: std::env::var("ASHLAR_TEST_RUST_LOG").unwrap_or_else(|_| "info".to_string()),
             stderr_path,
             stdout_path,
             root,
@@ -526,6 +526,9 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         self.kill9();
+        if let Ok(to) = std::env::var("ASHLAR_TEST_KEEP_LOG") {
+            let _ = std::fs::copy(&self.stderr_path, to);
+        }
         if std::thread::panicking() {
             self.dump_log();
         }
