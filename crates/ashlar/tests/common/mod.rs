@@ -5,6 +5,9 @@
 //! Every external command runs under `timeout`, every socket has a deadline, and a node is
 //! SIGKILLed when its `Node` is dropped, so a failing test cannot hang the suite or leave a
 //! process behind. When a test panics, the node's stderr log is printed.
+//!
+//! To diagnose a test: `ASHLAR_TEST_RUST_LOG` sets the node's `RUST_LOG` (default `info`), and
+//! `ASHLAR_TEST_KEEP_LOG=FILE` copies the node's whole log to FILE when its `Node` is dropped.
 
 #![allow(dead_code)]
 
