@@ -131,7 +131,7 @@ pub struct NodeArgs {
     pub iscsi_first_burst: String,
     /// Largest data transfer of one SCSI command (reported in the Block Limits VPD page;
     /// 4K to 1G). Larger commands fail with CHECK CONDITION.
-    #[arg(long, default_value = "8M", value_name = "SIZE")]
+    #[arg(long, default_value = "32M", value_name = "SIZE")]
     pub iscsi_max_transfer: String,
     /// Bytes of iSCSI command data (solicited write data, read data waiting to be sent) the
     /// whole node holds over all sessions (1M to 1T). A command that finds it used up waits;

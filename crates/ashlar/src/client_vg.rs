@@ -42,7 +42,10 @@ pub fn run(server: &str, command: VgCommand) -> Result<()> {
                 &format!("{base}/{}/disks", segment(&name)),
                 Some(json!({"vdisk": vdisk})),
             )?;
-            let lun = group["disks"].as_array().map_or(0, |d| d.len()).saturating_sub(1);
+            let lun = group["disks"]
+                .as_array()
+                .map_or(0, |d| d.len())
+                .saturating_sub(1);
             println!("added vdisk {vdisk} to volume group {name} as LUN {lun}");
         }
         VgCommand::RemoveDisk { name, vdisk } => {
@@ -76,7 +79,11 @@ pub fn run(server: &str, command: VgCommand) -> Result<()> {
         VgCommand::Detach { name, initiator } => {
             client.request(
                 "DELETE",
-                &format!("{base}/{}/attachments/{}", segment(&name), segment(&initiator)),
+                &format!(
+                    "{base}/{}/attachments/{}",
+                    segment(&name),
+                    segment(&initiator)
+                ),
                 None,
             )?;
             println!("detached initiator {initiator} from volume group {name}");

@@ -87,7 +87,12 @@ fn view(state: &VgState, group: &VolumeGroupRecord) -> Value {
 }
 
 async fn list(State(state): State<VgState>) -> Json<Value> {
-    let groups: Vec<Value> = state.groups.list().iter().map(|g| view(&state, g)).collect();
+    let groups: Vec<Value> = state
+        .groups
+        .list()
+        .iter()
+        .map(|g| view(&state, g))
+        .collect();
     Json(Value::Array(groups))
 }
 

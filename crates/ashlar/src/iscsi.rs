@@ -40,7 +40,12 @@ pub fn iscsi_limits(args: &NodeArgs) -> Result<IscsiLimits> {
     };
     let segment_max = (1 << 24) - 1;
     let max_burst = size("--iscsi-max-burst", &args.iscsi_max_burst, 512, segment_max)?;
-    let first_burst = size("--iscsi-first-burst", &args.iscsi_first_burst, 512, max_burst)?;
+    let first_burst = size(
+        "--iscsi-first-burst",
+        &args.iscsi_first_burst,
+        512,
+        max_burst,
+    )?;
     if args.iscsi_max_commands == 0 || args.iscsi_max_commands > 65536 {
         bail!("--iscsi-max-commands must be between 1 and 65536");
     }
@@ -91,9 +96,7 @@ impl TargetRegistry for IscsiRegistry {
 
     fn authorize(&self, initiator: &str, target: &str) -> Result<Access, Refusal> {
         let group = self.groups.by_iqn(target).ok_or(Refusal::UnknownTarget)?;
-        let attachment = group
-            .attachment(initiator)
-            .ok_or(Refusal::NotAttached)?;
+        let attachment = group.attachment(initiator).ok_or(Refusal::NotAttached)?;
         let credentials = |c: &crate::volume_groups::Chap| ChapCredentials {
             user: c.user.clone(),
             secret: c.secret.clone(),

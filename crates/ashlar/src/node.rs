@@ -269,7 +269,9 @@ fn print_banner(args: &NodeArgs, engine: &NodeEngine, limits: &NbdLimits, startu
         println!("  fio --name=t --ioengine=nbd --uri={uri} --rw=randrw --bs=4k --iodepth=32 --size=1G --runtime=10 --time_based");
         println!("  mkdir -p /tmp/mnt && nbdfuse /tmp/mnt {uri} &   # then: losetup -f --show /tmp/mnt/nbd; mkfs.ext4; mount");
     }
-    println!("Manage vdisks with: ashlar vdisk --help; export them over iSCSI with: ashlar vg --help");
+    println!(
+        "Manage vdisks with: ashlar vdisk --help; export them over iSCSI with: ashlar vg --help"
+    );
 }
 
 async fn wait_for_signal() -> &'static str {

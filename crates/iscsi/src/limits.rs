@@ -47,7 +47,7 @@ impl Default for IscsiLimits {
             max_recv_data_segment_bytes: 256 << 10,
             max_burst_bytes: 1 << 20,
             first_burst_bytes: 64 << 10,
-            max_transfer_bytes: 8 << 20,
+            max_transfer_bytes: 32 << 20,
             data_budget: DataBudget::default(),
             login_timeout: Duration::from_secs(15),
             max_text_bytes: 64 << 10,

@@ -395,6 +395,8 @@ struct PendingWrite {
     r2t_sn: u32,
     /// Where the outstanding R2T's burst ends.
     burst_end: usize,
+    /// DataSN the next Data-Out of the current sequence must carry (0 at each R2T).
+    data_sn: u32,
     charge: Option<OwnedSemaphorePermit>,
 }
 
@@ -793,6 +795,7 @@ impl<R: TargetRegistry> FullFeature<R> {
             ttt: NO_TAG,
             r2t_sn: 0,
             burst_end: 0,
+            data_sn: 0,
             charge: None,
         });
         let itt = command.itt;
@@ -885,6 +888,7 @@ impl<R: TargetRegistry> FullFeature<R> {
         let offset = bhs.u32_at(40) as usize;
         let final_ = bhs.final_bit();
         let session = self.session.clone();
+        // Err(true): the data does not continue the transfer; Err(false): no such task.
         let outcome: Result<(bool, bool), bool> = {
             let mut tasks = session.tasks.borrow_mut();
             match tasks.get_mut(&itt) {
@@ -899,16 +903,22 @@ impl<R: TargetRegistry> FullFeature<R> {
                     } else {
                         pending.burst_end
                     };
-                    if ttt != pending.ttt || offset != pending.buffer.len() || end > limit {
+                    let data_sn = bhs.u32_at(36);
+                    if ttt != pending.ttt
+                        || offset != pending.buffer.len()
+                        || end > limit
+                        || data_sn != pending.data_sn
+                    {
                         log.report(
                             Violation::DataOut,
                             &format_args!(
-                                "Data-Out ITT {itt:#x} TTT {ttt:#x} [{offset}, {end}) does not continue the transfer"
+                                "Data-Out ITT {itt:#x} TTT {ttt:#x} DataSN {data_sn} [{offset}, {end}) does not continue the transfer"
                             ),
                         );
                         Err(true)
                     } else {
                         pending.buffer.extend_from_slice(&pdu.data);
+                        pending.data_sn = pending.data_sn.wrapping_add(1);
                         let received = pending.buffer.len();
                         Ok((received == expected, final_ || received == limit))
                     }
@@ -927,8 +937,17 @@ impl<R: TargetRegistry> FullFeature<R> {
             Ok(progress) => progress,
             Err(false) => return Ok(Flow::Continue),
             Err(true) => {
-                self.reject(&bhs, reject::PROTOCOL_ERROR, true).await;
-                return Ok(Flow::Stop);
+                // The command fails (its later Data-Out is dropped as unknown); the
+                // connection and the session's other commands carry on.
+                let failed = match session.tasks.borrow().get(&itt).map(|t| &t.state) {
+                    Some(TaskState::AwaitingData(pending)) => Some(pending.command.clone()),
+                    _ => None,
+                };
+                if let Some(command) = failed {
+                    let sense = crate::scsi::sense::Sense::DATA_PHASE_ERROR;
+                    respond(&session, &command, ScsiResult::check(sense)).await;
+                }
+                return Ok(Flow::Continue);
             }
         };
         if complete {
@@ -1136,6 +1155,7 @@ fn next_r2t<D: ashlar_core::BlockDevice + 'static>(
     let ttt = session.new_ttt();
     pending.ttt = ttt;
     pending.burst_end = offset + length;
+    pending.data_sn = 0;
     let mut bhs = Bhs::new(op::R2T);
     bhs.set_flags(0x80);
     bhs.set_lun_field(pending.command.lun_field);

@@ -11,8 +11,8 @@ use bytes::{Bytes, BytesMut};
 /// takes `u32` lengths).
 const DEVICE_CHUNK_BYTES: u64 = 1 << 30;
 /// Most blocks one WRITE SAME or UNMAP descriptor may cover (reported in the Block Limits
-/// VPD page): 1 GiB.
-pub const MAX_UNMAP_BLOCKS: u32 = (1 << 30) / BLOCK_BYTES as u32;
+/// VPD page): 512 MiB.
+pub const MAX_UNMAP_BLOCKS: u32 = 1 << 20;
 /// Most UNMAP block descriptors in one command.
 pub const MAX_UNMAP_DESCRIPTORS: u32 = 256;
 /// Most blocks one WRITE SAME may cover.
@@ -165,14 +165,15 @@ pub(super) async fn write<D: BlockDevice>(
     if t.blocks == 0 {
         return ScsiResult::good();
     }
-    if u64::from(expected) < length || (data.len() as u64) < length {
-        // The initiator sends less than the command needs: write nothing (SPC-4 and FCP-4
-        // allow this answer; libiscsi's residual tests accept it).
-        return ScsiResult::check(Sense::INVALID_FIELD_IN_INFORMATION_UNIT)
-            .with_transfer(length as u32);
+    // The initiator may send less than the command asks for (expected length below the
+    // transfer length): only what it sent is written, and the response reports the overflow
+    // (FCP-4 9.4.2 a, which libiscsi's residual tests check).
+    let sent = (data.len() as u64).min(length).min(u64::from(expected));
+    if sent == 0 {
+        return ScsiResult::good().with_transfer(length as u32);
     }
     let fua = t.flags & 0x08 != 0 || is_verify;
-    let data = data.slice(..length as usize);
+    let data = data.slice(..sent as usize);
     match unit.device.write(bytes_of(t.lba), data, fua).await {
         Ok(()) => ScsiResult::good().with_transfer(length as u32),
         Err(error) => ScsiResult::check(io_sense(&error, true)).with_transfer(length as u32),
@@ -364,8 +365,9 @@ pub(super) async fn write_same<D: BlockDevice>(
     if blocks > MAX_WRITE_SAME_BLOCKS {
         return ScsiResult::check(Sense::INVALID_FIELD_IN_CDB).with_transfer(wanted);
     }
-    if !ndob && (data.len() as u64) < BLOCK_BYTES {
-        return ScsiResult::check(Sense::INVALID_FIELD_IN_INFORMATION_UNIT).with_transfer(wanted);
+    if data.len() != wanted as usize {
+        // Exactly one block of data (none with NDOB).
+        return ScsiResult::check(Sense::INVALID_FIELD_IN_CDB).with_transfer(wanted);
     }
     let unmap = flags & 0x08 != 0;
     let zeros = ndob || data[..BLOCK_BYTES as usize].iter().all(|&b| b == 0);
@@ -412,7 +414,12 @@ pub(super) async fn compare_and_write<D: BlockDevice>(
     let blocks = cdb[13];
     let length = bytes_of(u64::from(blocks));
     let wanted = (length * 2) as u32;
-    if cdb[1] & 0xe0 != 0 || blocks > MAX_COMPARE_AND_WRITE_BLOCKS {
+    // The data must be exactly the blocks to compare and the blocks to write.
+    if cdb[1] & 0xe0 != 0
+        || blocks > MAX_COMPARE_AND_WRITE_BLOCKS
+        || expected != wanted
+        || data.len() != wanted as usize
+    {
         return ScsiResult::check(Sense::INVALID_FIELD_IN_CDB).with_transfer(wanted);
     }
     if let Err(sense) = in_range(unit, lba, u64::from(blocks)) {
@@ -420,9 +427,6 @@ pub(super) async fn compare_and_write<D: BlockDevice>(
     }
     if blocks == 0 {
         return ScsiResult::good();
-    }
-    if expected < wanted || (data.len() as u32) < wanted {
-        return ScsiResult::check(Sense::INVALID_FIELD_IN_INFORMATION_UNIT).with_transfer(wanted);
     }
     let _serialised = unit.shared.compare_and_write.lock().await;
     let offset = bytes_of(lba);

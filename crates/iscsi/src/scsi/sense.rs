@@ -61,6 +61,8 @@ impl Sense {
     pub const MISCOMPARE_DURING_VERIFY: Sense = Sense::new(key::MISCOMPARE, 0x1d, 0x00);
     pub const LUN_NOT_READY_OFFLINE: Sense = Sense::new(0x02, 0x04, 0x12);
     pub const NO_SENSE: Sense = Sense::new(key::NO_SENSE, 0, 0);
+    /// Write data that does not continue the transfer (wrong DataSN, offset or length).
+    pub const DATA_PHASE_ERROR: Sense = Sense::new(key::ABORTED_COMMAND, 0x4b, 0x00);
 
     pub fn with_information(mut self, information: u32) -> Self {
         self.information = Some(information);
