@@ -11,7 +11,7 @@
 //! A connection runs inside a tokio current-thread runtime and a `LocalSet`: device futures
 //! need not be `Send`. One session has one connection (MaxConnections=1).
 
-mod chap;
+pub mod chap;
 mod error;
 mod limits;
 pub mod login;
