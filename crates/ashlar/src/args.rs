@@ -111,7 +111,7 @@ pub struct NodeArgs {
     pub iscsi_listen: SocketAddr,
     /// iSCSI sessions the node serves at once (one connection each). Over the limit a new
     /// connection is closed at once, with a warning logged at most every 10 seconds.
-    #[arg(long, default_value_t = 256, value_name = "N")]
+    #[arg(long, default_value_t = 64, value_name = "N")]
     pub iscsi_max_sessions: usize,
     /// SCSI commands in flight per iSCSI session: the CmdSN window (MaxCmdSN) the target
     /// advertises (1 to 65536). The initiator may not send more.
