@@ -291,6 +291,7 @@ fn login_refusals_have_the_right_status() {
         target: Some(target.as_str()),
         chap,
         mutual,
+        digests: false,
     };
     let status = |result: Result<common::iscsi::Session, LoginError>| match result {
         Ok(_) => 0,
@@ -344,6 +345,7 @@ fn login_refusals_have_the_right_status() {
         target: Some("iqn.2024-01.io.ashlar:nope"),
         chap: None,
         mutual: None,
+        digests: false,
     };
     assert_eq!(
         status(login(node.iscsi_port, &unknown)),
@@ -421,6 +423,38 @@ fn raw_session_reads_writes_and_discovers() {
     let missing = session.scsi(9, &[0, 0, 0, 0, 0, 0], &[], 0);
     assert_eq!(missing.status, 0x02);
     assert_eq!((missing.sense[12], missing.sense[13]), (0x25, 0x00));
+    // The same with CRC32C header and data digests on every PDU.
+    let mut digested = login(
+        node.iscsi_port,
+        &LoginSpec {
+            initiator: INITIATOR_2,
+            target: Some(&target),
+            chap: None,
+            mutual: None,
+            digests: true,
+        },
+    )
+    .unwrap_or_else(|e| panic!("login with digests: {e:?}"));
+    assert_eq!(digested.ping(b"crc"), b"crc");
+    let read = digested.read16(1, 8, (data.len() / 512) as u32);
+    assert!(read.data == data, "read with digests");
+    assert_eq!(digested.write16(1, 0, &data[..8192]).status, 0);
+    // A corrupted data digest ends that connection only.
+    let mut bhs = ashlar_iscsi::pdu::Bhs::new(ashlar_iscsi::pdu::op::NOP_OUT);
+    bhs.0[0] |= 0x40;
+    bhs.set_flags(0x80);
+    bhs.set_itt(99);
+    let mut wire = ashlar_iscsi::pdu::encode(
+        &ashlar_iscsi::pdu::Pdu::new(bhs, bytes::Bytes::from_static(b"abcd")),
+        digested.raw.digests,
+    )
+    .to_vec();
+    let last = wire.len() - 1;
+    wire[last] ^= 0xff;
+    use std::io::Write;
+    digested.raw.stream.write_all(&wire).unwrap();
+    assert!(digested.raw.closed_by_target(), "bad data digest");
+    assert_eq!(session.ping(b"unaffected"), b"unaffected");
 }
 
 /// Garbage on some connections never disturbs a session on another.

@@ -95,7 +95,8 @@ pub async fn serve_connection<R: TargetRegistry>(
         SessionKind::Discovery => Vec::new(),
     };
     tracing::info!(peer = log.peer(), initiator = %logged_in.initiator, kind = ?logged_in.kind,
-        luns = luns.len(), "iSCSI session started");
+        luns = luns.len(), header_digest = logged_in.params.header_digest,
+        data_digest = logged_in.params.data_digest, "iSCSI session started");
     let digests = Digests {
         header: logged_in.params.header_digest,
         data: logged_in.params.data_digest,

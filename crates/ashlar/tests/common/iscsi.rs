@@ -19,6 +19,8 @@ pub fn target_iqn(group: &str) -> String {
 /// One TCP connection speaking iSCSI.
 pub struct Raw {
     pub stream: TcpStream,
+    /// Digests in use (after a login that negotiated them).
+    pub digests: Digests,
 }
 
 impl Raw {
@@ -30,11 +32,14 @@ impl Raw {
         stream
             .set_write_timeout(Some(Duration::from_secs(10)))
             .unwrap();
-        Raw { stream }
+        Raw {
+            stream,
+            digests: Digests::default(),
+        }
     }
 
     pub fn send(&mut self, pdu: &Pdu) -> std::io::Result<()> {
-        self.stream.write_all(&pdu::encode(pdu, Digests::default()))
+        self.stream.write_all(&pdu::encode(pdu, self.digests))
     }
 
     /// Reads one PDU (no digests); `Err` on EOF or timeout.
@@ -42,7 +47,7 @@ impl Raw {
         let mut header = [0u8; BHS_LEN];
         self.stream.read_exact(&mut header)?;
         let bhs = Bhs(header);
-        let layout = pdu::frame_layout(&bhs, Digests::default(), 1 << 24)
+        let layout = pdu::frame_layout(&bhs, self.digests, 1 << 24)
             .map_err(|e| std::io::Error::other(e.to_string()))?;
         let mut rest = vec![0u8; layout.rest_len()];
         self.stream.read_exact(&mut rest)?;
@@ -100,6 +105,8 @@ pub struct LoginSpec<'a> {
     pub target: Option<&'a str>,
     pub chap: Option<(&'a str, &'a str)>,
     pub mutual: Option<(&'a str, &'a str)>,
+    /// Ask for CRC32C header and data digests.
+    pub digests: bool,
 }
 
 /// A logged-in session.
@@ -154,6 +161,7 @@ pub fn open(port: u16, initiator: &str, target: Option<&str>) -> Session {
         target,
         chap: None,
         mutual: None,
+        digests: false,
     };
     login(port, &spec).unwrap_or_else(|e| panic!("login of {initiator} to {target:?}: {e:?}"))
 }
@@ -202,9 +210,10 @@ pub fn login(port: u16, spec: &LoginSpec) -> Result<Session, LoginError> {
         first.push(("AuthMethod", "None".into()));
         exchange(&mut raw, login_pdu(isid, 0, Some(1), 1, text(&first)))?;
     }
+    let digest = if spec.digests { "CRC32C" } else { "None" };
     let operational = [
-        ("HeaderDigest", "None".to_string()),
-        ("DataDigest", "None".to_string()),
+        ("HeaderDigest", digest.to_string()),
+        ("DataDigest", digest.to_string()),
         ("MaxRecvDataSegmentLength", "65536".to_string()),
         ("InitialR2T", "Yes".to_string()),
         ("ImmediateData", "Yes".to_string()),
@@ -213,7 +222,18 @@ pub fn login(port: u16, spec: &LoginSpec) -> Result<Session, LoginError> {
         ("ErrorRecoveryLevel", "0".to_string()),
         ("MaxConnections", "1".to_string()),
     ];
-    exchange(&mut raw, login_pdu(isid, 1, Some(3), 1, text(&operational)))?;
+    let answer = exchange(&mut raw, login_pdu(isid, 1, Some(3), 1, text(&operational)))?;
+    if spec.digests {
+        if get(&answer, "HeaderDigest") != Some("CRC32C")
+            || get(&answer, "DataDigest") != Some("CRC32C")
+        {
+            return Err(LoginError::Other(format!("digests refused: {answer:?}")));
+        }
+        raw.digests = Digests {
+            header: true,
+            data: true,
+        };
+    }
     Ok(Session {
         raw,
         cmd_sn: 1,
