@@ -455,6 +455,13 @@ fn raw_session_reads_writes_and_discovers() {
     digested.raw.stream.write_all(&wire).unwrap();
     assert!(digested.raw.closed_by_target(), "bad data digest");
     assert_eq!(session.ping(b"unaffected"), b"unaffected");
+    // A new login with the same initiator name and ISID reinstates the session: the old
+    // connection is closed, the new one works.
+    let mut again = open(node.iscsi_port, INITIATOR, Some(&target));
+    assert!(session.raw.closed_by_target(), "the old session ends");
+    assert_eq!(again.ping(b"new"), b"new");
+    // LBA 16 still holds what the first write put there (the digest session rewrote 0..16).
+    assert_eq!(again.read16(1, 16, 1).data, data[4096..4608]);
 }
 
 /// Garbage on some connections never disturbs a session on another.

@@ -19,6 +19,7 @@ pub mod lun;
 mod params;
 pub mod pdu;
 mod registry;
+mod reinstate;
 pub mod scsi;
 mod session;
 #[cfg(test)]
@@ -28,6 +29,7 @@ mod text;
 pub use error::IscsiError;
 pub use limits::{DataBudget, IscsiLimits, DEFAULT_DATA_BUDGET_BYTES};
 pub use registry::{Access, ChapCredentials, LogicalUnit, Refusal, TargetRegistry};
+pub use reinstate::SessionTable;
 pub use scsi::reservation::{LunReservations, MemoryReservations, ReservationStore};
 pub use session::serve_connection;
 

@@ -38,6 +38,8 @@ pub struct IscsiLimits {
     pub login_timeout: Duration,
     /// Bytes of key=value text accepted in one login or text negotiation.
     pub max_text_bytes: usize,
+    /// The node's live sessions, for session reinstatement. Clones share it.
+    pub sessions: crate::reinstate::SessionTable,
 }
 
 impl Default for IscsiLimits {
@@ -51,6 +53,7 @@ impl Default for IscsiLimits {
             data_budget: DataBudget::default(),
             login_timeout: Duration::from_secs(15),
             max_text_bytes: 64 << 10,
+            sessions: crate::reinstate::SessionTable::default(),
         }
     }
 }
@@ -128,6 +131,7 @@ pub struct Effective {
     pub budget: DataBudget,
     pub login_timeout: Duration,
     pub max_text_bytes: usize,
+    pub sessions: crate::reinstate::SessionTable,
 }
 
 impl From<&IscsiLimits> for Effective {
@@ -144,6 +148,7 @@ impl From<&IscsiLimits> for Effective {
             budget: limits.data_budget.clone(),
             login_timeout: limits.login_timeout,
             max_text_bytes: limits.max_text_bytes.clamp(8192, 1 << 20),
+            sessions: limits.sessions.clone(),
         }
     }
 }

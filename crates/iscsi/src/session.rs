@@ -84,6 +84,15 @@ pub async fn serve_connection<R: TargetRegistry>(
             return Err(IscsiError::LoginTimeout(limits.login_timeout));
         }
     };
+    // A normal session replaces a live one of the same initiator, ISID and target.
+    let registration = match &logged_in.kind {
+        SessionKind::Normal { target } => Some(limits.sessions.register(
+            &logged_in.initiator,
+            logged_in.isid,
+            target,
+        )),
+        SessionKind::Discovery => None,
+    };
     let luns = match &logged_in.kind {
         SessionKind::Normal { target } => match registry.open_luns(target) {
             Ok(luns) => luns,
@@ -135,7 +144,8 @@ pub async fn serve_connection<R: TargetRegistry>(
         held: BTreeMap::new(),
         text_pending: None,
     };
-    let ended = feature.run(&mut reader, shutdown, &mut log).await;
+    let replaced = registration.as_ref().map(|r| r.replaced.clone());
+    let ended = feature.run(&mut reader, shutdown, replaced, &mut log).await;
     // Commands still waiting for data never complete; running ones get a grace period.
     session.abort_where(
         |_| true,
@@ -147,6 +157,7 @@ pub async fn serve_connection<R: TargetRegistry>(
     }
     drop(feature);
     drop(session);
+    drop(registration);
     match ended {
         Err(error) => {
             writer.abort();
@@ -546,13 +557,25 @@ impl<R: TargetRegistry> FullFeature<R> {
         &mut self,
         reader: &mut Rd,
         mut shutdown: watch::Receiver<bool>,
+        replaced: Option<std::sync::Arc<Notify>>,
         log: &mut ViolationLog,
     ) -> Result<(), IscsiError> {
         let max_data = self.session.params.target_max_recv_data_segment;
+        let replaced = async move {
+            match replaced {
+                Some(notify) => notify.notified().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(replaced);
         loop {
             let next = tokio::select! {
                 biased;
                 _ = shutdown.wait_for(|stop| *stop) => return Ok(()),
+                _ = &mut replaced => {
+                    tracing::info!(peer = log.peer(), "iSCSI session reinstated by a new login; ending the old one");
+                    return Ok(());
+                }
                 _ = self.session.replies.closed() => return Ok(()),
                 pdu = read_pdu(reader, self.digests, max_data) => pdu,
             };
