@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 pub const DEFAULT_NBD_LISTEN: &str = "127.0.0.1:10809";
 pub const DEFAULT_HTTP_LISTEN: &str = "127.0.0.1:10810";
+pub const DEFAULT_ISCSI_LISTEN: &str = "127.0.0.1:3260";
 pub const DEFAULT_SERVER: &str = "http://127.0.0.1:10810";
 
 #[derive(Parser, Debug)]
@@ -13,8 +14,8 @@ pub const DEFAULT_SERVER: &str = "http://127.0.0.1:10810";
     name = "ashlar",
     version,
     about = "Ashlar distributed block storage: node daemon and CLI",
-    long_about = "Ashlar pools a node's disks and serves thin-provisioned virtual disks (vdisks) over NBD.\n\
-Run `ashlar node` to start a node; use `ashlar vdisk ...` to manage its vdisks."
+    long_about = "Ashlar pools a node's disks and serves thin-provisioned virtual disks (vdisks) over NBD and iSCSI.\n\
+Run `ashlar node` to start a node; use `ashlar vdisk ...` to manage its vdisks and `ashlar vg ...` to export them over iSCSI."
 )]
 pub struct Cli {
     /// HTTP address of the node the vdisk commands talk to.
@@ -33,6 +34,9 @@ pub enum Command {
     /// Create, list, inspect, resize, re-shard and delete vdisks on a running node.
     #[command(subcommand)]
     Vdisk(VdiskCommand),
+    /// Volume groups: vdisks exported together as one iSCSI target, and who may use them.
+    #[command(subcommand)]
+    Vg(crate::args_vg::VgCommand),
 }
 
 #[derive(Args, Debug)]
@@ -104,6 +108,38 @@ pub struct NodeArgs {
     /// every 10 seconds; connections already served are unaffected.
     #[arg(long, default_value_t = 1024, value_name = "N")]
     pub max_connections: usize,
+    /// Address to serve iSCSI on (one target per volume group; see `ashlar vg --help`).
+    #[arg(long, default_value = DEFAULT_ISCSI_LISTEN, value_name = "ADDR")]
+    pub iscsi_listen: SocketAddr,
+    /// iSCSI sessions the node serves at once (one connection each). Over the limit a new
+    /// connection is closed at once, with a warning logged at most every 10 seconds.
+    #[arg(long, default_value_t = 64, value_name = "N")]
+    pub iscsi_max_sessions: usize,
+    /// SCSI commands in flight per iSCSI session: the CmdSN window (MaxCmdSN) the target
+    /// advertises (1 to 65536). The initiator may not send more.
+    #[arg(long, default_value_t = 128, value_name = "N")]
+    pub iscsi_max_commands: u32,
+    /// Largest data segment of one iSCSI PDU the node accepts (MaxRecvDataSegmentLength,
+    /// 512 to 16M-1).
+    #[arg(long, default_value = "256K", value_name = "SIZE")]
+    pub iscsi_max_recv_segment: String,
+    /// MaxBurstLength the node offers: bytes per R2T or per Data-In sequence (512 to 16M-1).
+    #[arg(long, default_value = "1M", value_name = "SIZE")]
+    pub iscsi_max_burst: String,
+    /// FirstBurstLength the node offers: unsolicited write bytes per command, held before any
+    /// budget is taken (at most the max burst). A session holds at most
+    /// --iscsi-max-commands times this.
+    #[arg(long, default_value = "64K", value_name = "SIZE")]
+    pub iscsi_first_burst: String,
+    /// Largest data transfer of one SCSI command (reported in the Block Limits VPD page;
+    /// 4K to 1G). Larger commands fail with CHECK CONDITION.
+    #[arg(long, default_value = "32M", value_name = "SIZE")]
+    pub iscsi_max_transfer: String,
+    /// Bytes of iSCSI command data (solicited write data, read data waiting to be sent) the
+    /// whole node holds over all sessions (1M to 1T). A command that finds it used up waits;
+    /// none fails for it.
+    #[arg(long, default_value = "256M", value_name = "SIZE")]
+    pub iscsi_data_budget: String,
     /// Create this vdisk at startup if it does not exist yet (e.g. demo:8G). Repeatable.
     #[arg(long = "ensure-vdisk", value_name = "NAME:SIZE")]
     pub ensure_vdisks: Vec<String>,

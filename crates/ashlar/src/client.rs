@@ -7,13 +7,13 @@ use ashlar_core::{format_size, parse_size};
 use serde_json::{json, Value};
 use std::time::Duration;
 
-struct Client {
+pub(crate) struct Client {
     agent: ureq::Agent,
     base: String,
 }
 
 impl Client {
-    fn new(server: &str) -> Self {
+    pub(crate) fn new(server: &str) -> Self {
         let agent: ureq::Agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .timeout_global(Some(Duration::from_secs(120)))
@@ -25,7 +25,7 @@ impl Client {
         }
     }
 
-    fn request(&self, method: &str, path: &str, body: Option<Value>) -> Result<Value> {
+    pub(crate) fn request(&self, method: &str, path: &str, body: Option<Value>) -> Result<Value> {
         let url = format!("{}{}", self.base, path);
         let result = match (method, body) {
             ("GET", _) => self.agent.get(&url).call(),

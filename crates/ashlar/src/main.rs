@@ -1,11 +1,16 @@
 //! `ashlar`: the node daemon and the command-line client, one binary.
 
 mod args;
+mod args_vg;
 mod client;
+mod client_vg;
 mod http;
+mod http_vg;
+mod iscsi;
 mod metrics;
 mod node;
 mod registry;
+mod volume_groups;
 
 use clap::Parser;
 
@@ -14,6 +19,7 @@ fn main() {
     let result = match cli.command {
         args::Command::Node(node_args) => node::run(node_args),
         args::Command::Vdisk(command) => client::run(&cli.server, command),
+        args::Command::Vg(command) => client_vg::run(&cli.server, command),
     };
     if let Err(error) = result {
         // One line a user can act on; the chain gives the cause.

@@ -191,6 +191,16 @@ async fn serve(args: NodeArgs) -> Result<()> {
     let meta_path = args.data_dir.join("meta.redb");
     let meta = EmbeddedMetaStore::open(&meta_path)
         .map_err(|e| anyhow!("opening metadata store {}: {e}", meta_path.display()))?;
+    let iscsi_limits = crate::iscsi::iscsi_limits(&args)?;
+    if args.iscsi_max_sessions == 0 {
+        bail!("--iscsi-max-sessions must be at least 1");
+    }
+    let groups = crate::volume_groups::VolumeGroups::load(meta.clone())
+        .await
+        .map_err(|e| anyhow!("loading volume groups: {e}"))?;
+    let iscsi_listener = TcpListener::bind(args.iscsi_listen)
+        .await
+        .with_context(|| format!("cannot listen for iSCSI on {}", args.iscsi_listen))?;
     let nbd_listener = TcpListener::bind(args.nbd_listen)
         .await
         .with_context(|| format!("cannot listen for NBD on {}", args.nbd_listen))?;
@@ -206,10 +216,16 @@ async fn serve(args: NodeArgs) -> Result<()> {
 
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let connections = Arc::new(ConnectionCount::default());
+    let iscsi_sessions = Arc::new(ConnectionCount::default());
     let api = router(ApiState {
         engine: engine.clone(),
         nbd_listen: args.nbd_listen,
-    });
+    })
+    .merge(crate::http_vg::router(crate::http_vg::VgState {
+        engine: engine.clone(),
+        groups: groups.clone(),
+        iscsi_listen: args.iscsi_listen,
+    }));
     let mut http_shutdown = shutdown_rx.clone();
     let http = tokio::spawn(async move {
         let graceful = async move {
@@ -227,11 +243,27 @@ async fn serve(args: NodeArgs) -> Result<()> {
         connections.clone(),
         args.max_connections,
     );
+    let iscsi_accept = crate::iscsi::accept_loop(
+        iscsi_listener,
+        engine.clone(),
+        groups,
+        iscsi_limits,
+        shutdown_rx.clone(),
+        iscsi_sessions.clone(),
+        args.iscsi_max_sessions,
+    );
     tokio::select! {
         result = accept => result?,
+        result = iscsi_accept => result?,
         signal = wait_for_signal() => tracing::info!("received {signal}; stopping"),
     }
     let _ = shutdown_tx.send(true);
+    if !iscsi_sessions.wait_idle(SHUTDOWN_GRACE).await {
+        tracing::warn!(
+            left = iscsi_sessions.live(),
+            "iSCSI sessions still open after the grace period; exiting"
+        );
+    }
     if !connections.wait_idle(SHUTDOWN_GRACE).await {
         tracing::warn!(
             left = connections.live(),
@@ -253,8 +285,8 @@ fn print_banner(args: &NodeArgs, engine: &NodeEngine, limits: &NbdLimits, startu
         direct_io = %args.direct_io,
         startup_ms = startup.as_millis() as u64, "node ready");
     println!(
-        "Ashlar node ready: NBD on {}, HTTP API on http://{}",
-        args.nbd_listen, args.http_listen
+        "Ashlar node ready: NBD on {}, iSCSI on {}, HTTP API on http://{}",
+        args.nbd_listen, args.iscsi_listen, args.http_listen
     );
     for vdisk in engine.list_vdisks() {
         let uri = format!("nbd://{}/{}", args.nbd_listen, vdisk.name);
@@ -272,7 +304,9 @@ fn print_banner(args: &NodeArgs, engine: &NodeEngine, limits: &NbdLimits, startu
         println!("  fio --name=t --ioengine=nbd --uri={uri} --rw=randrw --bs=4k --iodepth=32 --size=1G --runtime=10 --time_based");
         println!("  mkdir -p /tmp/mnt && nbdfuse /tmp/mnt {uri} &   # then: losetup -f --show /tmp/mnt/nbd; mkfs.ext4; mount");
     }
-    println!("Manage vdisks with: ashlar vdisk --help");
+    println!(
+        "Manage vdisks with: ashlar vdisk --help; export them over iSCSI with: ashlar vg --help"
+    );
 }
 
 async fn wait_for_signal() -> &'static str {
@@ -291,13 +325,13 @@ async fn wait_for_signal() -> &'static str {
 }
 
 #[derive(Default)]
-struct ConnectionCount {
-    live: AtomicUsize,
+pub(crate) struct ConnectionCount {
+    pub(crate) live: AtomicUsize,
     changed: Notify,
 }
 
 impl ConnectionCount {
-    fn live(&self) -> usize {
+    pub(crate) fn live(&self) -> usize {
         self.live.load(Ordering::SeqCst)
     }
 
@@ -317,7 +351,7 @@ impl ConnectionCount {
 
 /// One live connection, counted from its accept until it ends, however it ends (the ticket
 /// moves with a connection handed over to another reactor, so it is counted once).
-struct ConnectionTicket(Arc<ConnectionCount>);
+pub(crate) struct ConnectionTicket(pub(crate) Arc<ConnectionCount>);
 
 impl Drop for ConnectionTicket {
     fn drop(&mut self) {

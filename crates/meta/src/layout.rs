@@ -14,6 +14,19 @@ pub const VDISKS_PREFIX: &str = "/ashlar/v1/vdisks/";
 /// guarded on the key's `mod_revision` (or `Compare::absent` for the first id).
 pub const NEXT_VDISK_ID: &str = "/ashlar/v1/ids/next-vdisk-id";
 
+/// Prefix of volume group records: `/ashlar/v1/volume-groups/<name>` -> JSON.
+pub const VOLUME_GROUPS_PREFIX: &str = "/ashlar/v1/volume-groups/";
+
+/// The key of volume group `name`.
+pub fn volume_group_key(name: &str) -> Vec<u8> {
+    format!("{VOLUME_GROUPS_PREFIX}{name}").into_bytes()
+}
+
+/// Every volume group record.
+pub fn volume_groups() -> KeyRange {
+    KeyRange::prefix(VOLUME_GROUPS_PREFIX)
+}
+
 /// The key of vdisk `name`.
 pub fn vdisk_key(name: &str) -> Vec<u8> {
     format!("{VDISKS_PREFIX}{name}").into_bytes()
@@ -35,5 +48,8 @@ mod tests {
         assert!(vdisks().contains(&key));
         assert!(key.starts_with(ROOT.as_bytes()));
         assert!(NEXT_VDISK_ID.starts_with(ROOT));
+        let group = volume_group_key("vg1");
+        assert!(volume_groups().contains(&group));
+        assert!(!vdisks().contains(&group));
     }
 }

@@ -11,6 +11,7 @@
 
 #![allow(dead_code)]
 
+pub mod iscsi;
 pub mod nbd;
 pub mod writes;
 
@@ -42,6 +43,8 @@ pub fn require_tool(tool: &str) {
         let package = match tool {
             "nbdinfo" | "nbdcopy" | "nbdfuse" | "nbdsh" => "libnbd-bin",
             "qemu-img" | "qemu-io" | "qemu-nbd" => "qemu-utils",
+            "iscsi-ls" | "iscsi-inq" | "iscsi-readcapacity16" | "iscsi-test-cu" => "libiscsi-bin",
+            "iscsiadm" => "open-iscsi",
             "mkfs.ext4" | "e2fsck" => "e2fsprogs",
             "fusermount3" => "fuse3",
             "losetup" | "mount" | "umount" => "mount",
@@ -198,6 +201,7 @@ pub struct Node {
     pub data_dir: PathBuf,
     pub nbd_port: u16,
     pub http_port: u16,
+    pub iscsi_port: u16,
     extra_args: Vec<String>,
     /// `RUST_LOG` of the node process.
     pub rust_log: String,
@@ -231,6 +235,7 @@ impl Node {
             data_dir,
             nbd_port: 0,
             http_port: 0,
+            iscsi_port: 0,
             extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
             rust_log: std::env::var("ASHLAR_TEST_RUST_LOG").unwrap_or_else(|_| "info".to_string()),
             stderr_path,
@@ -244,6 +249,10 @@ impl Node {
             node.http_port = free_port();
             while node.http_port == node.nbd_port {
                 node.http_port = free_port();
+            }
+            node.iscsi_port = free_port();
+            while node.iscsi_port == node.nbd_port || node.iscsi_port == node.http_port {
+                node.iscsi_port = free_port();
             }
             match node.spawn_and_wait() {
                 Ok(()) => return node,
@@ -278,6 +287,8 @@ impl Node {
             .arg(format!("127.0.0.1:{}", self.nbd_port))
             .arg("--http-listen")
             .arg(format!("127.0.0.1:{}", self.http_port))
+            .arg("--iscsi-listen")
+            .arg(format!("127.0.0.1:{}", self.iscsi_port))
             .args([
                 "--reactors",
                 "2",

@@ -1,0 +1,218 @@
+//! Connects the iSCSI front-end to the engine: one target per volume group, its vdisks as
+//! LUNs; the accept loop of the iSCSI portal; the limits from the command line.
+
+use crate::args::NodeArgs;
+use crate::node::{ConnectionCount, ConnectionTicket};
+use crate::registry::NodeEngine;
+use crate::volume_groups::VolumeGroups;
+use anyhow::{anyhow, bail, Result};
+use ashlar_core::parse_size;
+use ashlar_engine::VdiskHandle;
+use ashlar_iscsi::{
+    serve_connection, Access, ChapCredentials, DataBudget, IscsiLimits, LogicalUnit,
+    MemoryReservations, Refusal, ReservationStore, TargetRegistry,
+};
+use ashlar_meta::EmbeddedMetaStore;
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+pub type NodeVolumeGroups = VolumeGroups<EmbeddedMetaStore>;
+
+/// At most one warning per this interval about sessions refused at `--iscsi-max-sessions`.
+const REFUSAL_WARNING_INTERVAL: Duration = Duration::from_secs(10);
+
+/// The iSCSI limits of every session; clones share the node's data budget.
+pub fn iscsi_limits(args: &NodeArgs) -> Result<IscsiLimits> {
+    let size = |flag: &str, text: &str, min: u64, max: u64| -> Result<u64> {
+        let value = parse_size(text).map_err(|e| anyhow!("{flag}: {e}"))?;
+        if !(min..=max).contains(&value) {
+            bail!(
+                "{flag} must be between {} and {}",
+                ashlar_core::format_size(min),
+                ashlar_core::format_size(max)
+            );
+        }
+        Ok(value)
+    };
+    let segment_max = (1 << 24) - 1;
+    let max_burst = size("--iscsi-max-burst", &args.iscsi_max_burst, 512, segment_max)?;
+    let first_burst = size(
+        "--iscsi-first-burst",
+        &args.iscsi_first_burst,
+        512,
+        max_burst,
+    )?;
+    if args.iscsi_max_commands == 0 || args.iscsi_max_commands > 65536 {
+        bail!("--iscsi-max-commands must be between 1 and 65536");
+    }
+    Ok(IscsiLimits {
+        max_commands_in_flight: args.iscsi_max_commands,
+        max_recv_data_segment_bytes: size(
+            "--iscsi-max-recv-segment",
+            &args.iscsi_max_recv_segment,
+            512,
+            segment_max,
+        )? as u32,
+        max_burst_bytes: max_burst as u32,
+        first_burst_bytes: first_burst as u32,
+        max_transfer_bytes: size(
+            "--iscsi-max-transfer",
+            &args.iscsi_max_transfer,
+            4096,
+            1 << 30,
+        )? as u32,
+        data_budget: DataBudget::new(size(
+            "--iscsi-data-budget",
+            &args.iscsi_data_budget,
+            1 << 20,
+            1 << 40,
+        )?),
+        ..IscsiLimits::default()
+    })
+}
+
+/// Targets, access and LUNs from the node's volume groups and vdisks.
+pub struct IscsiRegistry {
+    pub engine: Arc<NodeEngine>,
+    pub groups: NodeVolumeGroups,
+    pub reservations: Arc<MemoryReservations>,
+}
+
+impl TargetRegistry for IscsiRegistry {
+    type Device = VdiskHandle;
+
+    fn discover(&self, initiator: &str) -> Vec<String> {
+        self.groups
+            .list()
+            .into_iter()
+            .filter(|g| g.attachment(initiator).is_some())
+            .map(|g| g.iqn())
+            .collect()
+    }
+
+    fn authorize(&self, initiator: &str, target: &str) -> Result<Access, Refusal> {
+        let group = self.groups.by_iqn(target).ok_or(Refusal::UnknownTarget)?;
+        let attachment = group.attachment(initiator).ok_or(Refusal::NotAttached)?;
+        let credentials = |c: &crate::volume_groups::Chap| ChapCredentials {
+            user: c.user.clone(),
+            secret: c.secret.clone(),
+        };
+        Ok(Access {
+            chap: attachment.chap.as_ref().map(credentials),
+            mutual_chap: attachment.mutual_chap.as_ref().map(credentials),
+        })
+    }
+
+    fn open_luns(&self, target: &str) -> Result<Vec<LogicalUnit<VdiskHandle>>, String> {
+        let group = self
+            .groups
+            .by_iqn(target)
+            .ok_or_else(|| format!("target {target} no longer exists"))?;
+        group
+            .disks
+            .iter()
+            .map(|name| {
+                let info = self.engine.vdisk(name).map_err(|e| e.to_string())?;
+                let device = self.engine.open(name).map_err(|e| e.to_string())?;
+                Ok(LogicalUnit {
+                    device,
+                    name: name.clone(),
+                    id: info.id.0,
+                    shared: self.reservations.unit(info.id.0),
+                })
+            })
+            .collect()
+    }
+}
+
+/// Sessions refused at the limit, warned about at most once per interval.
+#[derive(Default)]
+struct Refusals {
+    last_warning: Option<Instant>,
+    unreported: u64,
+}
+
+/// Accepts iSCSI connections and serves each on a reactor, round-robin (one session per
+/// connection: MaxConnections=1). With `max_sessions` live, a new connection is closed at
+/// once.
+pub async fn accept_loop(
+    listener: TcpListener,
+    engine: Arc<NodeEngine>,
+    groups: NodeVolumeGroups,
+    limits: IscsiLimits,
+    shutdown: watch::Receiver<bool>,
+    sessions: Arc<ConnectionCount>,
+    max_sessions: usize,
+) -> Result<()> {
+    let reservations = Arc::new(MemoryReservations::default());
+    let mut next_reactor = 0usize;
+    let mut refusals = Refusals::default();
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(error) => {
+                tracing::warn!(%error, "iSCSI accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        if sessions.live() >= max_sessions {
+            refusals.unreported += 1;
+            let now = Instant::now();
+            if refusals
+                .last_warning
+                .is_none_or(|last| now.duration_since(last) >= REFUSAL_WARNING_INTERVAL)
+            {
+                tracing::warn!(%peer, limit = max_sessions, refused = refusals.unreported,
+                    "iSCSI session limit reached (--iscsi-max-sessions); closing new connections \
+                     at once (this warning repeats at most every 10 s)");
+                refusals.last_warning = Some(now);
+                refusals.unreported = 0;
+            }
+            drop(stream);
+            continue;
+        }
+        let std_stream = match stream.into_std() {
+            Ok(s) => s,
+            Err(error) => {
+                tracing::warn!(%peer, %error, "cannot hand over iSCSI connection");
+                continue;
+            }
+        };
+        let reactors = engine.reactors().handles();
+        let reactor = &reactors[next_reactor % reactors.len()];
+        next_reactor += 1;
+        sessions.live.fetch_add(1, Ordering::SeqCst);
+        let ticket = ConnectionTicket(sessions.clone());
+        let registry_engine = engine.clone();
+        let groups = groups.clone();
+        let reservations = reservations.clone();
+        let limits = limits.clone();
+        let shutdown = shutdown.clone();
+        let spawned = reactor.spawn_detached(move || async move {
+            let _ticket = ticket;
+            let stream = match tokio::net::TcpStream::from_std(std_stream) {
+                Ok(stream) => stream,
+                Err(error) => {
+                    tracing::warn!(%peer, %error, "cannot register iSCSI connection");
+                    return;
+                }
+            };
+            let registry = Rc::new(IscsiRegistry {
+                engine: registry_engine,
+                groups,
+                reservations,
+            });
+            if let Err(error) = serve_connection(stream, registry, limits, shutdown).await {
+                tracing::info!(%peer, %error, "iSCSI connection ended with an error");
+            }
+        });
+        if spawned.is_err() {
+            tracing::warn!(%peer, "reactor queue full; iSCSI connection dropped");
+        }
+    }
+}

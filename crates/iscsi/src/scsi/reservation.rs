@@ -1,0 +1,622 @@
+//! Reservations of one logical unit: SPC-4 persistent reservations (PERSISTENT RESERVE IN and
+//! OUT, every type) and SPC-2 RESERVE/RELEASE(6). The rules are pure functions over
+//! [`PrState`]; [`LunReservations`] holds the state of one unit behind a mutex shared by every
+//! session of the unit (on any reactor), with an atomic fast path so I/O to a unit nobody
+//! reserved never takes the lock.
+//!
+//! Where the state lives is behind [`ReservationStore`]. On one node it is memory
+//! ([`MemoryReservations`]): registrations survive sessions coming and going but not a node
+//! restart (so APTPL is refused). A cluster keeps it in the metadata store (issue 8).
+
+use super::sense::{status, Sense};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Registrations one unit keeps; one more is refused with INSUFFICIENT REGISTRATION
+/// RESOURCES.
+pub const MAX_REGISTRATIONS_PER_UNIT: usize = 64;
+
+/// Persistent reservation types (SPC-4 table 212).
+pub mod kind {
+    pub const WRITE_EXCLUSIVE: u8 = 1;
+    pub const EXCLUSIVE_ACCESS: u8 = 3;
+    pub const WRITE_EXCLUSIVE_REGISTRANTS_ONLY: u8 = 5;
+    pub const EXCLUSIVE_ACCESS_REGISTRANTS_ONLY: u8 = 6;
+    pub const WRITE_EXCLUSIVE_ALL_REGISTRANTS: u8 = 7;
+    pub const EXCLUSIVE_ACCESS_ALL_REGISTRANTS: u8 = 8;
+}
+
+fn valid_type(t: u8) -> bool {
+    matches!(t, 1 | 3 | 5 | 6 | 7 | 8)
+}
+
+fn all_registrants(t: u8) -> bool {
+    t == kind::WRITE_EXCLUSIVE_ALL_REGISTRANTS || t == kind::EXCLUSIVE_ACCESS_ALL_REGISTRANTS
+}
+
+/// How a command touches the medium, for reservation conflicts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Allowed whatever is reserved (INQUIRY, REPORT LUNS, READ CAPACITY, ...).
+    Always,
+    Read,
+    Write,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Registration {
+    /// The I_T nexus: initiator port name (`iqn...,i,0x<ISID>`).
+    pub nexus: String,
+    pub key: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reservation {
+    pub holder: String,
+    pub kind: u8,
+}
+
+/// Reservation state of one unit.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PrState {
+    pub generation: u32,
+    pub registrations: Vec<Registration>,
+    pub reservation: Option<Reservation>,
+    /// RESERVE(6) holder.
+    pub legacy: Option<String>,
+}
+
+impl PrState {
+    fn key_of(&self, nexus: &str) -> Option<u64> {
+        self.registrations
+            .iter()
+            .find(|r| r.nexus == nexus)
+            .map(|r| r.key)
+    }
+
+    fn is_holder(&self, nexus: &str) -> bool {
+        match &self.reservation {
+            Some(r) if all_registrants(r.kind) => self.key_of(nexus).is_some(),
+            Some(r) => r.holder == nexus,
+            None => false,
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.registrations.is_empty() && self.reservation.is_none() && self.legacy.is_none()
+    }
+
+    /// Whether `nexus` may run a command of class `access` (SPC-4 5.12.9 table 57).
+    pub fn allows(&self, nexus: &str, access: Access) -> bool {
+        if access == Access::Always {
+            return true;
+        }
+        if let Some(holder) = &self.legacy {
+            return holder == nexus;
+        }
+        let Some(reservation) = &self.reservation else {
+            return true;
+        };
+        if self.is_holder(nexus) {
+            return true;
+        }
+        let registered = self.key_of(nexus).is_some();
+        match reservation.kind {
+            kind::WRITE_EXCLUSIVE => access == Access::Read,
+            kind::EXCLUSIVE_ACCESS => false,
+            kind::WRITE_EXCLUSIVE_REGISTRANTS_ONLY | kind::WRITE_EXCLUSIVE_ALL_REGISTRANTS => {
+                registered || access == Access::Read
+            }
+            _ => registered,
+        }
+    }
+
+    /// Drops the registration of `nexus`, releasing what only it held.
+    fn unregister(&mut self, nexus: &str) {
+        self.registrations.retain(|r| r.nexus != nexus);
+        let release = match &self.reservation {
+            Some(r) if all_registrants(r.kind) => self.registrations.is_empty(),
+            Some(r) => r.holder == nexus,
+            None => false,
+        };
+        if release {
+            self.reservation = None;
+        }
+    }
+}
+
+/// Outcome of a reservation command.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PrOutcome {
+    Good(Vec<u8>),
+    Conflict,
+    Check(Sense),
+}
+
+impl PrOutcome {
+    pub fn status(&self) -> u8 {
+        match self {
+            PrOutcome::Good(_) => status::GOOD,
+            PrOutcome::Conflict => status::RESERVATION_CONFLICT,
+            PrOutcome::Check(_) => status::CHECK_CONDITION,
+        }
+    }
+}
+
+/// PERSISTENT RESERVE OUT with its parameter list.
+pub fn reserve_out(state: &mut PrState, nexus: &str, cdb: &[u8], params: &[u8]) -> PrOutcome {
+    let action = cdb[1] & 0x1f;
+    let scope = cdb[2] >> 4;
+    let rtype = cdb[2] & 0x0f;
+    let length = u32::from_be_bytes([cdb[5], cdb[6], cdb[7], cdb[8]]) as usize;
+    if action > 7 {
+        return PrOutcome::Check(Sense::INVALID_FIELD_IN_CDB);
+    }
+    if action == 7 {
+        // REGISTER AND MOVE is not supported.
+        return PrOutcome::Check(Sense::INVALID_FIELD_IN_CDB);
+    }
+    if length != 24 || params.len() < 24 {
+        return PrOutcome::Check(Sense::PARAMETER_LIST_LENGTH_ERROR);
+    }
+    let key = u64::from_be_bytes(params[0..8].try_into().expect("8 bytes"));
+    let sa_key = u64::from_be_bytes(params[8..16].try_into().expect("8 bytes"));
+    let flags = params[20];
+    if flags & 0x08 != 0 {
+        // SPEC_I_PT: not supported (REPORT CAPABILITIES says so).
+        return PrOutcome::Check(Sense::INVALID_FIELD_IN_PARAMETER_LIST);
+    }
+    if flags & 0x01 != 0 {
+        // APTPL: registrations do not survive a restart of this node.
+        return PrOutcome::Check(Sense::INVALID_FIELD_IN_PARAMETER_LIST);
+    }
+    if state.legacy.as_deref().is_some_and(|h| h != nexus) {
+        return PrOutcome::Conflict;
+    }
+    let registered = state.key_of(nexus);
+    match action {
+        0 | 6 => {
+            let ignore = action == 6;
+            match registered {
+                None => {
+                    if !ignore && key != 0 {
+                        return PrOutcome::Conflict;
+                    }
+                    if sa_key != 0 {
+                        if state.registrations.len() >= MAX_REGISTRATIONS_PER_UNIT {
+                            return PrOutcome::Check(Sense::INSUFFICIENT_REGISTRATION_RESOURCES);
+                        }
+                        state.registrations.push(Registration {
+                            nexus: nexus.to_string(),
+                            key: sa_key,
+                        });
+                    }
+                }
+                Some(current) => {
+                    if !ignore && key != current {
+                        return PrOutcome::Conflict;
+                    }
+                    if sa_key == 0 {
+                        state.unregister(nexus);
+                    } else if let Some(r) =
+                        state.registrations.iter_mut().find(|r| r.nexus == nexus)
+                    {
+                        r.key = sa_key;
+                    }
+                }
+            }
+            state.generation = state.generation.wrapping_add(1);
+            PrOutcome::Good(Vec::new())
+        }
+        _ if registered != Some(key) => PrOutcome::Conflict,
+        1 => {
+            if scope != 0 || !valid_type(rtype) {
+                return PrOutcome::Check(Sense::INVALID_FIELD_IN_CDB);
+            }
+            match &state.reservation {
+                Some(r) if state.is_holder(nexus) => {
+                    if r.kind == rtype {
+                        PrOutcome::Good(Vec::new())
+                    } else {
+                        PrOutcome::Conflict
+                    }
+                }
+                Some(_) => PrOutcome::Conflict,
+                None => {
+                    state.reservation = Some(Reservation {
+                        holder: nexus.to_string(),
+                        kind: rtype,
+                    });
+                    PrOutcome::Good(Vec::new())
+                }
+            }
+        }
+        2 => {
+            let Some(r) = &state.reservation else {
+                return PrOutcome::Good(Vec::new());
+            };
+            if !state.is_holder(nexus) {
+                return PrOutcome::Good(Vec::new());
+            }
+            if scope != 0 || r.kind != rtype {
+                return PrOutcome::Check(Sense::INVALID_RELEASE_OF_PR);
+            }
+            state.reservation = None;
+            PrOutcome::Good(Vec::new())
+        }
+        3 => {
+            state.registrations.clear();
+            state.reservation = None;
+            state.generation = state.generation.wrapping_add(1);
+            PrOutcome::Good(Vec::new())
+        }
+        _ => preempt(state, nexus, scope, rtype, sa_key),
+    }
+}
+
+fn preempt(state: &mut PrState, nexus: &str, scope: u8, rtype: u8, sa_key: u64) -> PrOutcome {
+    if scope != 0 || !valid_type(rtype) {
+        return PrOutcome::Check(Sense::INVALID_FIELD_IN_CDB);
+    }
+    let new_reservation = Reservation {
+        holder: nexus.to_string(),
+        kind: rtype,
+    };
+    match state.reservation.clone() {
+        Some(r) if all_registrants(r.kind) => {
+            if sa_key == 0 {
+                state.registrations.retain(|reg| reg.nexus == nexus);
+                state.reservation = Some(new_reservation);
+            } else {
+                state
+                    .registrations
+                    .retain(|reg| reg.key != sa_key || reg.nexus == nexus);
+            }
+        }
+        Some(r) => {
+            let holder_key = state.key_of(&r.holder);
+            if holder_key == Some(sa_key) {
+                state
+                    .registrations
+                    .retain(|reg| reg.key != sa_key || reg.nexus == nexus);
+                state.reservation = Some(new_reservation);
+            } else {
+                if sa_key == 0 {
+                    return PrOutcome::Check(Sense::INVALID_FIELD_IN_PARAMETER_LIST);
+                }
+                let before = state.registrations.len();
+                state
+                    .registrations
+                    .retain(|reg| reg.key != sa_key || reg.nexus == nexus);
+                if state.registrations.len() == before {
+                    return PrOutcome::Conflict;
+                }
+            }
+        }
+        None => {
+            if sa_key == 0 {
+                return PrOutcome::Check(Sense::INVALID_FIELD_IN_PARAMETER_LIST);
+            }
+            let before = state.registrations.len();
+            state
+                .registrations
+                .retain(|reg| reg.key != sa_key || reg.nexus == nexus);
+            if state.registrations.len() == before {
+                return PrOutcome::Conflict;
+            }
+        }
+    }
+    state.generation = state.generation.wrapping_add(1);
+    PrOutcome::Good(Vec::new())
+}
+
+/// PERSISTENT RESERVE IN.
+pub fn reserve_in(state: &PrState, nexus: &str, cdb: &[u8]) -> PrOutcome {
+    let _ = nexus;
+    let action = cdb[1] & 0x1f;
+    let mut out = Vec::new();
+    out.extend_from_slice(&state.generation.to_be_bytes());
+    match action {
+        0 => {
+            let keys: Vec<u64> = state.registrations.iter().map(|r| r.key).collect();
+            out.extend_from_slice(&((keys.len() * 8) as u32).to_be_bytes());
+            for key in keys {
+                out.extend_from_slice(&key.to_be_bytes());
+            }
+        }
+        1 => match &state.reservation {
+            Some(r) => {
+                out.extend_from_slice(&16u32.to_be_bytes());
+                let key = if all_registrants(r.kind) {
+                    0
+                } else {
+                    state.key_of(&r.holder).unwrap_or(0)
+                };
+                out.extend_from_slice(&key.to_be_bytes());
+                out.extend_from_slice(&[0, 0, 0, 0, 0, r.kind & 0x0f, 0, 0]);
+            }
+            None => out.extend_from_slice(&0u32.to_be_bytes()),
+        },
+        2 => {
+            out.clear();
+            // Length 8; CRH; ATP_C/SIP_C/PTPL_C not supported; TMV with every type.
+            out.extend_from_slice(&[0, 8, 0x10, 0x80, 0xea, 0x01, 0, 0]);
+        }
+        3 => {
+            let mut descriptors = Vec::new();
+            for reg in &state.registrations {
+                let transport_id = transport_id(&reg.nexus);
+                descriptors.extend_from_slice(&reg.key.to_be_bytes());
+                descriptors.extend_from_slice(&[0; 4]);
+                let holder = state.is_holder(&reg.nexus);
+                descriptors.push(if holder { 0x01 } else { 0 });
+                let kind = match (&state.reservation, holder) {
+                    (Some(r), true) => r.kind & 0x0f,
+                    _ => 0,
+                };
+                descriptors.push(kind);
+                descriptors.extend_from_slice(&[0; 4]);
+                descriptors.extend_from_slice(&1u16.to_be_bytes()); // relative target port 1
+                descriptors.extend_from_slice(&(transport_id.len() as u32).to_be_bytes());
+                descriptors.extend_from_slice(&transport_id);
+            }
+            out.extend_from_slice(&(descriptors.len() as u32).to_be_bytes());
+            out.extend_from_slice(&descriptors);
+        }
+        _ => return PrOutcome::Check(Sense::INVALID_FIELD_IN_CDB),
+    }
+    PrOutcome::Good(out)
+}
+
+/// The iSCSI TransportID of an initiator port (SPC-4 7.6.4.6, format 01b).
+fn transport_id(nexus: &str) -> Vec<u8> {
+    let mut name = nexus.as_bytes().to_vec();
+    name.push(0);
+    while !name.len().is_multiple_of(4) {
+        name.push(0);
+    }
+    let mut out = vec![0x45, 0];
+    out.extend_from_slice(&(name.len() as u16).to_be_bytes());
+    out.extend_from_slice(&name);
+    out
+}
+
+/// RESERVE(6): exclusive to one I_T nexus; refused while persistent reservations exist.
+pub fn reserve6(state: &mut PrState, nexus: &str) -> PrOutcome {
+    if state.reservation.is_some() || !state.registrations.is_empty() {
+        return PrOutcome::Conflict;
+    }
+    match &state.legacy {
+        Some(holder) if holder != nexus => PrOutcome::Conflict,
+        _ => {
+            state.legacy = Some(nexus.to_string());
+            PrOutcome::Good(Vec::new())
+        }
+    }
+}
+
+/// RELEASE(6): releases only the caller's reservation; otherwise does nothing.
+pub fn release6(state: &mut PrState, nexus: &str) -> PrOutcome {
+    if state.reservation.is_some() {
+        return if state.allows(nexus, Access::Write) {
+            PrOutcome::Good(Vec::new())
+        } else {
+            PrOutcome::Conflict
+        };
+    }
+    if state.legacy.as_deref() == Some(nexus) {
+        state.legacy = None;
+    }
+    PrOutcome::Good(Vec::new())
+}
+
+/// The reservation state of one unit, shared by all its sessions.
+#[derive(Debug, Default)]
+pub struct LunReservations {
+    /// True while the state is not empty: I/O checks the mutex only then.
+    active: AtomicBool,
+    state: Mutex<PrState>,
+    /// Serialises COMPARE AND WRITE on the unit (atomic with respect to each other).
+    pub(crate) compare_and_write: tokio::sync::Mutex<()>,
+}
+
+impl LunReservations {
+    /// Whether `nexus` may run a command of class `access` now.
+    pub fn allows(&self, nexus: &str, access: Access) -> bool {
+        if access == Access::Always || !self.active.load(Ordering::Acquire) {
+            return true;
+        }
+        self.lock().allows(nexus, access)
+    }
+
+    /// Runs `f` on the state; keeps the fast-path flag in step.
+    pub fn update<T>(&self, f: impl FnOnce(&mut PrState) -> T) -> T {
+        let mut state = self.lock();
+        let result = f(&mut state);
+        self.active.store(!state.is_empty(), Ordering::Release);
+        result
+    }
+
+    /// A copy of the state (for tests and diagnostics).
+    pub fn snapshot(&self) -> PrState {
+        self.lock().clone()
+    }
+
+    /// Drops what an I_T nexus held only for its lifetime (RESERVE(6)); persistent
+    /// registrations stay.
+    pub fn nexus_lost(&self, nexus: &str) {
+        self.update(|state| {
+            if state.legacy.as_deref() == Some(nexus) {
+                state.legacy = None;
+            }
+        });
+    }
+
+    /// A LOGICAL UNIT RESET releases RESERVE(6) reservations.
+    pub fn reset(&self) {
+        self.update(|state| state.legacy = None);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, PrState> {
+        // A panic while holding the lock leaves a consistent state (updates are whole).
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Where reservation state lives, one [`LunReservations`] per unit id.
+pub trait ReservationStore: Send + Sync + 'static {
+    fn unit(&self, unit_id: u64) -> Arc<LunReservations>;
+    /// Forgets a unit (its vdisk was deleted).
+    fn forget(&self, unit_id: u64);
+}
+
+/// In-memory reservation state of a single node; lost when the node restarts.
+#[derive(Debug, Default)]
+pub struct MemoryReservations {
+    units: Mutex<HashMap<u64, Arc<LunReservations>>>,
+}
+
+impl ReservationStore for MemoryReservations {
+    fn unit(&self, unit_id: u64) -> Arc<LunReservations> {
+        let mut units = self.units.lock().unwrap_or_else(|e| e.into_inner());
+        units.entry(unit_id).or_default().clone()
+    }
+
+    fn forget(&self, unit_id: u64) {
+        self.units
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&unit_id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn out_cdb(action: u8, rtype: u8) -> [u8; 10] {
+        [0x5f, action, rtype, 0, 0, 0, 0, 0, 24, 0]
+    }
+
+    fn params(key: u64, sa_key: u64) -> Vec<u8> {
+        let mut p = vec![0u8; 24];
+        p[0..8].copy_from_slice(&key.to_be_bytes());
+        p[8..16].copy_from_slice(&sa_key.to_be_bytes());
+        p
+    }
+
+    const A: &str = "iqn.a,i,0x000000000001";
+    const B: &str = "iqn.b,i,0x000000000002";
+
+    #[test]
+    fn register_reserve_conflict_release() {
+        let mut s = PrState::default();
+        assert_eq!(
+            reserve_out(&mut s, A, &out_cdb(0, 0), &params(0, 0xa)),
+            PrOutcome::Good(vec![])
+        );
+        assert_eq!(s.generation, 1);
+        // Reserving needs the right key.
+        assert_eq!(
+            reserve_out(&mut s, A, &out_cdb(1, 1), &params(0xb, 0)),
+            PrOutcome::Conflict
+        );
+        assert_eq!(
+            reserve_out(
+                &mut s,
+                A,
+                &out_cdb(1, kind::WRITE_EXCLUSIVE),
+                &params(0xa, 0)
+            ),
+            PrOutcome::Good(vec![])
+        );
+        assert!(s.allows(B, Access::Read));
+        assert!(!s.allows(B, Access::Write));
+        assert!(s.allows(A, Access::Write));
+        // Release with the wrong type.
+        assert_eq!(
+            reserve_out(
+                &mut s,
+                A,
+                &out_cdb(2, kind::EXCLUSIVE_ACCESS),
+                &params(0xa, 0)
+            ),
+            PrOutcome::Check(Sense::INVALID_RELEASE_OF_PR)
+        );
+        assert_eq!(
+            reserve_out(
+                &mut s,
+                A,
+                &out_cdb(2, kind::WRITE_EXCLUSIVE),
+                &params(0xa, 0)
+            ),
+            PrOutcome::Good(vec![])
+        );
+        assert!(s.allows(B, Access::Write));
+    }
+
+    #[test]
+    fn registrants_only_and_preempt() {
+        let mut s = PrState::default();
+        reserve_out(&mut s, A, &out_cdb(0, 0), &params(0, 0xa));
+        reserve_out(&mut s, B, &out_cdb(0, 0), &params(0, 0xb));
+        reserve_out(
+            &mut s,
+            A,
+            &out_cdb(1, kind::EXCLUSIVE_ACCESS_REGISTRANTS_ONLY),
+            &params(0xa, 0),
+        );
+        assert!(s.allows(B, Access::Write));
+        assert!(!s.allows("iqn.c,i,0x0", Access::Read));
+        // B preempts A's reservation and registration.
+        assert_eq!(
+            reserve_out(
+                &mut s,
+                B,
+                &out_cdb(4, kind::EXCLUSIVE_ACCESS),
+                &params(0xb, 0xa)
+            ),
+            PrOutcome::Good(vec![])
+        );
+        assert_eq!(s.registrations.len(), 1);
+        assert_eq!(s.reservation.as_ref().unwrap().holder, B);
+        assert!(!s.allows(A, Access::Read));
+        // READ KEYS shows B only.
+        let PrOutcome::Good(keys) = reserve_in(&s, A, &[0x5e, 0, 0, 0, 0, 0, 0, 0, 64, 0]) else {
+            panic!()
+        };
+        assert_eq!(&keys[4..8], &[0, 0, 0, 8]);
+        assert_eq!(&keys[8..16], &0xbu64.to_be_bytes());
+    }
+
+    #[test]
+    fn all_registrants_survive_until_the_last_unregisters() {
+        let mut s = PrState::default();
+        reserve_out(&mut s, A, &out_cdb(0, 0), &params(0, 1));
+        reserve_out(&mut s, B, &out_cdb(0, 0), &params(0, 2));
+        reserve_out(
+            &mut s,
+            A,
+            &out_cdb(1, kind::WRITE_EXCLUSIVE_ALL_REGISTRANTS),
+            &params(1, 0),
+        );
+        assert!(s.allows(B, Access::Write));
+        reserve_out(&mut s, A, &out_cdb(0, 0), &params(1, 0));
+        assert!(s.reservation.is_some());
+        reserve_out(&mut s, B, &out_cdb(0, 0), &params(2, 0));
+        assert!(s.reservation.is_none());
+    }
+
+    #[test]
+    fn legacy_reserve_excludes_others() {
+        let unit = LunReservations::default();
+        assert!(unit.allows(B, Access::Write));
+        assert_eq!(unit.update(|s| reserve6(s, A)), PrOutcome::Good(vec![]));
+        assert!(!unit.allows(B, Access::Read));
+        assert!(unit.allows(B, Access::Always));
+        assert_eq!(unit.update(|s| reserve6(s, B)), PrOutcome::Conflict);
+        unit.nexus_lost(A);
+        assert!(unit.allows(B, Access::Write));
+    }
+}

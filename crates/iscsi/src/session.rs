@@ -1,0 +1,1385 @@
+//! One connection: login, then the full feature phase.
+//!
+//! The reader (this task) reads PDUs in order, keeps the CmdSN window, collects write data
+//! (immediate, unsolicited Data-Out, then R2T-solicited bursts) and starts one local task per
+//! SCSI command. Every PDU to the initiator goes through the writer task, which stamps
+//! StatSN, ExpCmdSN and MaxCmdSN in send order, so sequence numbers never go backwards.
+//!
+//! Memory: a command's unsolicited data (at most FirstBurstLength) is held without budget;
+//! the window bounds how many such commands a session has. Solicited write data and read
+//! data are reserved from the node-wide [`DataBudget`](crate::DataBudget) before the R2T is
+//! sent or the read executed.
+
+use crate::error::{IscsiError, Violation, ViolationLog};
+use crate::limits::{Effective, IscsiLimits};
+use crate::login::{self, Login, LoginReply, LoginRequest, SessionKind, Step};
+use crate::lun::Lun;
+use crate::params::SessionParams;
+use crate::pdu::{self, op, reject, Bhs, Digests, Pdu, BHS_LEN, NO_TAG};
+use crate::registry::{LogicalUnit, TargetRegistry};
+use crate::scsi::{self, sense::status, Context, Nexus, ScsiResult};
+use crate::text::TextPairs;
+use bytes::{Bytes, BytesMut};
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeMap, HashMap};
+use std::rc::Rc;
+use std::time::Duration;
+use tokio::io::{AsyncBufRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, watch, Notify, OwnedSemaphorePermit};
+use tokio::task::AbortHandle;
+
+/// Socket read buffer.
+const READ_BUFFER_BYTES: usize = 256 * 1024;
+/// Socket write buffer; the writer flushes whenever its queue runs empty.
+const WRITE_BUFFER_BYTES: usize = 256 * 1024;
+/// PDUs queued for the writer; producers wait when it is full.
+const REPLY_QUEUE_PDUS: usize = 256;
+/// Immediate SCSI commands (outside the CmdSN window) a session may have in flight; more
+/// are rejected (reason "immediate command reject").
+const MAX_IMMEDIATE_COMMANDS: usize = 16;
+/// On shutdown or logout, how long running commands may take before the connection closes.
+const DRAIN_GRACE: Duration = Duration::from_secs(30);
+/// TSIH given to sessions (one connection each, so one value per node is enough for the
+/// initiator to tell its sessions apart: they differ by ISID).
+const TSIH: u16 = 1;
+
+/// Serves one connection until the initiator logs out or disconnects, breaks the protocol,
+/// or `shutdown` becomes true (then running commands finish first).
+pub async fn serve_connection<R: TargetRegistry>(
+    stream: TcpStream,
+    registry: Rc<R>,
+    limits: IscsiLimits,
+    shutdown: watch::Receiver<bool>,
+) -> Result<(), IscsiError> {
+    let peer = stream
+        .peer_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_else(|_| "unknown peer".into());
+    let local = stream.local_addr().ok();
+    stream.set_nodelay(true)?;
+    let limits = Effective::from(&limits);
+    let mut log = ViolationLog::new(peer);
+    let (read_half, mut write_half) = stream.into_split();
+    let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, read_half);
+    let mut sequence = Sequence::default();
+    let login = tokio::time::timeout(
+        limits.login_timeout,
+        login_phase(
+            &mut reader,
+            &mut write_half,
+            registry.as_ref(),
+            &limits,
+            &mut sequence,
+            &mut log,
+        ),
+    )
+    .await;
+    let logged_in = match login {
+        Ok(Ok(Some(logged_in))) => logged_in,
+        Ok(Ok(None)) => return Ok(()),
+        Ok(Err(error)) => return Err(error),
+        Err(_) => {
+            log.report(Violation::LoginOrder, &"login did not finish in time");
+            return Err(IscsiError::LoginTimeout(limits.login_timeout));
+        }
+    };
+    // A normal session replaces a live one of the same initiator, ISID and target.
+    let registration = match &logged_in.kind {
+        SessionKind::Normal { target } => Some(limits.sessions.register(
+            &logged_in.initiator,
+            logged_in.isid,
+            target,
+        )),
+        SessionKind::Discovery => None,
+    };
+    let luns = match &logged_in.kind {
+        SessionKind::Normal { target } => match registry.open_luns(target) {
+            Ok(luns) => luns,
+            Err(reason) => {
+                tracing::warn!(peer = log.peer(), %target, %reason, "target vanished after login");
+                return Ok(());
+            }
+        },
+        SessionKind::Discovery => Vec::new(),
+    };
+    tracing::info!(peer = log.peer(), initiator = %logged_in.initiator, kind = ?logged_in.kind,
+        luns = luns.len(), header_digest = logged_in.params.header_digest,
+        data_digest = logged_in.params.data_digest, "iSCSI session started");
+    let digests = Digests {
+        header: logged_in.params.header_digest,
+        data: logged_in.params.data_digest,
+    };
+    let (replies, queue) = mpsc::channel(REPLY_QUEUE_PDUS);
+    let sequence = Rc::new(sequence);
+    let writer = tokio::task::spawn_local(write_pdus(
+        queue,
+        BufWriter::with_capacity(WRITE_BUFFER_BYTES, write_half),
+        sequence.clone(),
+        digests,
+    ));
+    let target_name = match &logged_in.kind {
+        SessionKind::Normal { target } => target.clone(),
+        SessionKind::Discovery => String::new(),
+    };
+    let session = Rc::new(Session {
+        nexus: Nexus::new(&logged_in.initiator, logged_in.isid),
+        initiator: logged_in.initiator.clone(),
+        discovery: logged_in.kind == SessionKind::Discovery,
+        target_name,
+        luns,
+        params: logged_in.params,
+        limits,
+        sequence,
+        tasks: RefCell::new(HashMap::new()),
+        idle: Notify::new(),
+        replies,
+        next_ttt: Cell::new(1),
+        portal: local.map(|a| a.to_string()).unwrap_or_default(),
+    });
+    let mut feature = FullFeature {
+        session: session.clone(),
+        registry,
+        digests,
+        held: BTreeMap::new(),
+        text_pending: None,
+    };
+    let replaced = registration.as_ref().map(|r| r.replaced.clone());
+    let ended = feature.run(&mut reader, shutdown, replaced, &mut log).await;
+    // Commands still waiting for data never complete; running ones get a grace period.
+    session.abort_where(
+        |_| true,
+        |task| !matches!(task.state, TaskState::Running(_)),
+    );
+    let drained = tokio::time::timeout(DRAIN_GRACE, session.wait_idle()).await;
+    for unit in &session.luns {
+        unit.shared.nexus_lost(&session.nexus.initiator_port);
+    }
+    drop(feature);
+    drop(session);
+    drop(registration);
+    match ended {
+        Err(error) => {
+            writer.abort();
+            Err(error)
+        }
+        Ok(()) => {
+            if drained.is_err() {
+                writer.abort();
+                return Ok(());
+            }
+            match tokio::time::timeout(DRAIN_GRACE, writer).await {
+                Ok(Ok(Ok(()))) | Err(_) => Ok(()),
+                Ok(Ok(Err(error))) if peer_gone(&error) => Ok(()),
+                Ok(Ok(Err(error))) => Err(IscsiError::Io(error)),
+                Ok(Err(join)) => Err(IscsiError::Io(std::io::Error::other(join))),
+            }
+        }
+    }
+}
+
+fn peer_gone(error: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(
+        error.kind(),
+        BrokenPipe | ConnectionReset | ConnectionAborted | NotConnected
+    )
+}
+
+/// Reads one PDU; `Ok(None)` when the initiator closed the connection between PDUs.
+async fn read_pdu<Rd: AsyncBufRead + Unpin>(
+    reader: &mut Rd,
+    digests: Digests,
+    max_data: u32,
+) -> Result<Option<Pdu>, IscsiError> {
+    let mut header = [0u8; BHS_LEN];
+    // A clean close before the first byte is an orderly end.
+    let first = reader.read(&mut header[..1]).await?;
+    if first == 0 {
+        return Ok(None);
+    }
+    reader
+        .read_exact(&mut header[1..])
+        .await
+        .map_err(IscsiError::reading)?;
+    let bhs = Bhs(header);
+    let layout = pdu::frame_layout(&bhs, digests, max_data)?;
+    let mut rest = BytesMut::zeroed(layout.rest_len());
+    reader
+        .read_exact(&mut rest)
+        .await
+        .map_err(IscsiError::reading)?;
+    Ok(Some(pdu::decode_rest(bhs, layout, rest.freeze())?))
+}
+
+/// Sequence numbers of the connection: StatSN (stamped by the writer) and the CmdSN window
+/// (ExpCmdSN advanced by the reader, MaxCmdSN derived from the commands in flight).
+#[derive(Debug, Default)]
+struct Sequence {
+    stat_sn: Cell<u32>,
+    exp_cmd_sn: Cell<u32>,
+    /// Non-immediate commands accepted and not yet answered.
+    active: Cell<u32>,
+    window: Cell<u32>,
+}
+
+impl Sequence {
+    fn max_cmd_sn(&self) -> u32 {
+        let free = self.window.get().saturating_sub(self.active.get());
+        self.exp_cmd_sn.get().wrapping_add(free).wrapping_sub(1)
+    }
+
+    /// Stamps StatSN/ExpCmdSN/MaxCmdSN into a target PDU.
+    fn stamp(&self, bhs: &mut Bhs, stat: StatSn) {
+        match stat {
+            StatSn::Advance => {
+                bhs.set_u32_at(24, self.stat_sn.get());
+                self.stat_sn.set(self.stat_sn.get().wrapping_add(1));
+            }
+            StatSn::Carry => bhs.set_u32_at(24, self.stat_sn.get()),
+            StatSn::Omit => {}
+        }
+        bhs.set_u32_at(28, self.exp_cmd_sn.get());
+        bhs.set_u32_at(32, self.max_cmd_sn());
+    }
+}
+
+/// How a PDU uses StatSN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StatSn {
+    /// Carries the next StatSN and consumes it (responses).
+    Advance,
+    /// Carries the next StatSN without consuming it (R2T, unsolicited NOP-In).
+    Carry,
+    /// No StatSN (Data-In without status).
+    Omit,
+}
+
+struct Outgoing {
+    pdu: Pdu,
+    stat: StatSn,
+    /// Close the connection after this PDU (logout response, fatal reject).
+    last: bool,
+}
+
+async fn write_pdus<W: AsyncWrite + Unpin>(
+    mut queue: mpsc::Receiver<Outgoing>,
+    mut writer: BufWriter<W>,
+    sequence: Rc<Sequence>,
+    digests: Digests,
+) -> std::io::Result<()> {
+    while let Some(mut outgoing) = queue.recv().await {
+        sequence.stamp(&mut outgoing.pdu.bhs, outgoing.stat);
+        writer
+            .write_all(&pdu::encode(&outgoing.pdu, digests))
+            .await?;
+        if outgoing.last {
+            writer.flush().await?;
+            writer.shutdown().await?;
+            return Ok(());
+        }
+        if queue.is_empty() {
+            writer.flush().await?;
+        }
+    }
+    writer.flush().await
+}
+
+async fn login_phase<Rd, Wr, R>(
+    reader: &mut Rd,
+    writer: &mut Wr,
+    registry: &R,
+    limits: &Effective,
+    sequence: &mut Sequence,
+    log: &mut ViolationLog,
+) -> Result<Option<login::LoggedIn>, IscsiError>
+where
+    Rd: AsyncBufRead + Unpin,
+    Wr: AsyncWrite + Unpin,
+    R: TargetRegistry,
+{
+    let mut login = Login::new(limits);
+    let mut first = true;
+    loop {
+        let Some(request) =
+            read_pdu(reader, Digests::default(), limits.max_text_bytes as u32).await?
+        else {
+            return Ok(None);
+        };
+        let bhs = request.bhs;
+        if bhs.opcode() != op::LOGIN {
+            log.report(
+                Violation::LoginOrder,
+                &format_args!("opcode {:#04x} during login", bhs.opcode()),
+            );
+            return Err(IscsiError::Protocol(format!(
+                "opcode {:#04x} before login completed",
+                bhs.opcode()
+            )));
+        }
+        if first {
+            first = false;
+            sequence.exp_cmd_sn.set(bhs.u32_at(24));
+            sequence.stat_sn.set(bhs.u32_at(28));
+            sequence.window.set(limits.window);
+        }
+        let flags = bhs.flags();
+        let mut isid = [0u8; 6];
+        isid.copy_from_slice(&bhs.0[8..14]);
+        let parsed = LoginRequest {
+            transit: flags & 0x80 != 0,
+            continue_: flags & 0x40 != 0,
+            current_stage: (flags >> 2) & 0x03,
+            next_stage: flags & 0x03,
+            version_min: bhs.0[3],
+            isid,
+            tsih: bhs.u16_at(14),
+            text: request.data.to_vec(),
+        };
+        let step = login.step(&parsed, registry);
+        let (reply, done) = match step {
+            Step::Continue(reply) => (reply, None),
+            Step::Done(reply, logged_in) => (reply, Some(logged_in)),
+            Step::Fail(reply) => {
+                let status = reply.status;
+                tracing::info!(
+                    peer = log.peer(),
+                    initiator = login.initiator().unwrap_or("?"),
+                    status = format_args!("{status:#06x}"),
+                    "iSCSI login refused"
+                );
+                send_login_reply(writer, &bhs, &reply, sequence, false).await?;
+                return Err(IscsiError::LoginRefused { status });
+            }
+        };
+        send_login_reply(writer, &bhs, &reply, sequence, done.is_some()).await?;
+        if let Some(logged_in) = done {
+            return Ok(Some(*logged_in));
+        }
+    }
+}
+
+async fn send_login_reply<Wr: AsyncWrite + Unpin>(
+    writer: &mut Wr,
+    request: &Bhs,
+    reply: &LoginReply,
+    sequence: &Sequence,
+    final_: bool,
+) -> Result<(), IscsiError> {
+    let mut bhs = Bhs::new(op::LOGIN_RESPONSE);
+    let mut flags = (reply.current_stage & 0x03) << 2;
+    if reply.transit {
+        flags |= 0x80 | (reply.next_stage & 0x03);
+    }
+    bhs.set_flags(flags);
+    bhs.0[8..14].copy_from_slice(&request.0[8..14]);
+    if final_ {
+        bhs.set_u16_at(14, TSIH);
+    }
+    bhs.set_itt(request.itt());
+    sequence.stamp(&mut bhs, StatSn::Advance);
+    bhs.0[36] = (reply.status >> 8) as u8;
+    bhs.0[37] = reply.status as u8;
+    let pdu = Pdu::new(bhs, Bytes::from(reply.text.encode()));
+    writer
+        .write_all(&pdu::encode(&pdu, Digests::default()))
+        .await?;
+    writer.flush().await?;
+    Ok(())
+}
+
+/// A SCSI command as parsed from its PDU.
+#[derive(Debug, Clone)]
+struct Command {
+    itt: u32,
+    lun_field: [u8; 8],
+    lun: Option<Lun>,
+    cdb: [u8; 16],
+    expected: u32,
+    read: bool,
+}
+
+struct PendingWrite {
+    command: Command,
+    buffer: BytesMut,
+    /// TTT of the outstanding R2T; `NO_TAG` while unsolicited data may arrive.
+    ttt: u32,
+    r2t_sn: u32,
+    /// Where the outstanding R2T's burst ends.
+    burst_end: usize,
+    /// DataSN the next Data-Out of the current sequence must carry (0 at each R2T).
+    data_sn: u32,
+    charge: Option<OwnedSemaphorePermit>,
+}
+
+enum TaskState {
+    AwaitingData(Box<PendingWrite>),
+    /// Waiting for budget before its first R2T.
+    AwaitingBudget(Box<PendingWrite>, AbortHandle),
+    /// Executing (`None` while being answered without a task).
+    Running(Option<AbortHandle>),
+}
+
+struct Task {
+    lun: Option<Lun>,
+    /// Counted in the CmdSN window (not immediate).
+    counted: bool,
+    state: TaskState,
+}
+
+/// State of a session shared by its reader and command tasks (all on one thread).
+struct Session<D> {
+    nexus: Nexus,
+    initiator: String,
+    discovery: bool,
+    target_name: String,
+    luns: Vec<LogicalUnit<D>>,
+    params: SessionParams,
+    limits: Effective,
+    sequence: Rc<Sequence>,
+    tasks: RefCell<HashMap<u32, Task>>,
+    idle: Notify,
+    replies: mpsc::Sender<Outgoing>,
+    next_ttt: Cell<u32>,
+    /// This connection's local address, given as TargetAddress in discovery.
+    portal: String,
+}
+
+impl<D: ashlar_core::BlockDevice + 'static> Session<D> {
+    async fn send(&self, pdu: Pdu, stat: StatSn) {
+        // Fails only when the writer is gone (the initiator left); nothing to answer then.
+        let _ = self
+            .replies
+            .send(Outgoing {
+                pdu,
+                stat,
+                last: false,
+            })
+            .await;
+    }
+
+    /// Removes a finished task; false if it was aborted meanwhile (then nothing is sent).
+    fn finish(&self, itt: u32) -> bool {
+        self.remove(itt).is_some()
+    }
+
+    /// Removes a task, giving its CmdSN window slot back.
+    fn remove(&self, itt: u32) -> Option<Task> {
+        let task = self.tasks.borrow_mut().remove(&itt)?;
+        if task.counted {
+            self.sequence
+                .active
+                .set(self.sequence.active.get().saturating_sub(1));
+        }
+        if self.tasks.borrow().is_empty() {
+            self.idle.notify_waiters();
+        }
+        Some(task)
+    }
+
+    /// Aborts every task for which `select` holds (and `also` on its state); returns how many.
+    fn abort_where(
+        &self,
+        select: impl Fn(Option<Lun>) -> bool,
+        also: impl Fn(&Task) -> bool,
+    ) -> usize {
+        let itts: Vec<u32> = self
+            .tasks
+            .borrow()
+            .iter()
+            .filter(|(_, t)| select(t.lun) && also(t))
+            .map(|(itt, _)| *itt)
+            .collect();
+        for itt in &itts {
+            self.abort(*itt);
+        }
+        itts.len()
+    }
+
+    /// Aborts one task: its response is never sent.
+    fn abort(&self, itt: u32) -> bool {
+        let Some(task) = self.remove(itt) else {
+            return false;
+        };
+        match &task.state {
+            TaskState::Running(Some(handle)) | TaskState::AwaitingBudget(_, handle) => {
+                handle.abort()
+            }
+            TaskState::Running(None) | TaskState::AwaitingData(_) => {}
+        }
+        true
+    }
+
+    async fn wait_idle(&self) {
+        loop {
+            let notified = self.idle.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.tasks.borrow().is_empty() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    fn new_ttt(&self) -> u32 {
+        let ttt = self.next_ttt.get();
+        let next = ttt.wrapping_add(1);
+        self.next_ttt.set(if next == NO_TAG { 1 } else { next });
+        ttt
+    }
+
+    fn unit(&self, lun: Option<Lun>) -> Option<&LogicalUnit<D>> {
+        lun.and_then(|lun| self.luns.get(usize::from(lun.0)))
+    }
+}
+
+/// The reader side of the full feature phase.
+struct FullFeature<R: TargetRegistry> {
+    session: Rc<Session<R::Device>>,
+    registry: Rc<R>,
+    digests: Digests,
+    /// Commands that arrived ahead of a CmdSN gap, keyed by CmdSN, bounded by the window.
+    held: BTreeMap<u32, Pdu>,
+    /// The rest of a text response too long for one PDU, with its TTT.
+    text_pending: Option<(u32, Vec<u8>)>,
+}
+
+/// Why the reader loop stops.
+enum Flow {
+    Continue,
+    /// Logout answered or fatal error answered: stop reading.
+    Stop,
+}
+
+impl<R: TargetRegistry> FullFeature<R> {
+    async fn run<Rd: AsyncBufRead + Unpin>(
+        &mut self,
+        reader: &mut Rd,
+        mut shutdown: watch::Receiver<bool>,
+        replaced: Option<std::sync::Arc<Notify>>,
+        log: &mut ViolationLog,
+    ) -> Result<(), IscsiError> {
+        let max_data = self.session.params.target_max_recv_data_segment;
+        let replaced = async move {
+            match replaced {
+                Some(notify) => notify.notified().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(replaced);
+        loop {
+            let next = tokio::select! {
+                biased;
+                _ = shutdown.wait_for(|stop| *stop) => return Ok(()),
+                _ = &mut replaced => {
+                    tracing::info!(peer = log.peer(), "iSCSI session reinstated by a new login; ending the old one");
+                    return Ok(());
+                }
+                _ = self.session.replies.closed() => return Ok(()),
+                pdu = read_pdu(reader, self.digests, max_data) => pdu,
+            };
+            let pdu = match next {
+                Ok(Some(pdu)) => pdu,
+                Ok(None) => return Ok(()),
+                Err(error) => {
+                    log.report(Violation::BadPdu, &error);
+                    return Err(error);
+                }
+            };
+            if let Flow::Stop = self.dispatch(pdu, log).await? {
+                return Ok(());
+            }
+        }
+    }
+
+    async fn dispatch(&mut self, pdu: Pdu, log: &mut ViolationLog) -> Result<Flow, IscsiError> {
+        let bhs = pdu.bhs;
+        let opcode = bhs.opcode();
+        let numbered = matches!(
+            opcode,
+            op::NOP_OUT | op::SCSI_COMMAND | op::TASK_MANAGEMENT | op::TEXT | op::LOGOUT
+        );
+        if !numbered {
+            return self.handle(pdu, false, log).await;
+        }
+        // NOP-Out answering our ping (ITT reserved) carries no command.
+        if opcode == op::NOP_OUT && bhs.itt() == NO_TAG {
+            return Ok(Flow::Continue);
+        }
+        if bhs.immediate() {
+            return self.handle(pdu, true, log).await;
+        }
+        let cmd_sn = bhs.u32_at(24);
+        let sequence = self.session.sequence.clone();
+        let exp = sequence.exp_cmd_sn.get();
+        let max = sequence.max_cmd_sn();
+        if cmd_sn == exp {
+            sequence.exp_cmd_sn.set(exp.wrapping_add(1));
+            let mut flow = self.handle(pdu, false, log).await?;
+            // Commands held behind the gap may now run in order.
+            while let Flow::Continue = flow {
+                let next = sequence.exp_cmd_sn.get();
+                let Some(held) = self.held.remove(&next) else {
+                    break;
+                };
+                sequence.exp_cmd_sn.set(next.wrapping_add(1));
+                flow = self.handle(held, false, log).await?;
+            }
+            return Ok(flow);
+        }
+        if pdu::sn_lt(exp, cmd_sn) && pdu::sn_le(cmd_sn, max) {
+            if self.held.len() < self.session.limits.window as usize {
+                self.held.insert(cmd_sn, pdu);
+            }
+            return Ok(Flow::Continue);
+        }
+        // Outside the window: silently ignored (RFC 7143 4.2.2.1).
+        log.report(
+            Violation::CmdSnOutsideWindow,
+            &format_args!("CmdSN {cmd_sn} outside [{exp}, {max}]"),
+        );
+        Ok(Flow::Continue)
+    }
+
+    async fn handle(
+        &mut self,
+        pdu: Pdu,
+        immediate: bool,
+        log: &mut ViolationLog,
+    ) -> Result<Flow, IscsiError> {
+        match pdu.bhs.opcode() {
+            op::NOP_OUT => {
+                self.nop_out(pdu).await;
+                Ok(Flow::Continue)
+            }
+            op::SCSI_COMMAND => self.scsi_command(pdu, immediate, log).await,
+            op::DATA_OUT => self.data_out(pdu, log).await,
+            op::TASK_MANAGEMENT => self.task_management(pdu).await,
+            op::TEXT => self.text(pdu, log).await,
+            op::LOGOUT => self.logout(pdu).await,
+            op::LOGIN => {
+                log.report(
+                    Violation::LoginOrder,
+                    &"login request in full feature phase",
+                );
+                self.reject(&pdu.bhs, reject::PROTOCOL_ERROR, true).await;
+                Ok(Flow::Stop)
+            }
+            other => {
+                log.report(
+                    Violation::UnsupportedOpcode,
+                    &format_args!("opcode {other:#04x}"),
+                );
+                self.reject(&pdu.bhs, reject::COMMAND_NOT_SUPPORTED, false)
+                    .await;
+                Ok(Flow::Continue)
+            }
+        }
+    }
+
+    async fn reject(&self, bhs: &Bhs, reason: u8, last: bool) {
+        let mut out = Bhs::new(op::REJECT);
+        out.set_flags(0x80);
+        out.0[2] = reason;
+        out.set_itt(NO_TAG);
+        let _ = self
+            .session
+            .replies
+            .send(Outgoing {
+                pdu: Pdu::new(out, Bytes::copy_from_slice(&bhs.0)),
+                stat: StatSn::Advance,
+                last,
+            })
+            .await;
+    }
+
+    async fn nop_out(&self, pdu: Pdu) {
+        let mut bhs = Bhs::new(op::NOP_IN);
+        bhs.set_flags(0x80);
+        bhs.set_lun_field(pdu.bhs.lun_field());
+        bhs.set_itt(pdu.bhs.itt());
+        bhs.set_u32_at(20, NO_TAG);
+        let limit = self.session.params.initiator_max_recv_data_segment as usize;
+        let data = pdu.data.slice(..pdu.data.len().min(limit));
+        self.session
+            .send(Pdu::new(bhs, data), StatSn::Advance)
+            .await;
+    }
+
+    async fn scsi_command(
+        &mut self,
+        pdu: Pdu,
+        immediate: bool,
+        log: &mut ViolationLog,
+    ) -> Result<Flow, IscsiError> {
+        let bhs = pdu.bhs;
+        let session = self.session.clone();
+        if session.discovery {
+            self.reject(&bhs, reject::PROTOCOL_ERROR, true).await;
+            return Ok(Flow::Stop);
+        }
+        let flags = bhs.flags();
+        let mut cdb = [0u8; 16];
+        cdb.copy_from_slice(&bhs.0[32..48]);
+        let command = Command {
+            itt: bhs.itt(),
+            lun_field: bhs.lun_field(),
+            lun: Lun::decode(bhs.lun_field()),
+            cdb,
+            expected: bhs.u32_at(20),
+            read: flags & 0x40 != 0,
+        };
+        let write = flags & 0x20 != 0;
+        let refusal = {
+            let tasks = session.tasks.borrow();
+            if tasks.contains_key(&command.itt) {
+                Some(reject::TASK_IN_PROGRESS)
+            } else if immediate
+                && tasks.values().filter(|t| !t.counted).count() >= MAX_IMMEDIATE_COMMANDS
+            {
+                Some(reject::IMMEDIATE_COMMAND_REJECT)
+            } else {
+                None
+            }
+        };
+        if let Some(reason) = refusal {
+            log.report(
+                Violation::DuplicateTask,
+                &format_args!("ITT {:#x} refused (reason {reason:#x})", command.itt),
+            );
+            self.reject(&bhs, reason, false).await;
+            return Ok(Flow::Continue);
+        }
+        if !immediate {
+            session
+                .sequence
+                .active
+                .set(session.sequence.active.get() + 1);
+        }
+        let task = |state| Task {
+            lun: command.lun,
+            counted: !immediate,
+            state,
+        };
+        // Extended CDBs (AHS) and bidirectional commands are not supported.
+        let refused = if !pdu.ahs.is_empty() {
+            Some(crate::scsi::sense::Sense::INVALID_OPCODE)
+        } else if write && (command.read || command.expected > session.limits.max_transfer) {
+            Some(crate::scsi::sense::Sense::INVALID_FIELD_IN_CDB)
+        } else {
+            None
+        };
+        if let Some(sense) = refused {
+            session
+                .tasks
+                .borrow_mut()
+                .insert(command.itt, task(TaskState::Running(None)));
+            respond(&session, &command, ScsiResult::check(sense)).await;
+            return Ok(Flow::Continue);
+        }
+        let immediate_data = pdu.data;
+        if !immediate_data.is_empty()
+            && (!write
+                || !session.params.immediate_data
+                || immediate_data.len() > session.params.first_burst as usize
+                || immediate_data.len() > command.expected as usize)
+        {
+            log.report(
+                Violation::ImmediateData,
+                &format_args!(
+                    "{} bytes of immediate data not allowed",
+                    immediate_data.len()
+                ),
+            );
+            if !immediate {
+                session
+                    .sequence
+                    .active
+                    .set(session.sequence.active.get().saturating_sub(1));
+            }
+            self.reject(&bhs, reject::PROTOCOL_ERROR, false).await;
+            return Ok(Flow::Continue);
+        }
+        if !write || command.expected == 0 {
+            let itt = command.itt;
+            let handle = spawn_command(session.clone(), command.clone(), Bytes::new(), None);
+            session
+                .tasks
+                .borrow_mut()
+                .insert(itt, task(TaskState::Running(Some(handle))));
+            return Ok(Flow::Continue);
+        }
+        let expected = command.expected as usize;
+        let mut buffer = BytesMut::with_capacity(expected.min(session.params.first_burst as usize));
+        buffer.extend_from_slice(&immediate_data);
+        let pending = Box::new(PendingWrite {
+            command: command.clone(),
+            buffer,
+            ttt: NO_TAG,
+            r2t_sn: 0,
+            burst_end: 0,
+            data_sn: 0,
+            charge: None,
+        });
+        let itt = command.itt;
+        session
+            .tasks
+            .borrow_mut()
+            .insert(itt, task(TaskState::AwaitingData(pending)));
+        let unsolicited_follows = flags & 0x80 == 0;
+        if immediate_data.len() == expected {
+            self.start_write(itt);
+        } else if !unsolicited_follows {
+            self.solicit(itt);
+        }
+        Ok(Flow::Continue)
+    }
+
+    /// All data of a write is in: run it.
+    fn start_write(&self, itt: u32) {
+        let session = &self.session;
+        let mut tasks = session.tasks.borrow_mut();
+        let Some(task) = tasks.get_mut(&itt) else {
+            return;
+        };
+        let TaskState::AwaitingData(pending) =
+            std::mem::replace(&mut task.state, TaskState::Running(None))
+        else {
+            return;
+        };
+        let pending = *pending;
+        let handle = spawn_command(
+            session.clone(),
+            pending.command,
+            pending.buffer.freeze(),
+            pending.charge,
+        );
+        task.state = TaskState::Running(Some(handle));
+    }
+
+    /// Asks for the next burst of a write: first reserves budget for all solicited bytes.
+    fn solicit(&self, itt: u32) {
+        let session = self.session.clone();
+        let mut tasks = session.tasks.borrow_mut();
+        let Some(task) = tasks.get_mut(&itt) else {
+            return;
+        };
+        let TaskState::AwaitingData(pending) = &mut task.state else {
+            return;
+        };
+        if pending.charge.is_some() {
+            let r2t = next_r2t(&session, pending);
+            drop(tasks);
+            let session = session.clone();
+            tokio::task::spawn_local(async move { session.send(r2t, StatSn::Carry).await });
+            return;
+        }
+        let needed = pending.command.expected as usize - pending.buffer.len();
+        let budget = session.limits.budget.clone();
+        let waiting = session.clone();
+        let handle = tokio::task::spawn_local(async move {
+            let charge = budget.take(needed as u32).await;
+            let r2t = {
+                let mut tasks = waiting.tasks.borrow_mut();
+                let Some(task) = tasks.get_mut(&itt) else {
+                    return;
+                };
+                let state = std::mem::replace(&mut task.state, TaskState::Running(None));
+                let TaskState::AwaitingBudget(mut pending, _) = state else {
+                    task.state = state;
+                    return;
+                };
+                pending.charge = charge;
+                pending.buffer.reserve(needed);
+                let r2t = next_r2t(&waiting, &mut pending);
+                task.state = TaskState::AwaitingData(pending);
+                r2t
+            };
+            waiting.send(r2t, StatSn::Carry).await;
+        })
+        .abort_handle();
+        let state = std::mem::replace(&mut task.state, TaskState::Running(None));
+        if let TaskState::AwaitingData(pending) = state {
+            task.state = TaskState::AwaitingBudget(pending, handle);
+        }
+    }
+
+    async fn data_out(&mut self, pdu: Pdu, log: &mut ViolationLog) -> Result<Flow, IscsiError> {
+        let bhs = pdu.bhs;
+        let itt = bhs.itt();
+        let ttt = bhs.u32_at(20);
+        let offset = bhs.u32_at(40) as usize;
+        let final_ = bhs.final_bit();
+        let session = self.session.clone();
+        // Err(true): the data does not continue the transfer; Err(false): no such task.
+        let outcome: Result<(bool, bool), bool> = {
+            let mut tasks = session.tasks.borrow_mut();
+            match tasks.get_mut(&itt) {
+                Some(Task {
+                    state: TaskState::AwaitingData(pending),
+                    ..
+                }) => {
+                    let expected = pending.command.expected as usize;
+                    let end = offset + pdu.data.len();
+                    let limit = if pending.ttt == NO_TAG {
+                        (session.params.first_burst as usize).min(expected)
+                    } else {
+                        pending.burst_end
+                    };
+                    let data_sn = bhs.u32_at(36);
+                    if ttt != pending.ttt
+                        || offset != pending.buffer.len()
+                        || end > limit
+                        || data_sn != pending.data_sn
+                    {
+                        log.report(
+                            Violation::DataOut,
+                            &format_args!(
+                                "Data-Out ITT {itt:#x} TTT {ttt:#x} DataSN {data_sn} [{offset}, {end}) does not continue the transfer"
+                            ),
+                        );
+                        Err(true)
+                    } else {
+                        pending.buffer.extend_from_slice(&pdu.data);
+                        pending.data_sn = pending.data_sn.wrapping_add(1);
+                        let received = pending.buffer.len();
+                        Ok((received == expected, final_ || received == limit))
+                    }
+                }
+                _ => {
+                    // A command refused early, aborted, or never sent: its data is dropped.
+                    log.report(
+                        Violation::UnknownTask,
+                        &format_args!("Data-Out for unknown ITT {itt:#x}"),
+                    );
+                    Err(false)
+                }
+            }
+        };
+        let (complete, burst_done) = match outcome {
+            Ok(progress) => progress,
+            Err(false) => return Ok(Flow::Continue),
+            Err(true) => {
+                // The command fails (its later Data-Out is dropped as unknown); the
+                // connection and the session's other commands carry on.
+                let failed = match session.tasks.borrow().get(&itt).map(|t| &t.state) {
+                    Some(TaskState::AwaitingData(pending)) => Some(pending.command.clone()),
+                    _ => None,
+                };
+                if let Some(command) = failed {
+                    let sense = crate::scsi::sense::Sense::DATA_PHASE_ERROR;
+                    respond(&session, &command, ScsiResult::check(sense)).await;
+                }
+                return Ok(Flow::Continue);
+            }
+        };
+        if complete {
+            self.start_write(itt);
+        } else if burst_done {
+            self.solicit(itt);
+        }
+        Ok(Flow::Continue)
+    }
+
+    async fn task_management(&mut self, pdu: Pdu) -> Result<Flow, IscsiError> {
+        let bhs = pdu.bhs;
+        let function = bhs.flags() & 0x7f;
+        let lun = Lun::decode(bhs.lun_field());
+        let referenced = bhs.u32_at(20);
+        let session = self.session.clone();
+        let lun_exists = session.unit(lun).is_some();
+        let mut close = false;
+        let response: u8 = match function {
+            // ABORT TASK
+            1 => {
+                let found = session
+                    .tasks
+                    .borrow()
+                    .get(&referenced)
+                    .map(|t| t.lun == lun);
+                match found {
+                    Some(true) => {
+                        session.abort(referenced);
+                        0
+                    }
+                    Some(false) => 1,
+                    // Already answered (or never received): the function is complete.
+                    None => 0,
+                }
+            }
+            // ABORT TASK SET, CLEAR TASK SET, LOGICAL UNIT RESET
+            2 | 4 | 5 => {
+                if !lun_exists {
+                    2
+                } else {
+                    session.abort_where(|l| l == lun, |_| true);
+                    if function == 5 {
+                        if let Some(unit) = session.unit(lun) {
+                            unit.shared.reset();
+                        }
+                    }
+                    0
+                }
+            }
+            // TARGET WARM RESET, TARGET COLD RESET
+            6 | 7 => {
+                session.abort_where(|_| true, |_| true);
+                for unit in &session.luns {
+                    unit.shared.reset();
+                }
+                close = function == 7;
+                0
+            }
+            3 => 5, // CLEAR ACA: not supported
+            8 => 4, // TASK REASSIGN: no connection recovery at level 0
+            _ => 255,
+        };
+        let mut out = Bhs::new(op::TASK_MANAGEMENT_RESPONSE);
+        out.set_flags(0x80);
+        out.0[2] = response;
+        out.set_itt(bhs.itt());
+        let _ = session
+            .replies
+            .send(Outgoing {
+                pdu: Pdu::new(out, Bytes::new()),
+                stat: StatSn::Advance,
+                last: close,
+            })
+            .await;
+        Ok(if close { Flow::Stop } else { Flow::Continue })
+    }
+
+    async fn text(&mut self, pdu: Pdu, log: &mut ViolationLog) -> Result<Flow, IscsiError> {
+        let bhs = pdu.bhs;
+        let ttt = bhs.u32_at(20);
+        let session = self.session.clone();
+        let limit = session.params.initiator_max_recv_data_segment as usize;
+        let mut body = if ttt != NO_TAG {
+            match self.text_pending.take() {
+                Some((tag, rest)) if tag == ttt => rest,
+                _ => {
+                    log.report(Violation::Text, &"text continuation with an unknown TTT");
+                    self.reject(&bhs, reject::INVALID_PDU_FIELD, false).await;
+                    return Ok(Flow::Continue);
+                }
+            }
+        } else {
+            self.text_pending = None;
+            if bhs.flags() & 0x40 != 0 {
+                // Requests split over several PDUs are not needed by any key we serve.
+                log.report(Violation::Text, &"multi-PDU text request");
+                self.reject(&bhs, reject::PROTOCOL_ERROR, false).await;
+                return Ok(Flow::Continue);
+            }
+            let pairs = match TextPairs::parse(&pdu.data) {
+                Ok(pairs) => pairs,
+                Err(error) => {
+                    log.report(Violation::Text, &error);
+                    self.reject(&bhs, reject::PROTOCOL_ERROR, false).await;
+                    return Ok(Flow::Continue);
+                }
+            };
+            let mut reply = TextPairs::default();
+            for (key, value) in &pairs.0 {
+                if key == "SendTargets" {
+                    self.send_targets(value, &mut reply);
+                } else {
+                    reply.push(key, "NotUnderstood");
+                }
+            }
+            let mut body = reply.encode();
+            body.truncate(session.limits.max_text_bytes.max(limit));
+            body
+        };
+        let mut out = Bhs::new(op::TEXT_RESPONSE);
+        out.set_lun_field(bhs.lun_field());
+        out.set_itt(bhs.itt());
+        let data = if body.len() > limit {
+            let tag = session.new_ttt();
+            out.set_flags(0x40); // C: more follows
+            out.set_u32_at(20, tag);
+            let rest = body.split_off(limit);
+            self.text_pending = Some((tag, rest));
+            body
+        } else {
+            out.set_flags(0x80);
+            out.set_u32_at(20, NO_TAG);
+            body
+        };
+        session
+            .send(Pdu::new(out, Bytes::from(data)), StatSn::Advance)
+            .await;
+        Ok(Flow::Continue)
+    }
+
+    fn send_targets(&self, value: &str, reply: &mut TextPairs) {
+        let session = &self.session;
+        let visible = self.registry.discover(&session.initiator);
+        let names: Vec<String> = match value {
+            "All" if session.discovery => visible,
+            "All" => vec![session.target_name.clone()],
+            "" if !session.discovery => vec![session.target_name.clone()],
+            name => visible.into_iter().filter(|t| t == name).collect(),
+        };
+        for name in names {
+            reply.push("TargetName", name);
+            reply.push(
+                "TargetAddress",
+                format!("{},{}", session.portal, crate::PORTAL_GROUP_TAG),
+            );
+        }
+    }
+
+    async fn logout(&mut self, pdu: Pdu) -> Result<Flow, IscsiError> {
+        let bhs = pdu.bhs;
+        let reason = bhs.flags() & 0x7f;
+        let session = self.session.clone();
+        let response = match reason {
+            0 | 1 => 0,
+            2 => 2, // connection recovery is not supported at level 0
+            _ => 3,
+        };
+        // Commands waiting for data will not get it; running ones are answered first.
+        session.abort_where(
+            |_| true,
+            |task| !matches!(task.state, TaskState::Running(_)),
+        );
+        let _ = tokio::time::timeout(DRAIN_GRACE, session.wait_idle()).await;
+        let mut out = Bhs::new(op::LOGOUT_RESPONSE);
+        out.set_flags(0x80);
+        out.0[2] = response;
+        out.set_itt(bhs.itt());
+        out.set_u16_at(40, 0); // Time2Wait
+        out.set_u16_at(42, 0); // Time2Retain
+        let _ = session
+            .replies
+            .send(Outgoing {
+                pdu: Pdu::new(out, Bytes::new()),
+                stat: StatSn::Advance,
+                last: response == 0,
+            })
+            .await;
+        Ok(if response == 0 {
+            Flow::Stop
+        } else {
+            Flow::Continue
+        })
+    }
+}
+
+/// Builds the next R2T of a write and records its burst.
+fn next_r2t<D: ashlar_core::BlockDevice + 'static>(
+    session: &Session<D>,
+    pending: &mut PendingWrite,
+) -> Pdu {
+    let offset = pending.buffer.len();
+    let remaining = pending.command.expected as usize - offset;
+    let length = remaining.min(session.params.max_burst as usize);
+    let ttt = session.new_ttt();
+    pending.ttt = ttt;
+    pending.burst_end = offset + length;
+    pending.data_sn = 0;
+    let mut bhs = Bhs::new(op::R2T);
+    bhs.set_flags(0x80);
+    bhs.set_lun_field(pending.command.lun_field);
+    bhs.set_itt(pending.command.itt);
+    bhs.set_u32_at(20, ttt);
+    bhs.set_u32_at(36, pending.r2t_sn);
+    bhs.set_u32_at(40, offset as u32);
+    bhs.set_u32_at(44, length as u32);
+    pending.r2t_sn += 1;
+    Pdu::new(bhs, Bytes::new())
+}
+
+fn spawn_command<D: ashlar_core::BlockDevice + 'static>(
+    session: Rc<Session<D>>,
+    command: Command,
+    data: Bytes,
+    charge: Option<OwnedSemaphorePermit>,
+) -> AbortHandle {
+    tokio::task::spawn_local(async move {
+        let _charge = match charge {
+            Some(charge) => Some(charge),
+            None if command.read => {
+                let bytes = command.expected.min(session.limits.max_transfer);
+                session.limits.budget.take(bytes).await
+            }
+            None => None,
+        };
+        let ctx = Context {
+            unit: session.unit(command.lun),
+            nexus: &session.nexus,
+            target_name: &session.target_name,
+            lun_count: session.luns.len(),
+            max_transfer: session.limits.max_transfer,
+        };
+        let result = scsi::execute(&ctx, &command.cdb, data, command.expected).await;
+        respond(&session, &command, result).await;
+    })
+    .abort_handle()
+}
+
+/// Sends a command's Data-In and status, unless it was aborted meanwhile.
+async fn respond<D: ashlar_core::BlockDevice + 'static>(
+    session: &Session<D>,
+    command: &Command,
+    result: ScsiResult,
+) {
+    if !session.finish(command.itt) {
+        return;
+    }
+    let expected = command.expected as usize;
+    let transfer = result.transfer as usize;
+    let (residual_flag, residual) = match transfer.cmp(&expected) {
+        std::cmp::Ordering::Greater => (0x04u8, transfer - expected),
+        std::cmp::Ordering::Less => (0x02u8, expected - transfer),
+        std::cmp::Ordering::Equal => (0, 0),
+    };
+    let data = if command.read {
+        result.data_in.slice(..result.data_in.len().min(expected))
+    } else {
+        Bytes::new()
+    };
+    let collapse = result.status == status::GOOD && result.sense.is_none() && !data.is_empty();
+    if !data.is_empty() {
+        let segment = session.params.initiator_max_recv_data_segment as usize;
+        let burst = session.params.max_burst as usize;
+        let mut offset = 0usize;
+        let mut data_sn = 0u32;
+        while offset < data.len() {
+            // Segments never cross a burst boundary; F ends each burst (Data-In sequence).
+            let burst_end = (offset / burst + 1) * burst;
+            let end = (offset + segment).min(data.len()).min(burst_end);
+            let last = end == data.len();
+            let mut bhs = Bhs::new(op::DATA_IN);
+            let mut flags = 0u8;
+            if last || end == burst_end {
+                flags |= 0x80;
+            }
+            if last && collapse {
+                flags |= 0x01 | residual_flag;
+                bhs.0[3] = result.status;
+                bhs.set_u32_at(44, residual as u32);
+            }
+            bhs.set_flags(flags);
+            bhs.set_itt(command.itt);
+            bhs.set_u32_at(20, NO_TAG);
+            bhs.set_u32_at(36, data_sn);
+            bhs.set_u32_at(40, offset as u32);
+            let stat = if last && collapse {
+                StatSn::Advance
+            } else {
+                StatSn::Omit
+            };
+            session
+                .send(Pdu::new(bhs, data.slice(offset..end)), stat)
+                .await;
+            offset = end;
+            data_sn += 1;
+        }
+        if collapse {
+            return;
+        }
+    }
+    let mut bhs = Bhs::new(op::SCSI_RESPONSE);
+    bhs.set_flags(0x80 | residual_flag);
+    bhs.0[2] = 0x00; // command completed at target
+    bhs.0[3] = result.status;
+    bhs.set_itt(command.itt);
+    bhs.set_u32_at(44, residual as u32);
+    let sense = match result.sense {
+        Some(sense) => {
+            let fixed = sense.fixed();
+            let mut segment = Vec::with_capacity(2 + fixed.len());
+            segment.extend_from_slice(&(fixed.len() as u16).to_be_bytes());
+            segment.extend_from_slice(&fixed);
+            Bytes::from(segment)
+        }
+        None => Bytes::new(),
+    };
+    session.send(Pdu::new(bhs, sense), StatSn::Advance).await;
+}
+
+#[cfg(test)]
+mod fuzz {
+    //! Random PDUs after a valid login: the connection ends or carries on, never panics, and
+    //! the server always finishes.
+    use super::*;
+    use crate::testing::{TestRegistry, INITIATOR, TARGET};
+    use proptest::prelude::*;
+    use tokio::io::AsyncReadExt;
+
+    fn login_request() -> Vec<u8> {
+        let mut bhs = Bhs::new(op::LOGIN);
+        bhs.0[0] |= 0x40;
+        bhs.set_flags(0x80 | (1 << 2) | 3); // operational -> full feature
+        bhs.0[8] = 0x80;
+        let text = format!("InitiatorName={INITIATOR}\0TargetName={TARGET}\0");
+        pdu::encode(&Pdu::new(bhs, Bytes::from(text)), Digests::default()).to_vec()
+    }
+
+    fn run(stream_bytes: Vec<u8>) {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let local = tokio::task::LocalSet::new();
+        local.block_on(&runtime, async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let address = listener.local_addr().unwrap();
+            let (_stop, shutdown) = watch::channel(false);
+            let server = tokio::task::spawn_local(async move {
+                let (stream, _) = listener.accept().await.unwrap();
+                let limits = IscsiLimits {
+                    login_timeout: Duration::from_secs(2),
+                    ..IscsiLimits::default()
+                };
+                serve_connection(stream, Rc::new(TestRegistry::open()), limits, shutdown).await
+            });
+            let mut client = TcpStream::connect(address).await.unwrap();
+            client.write_all(&login_request()).await.unwrap();
+            client.write_all(&stream_bytes).await.unwrap();
+            client.shutdown().await.unwrap();
+            // Drain whatever the target answers until it closes.
+            let mut sink = Vec::new();
+            let _ =
+                tokio::time::timeout(Duration::from_secs(10), client.read_to_end(&mut sink)).await;
+            drop(client);
+            let ended = tokio::time::timeout(Duration::from_secs(40), server).await;
+            assert!(ended.is_ok(), "the server did not finish");
+            assert!(ended.unwrap().is_ok(), "the server task panicked");
+        });
+    }
+
+    /// A PDU with a random header whose lengths agree with its body, so it reaches the
+    /// full-feature handlers instead of only the framing checks.
+    fn framed(header: Vec<u8>, data: Vec<u8>, opcode: u8) -> Vec<u8> {
+        let mut bhs = Bhs(header.try_into().unwrap());
+        bhs.0[0] = (bhs.0[0] & 0x40) | opcode;
+        bhs.0[4] = 0;
+        pdu::encode(&Pdu::new(bhs, Bytes::from(data)), Digests::default()).to_vec()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        #[test]
+        fn random_pdus_after_login(pdus in proptest::collection::vec(
+            (proptest::collection::vec(any::<u8>(), 48),
+             proptest::collection::vec(any::<u8>(), 0..700),
+             prop_oneof![Just(0x00u8), Just(0x01), Just(0x02), Just(0x04), Just(0x05),
+                         Just(0x06), Just(0x10), Just(0x03), any::<u8>().prop_map(|b| b & 0x3f)]),
+            0..12)) {
+            let bytes: Vec<u8> = pdus
+                .into_iter()
+                .flat_map(|(header, data, opcode)| framed(header, data, opcode))
+                .collect();
+            run(bytes);
+        }
+
+        #[test]
+        fn random_bytes_after_login(bytes in proptest::collection::vec(any::<u8>(), 0..2000)) {
+            run(bytes);
+        }
+    }
+}

@@ -1,0 +1,123 @@
+//! An in-memory [`BlockDevice`] and registry for the crate's tests.
+
+use crate::registry::{Access, ChapCredentials, LogicalUnit, Refusal, TargetRegistry};
+use crate::scsi::reservation::LunReservations;
+use ashlar_core::{check_range, BlockDevice, BlockStatusRun, IoResult};
+use bytes::Bytes;
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::Arc;
+
+#[derive(Clone)]
+pub(crate) struct MemDevice {
+    pub data: Rc<RefCell<Vec<u8>>>,
+}
+
+impl MemDevice {
+    pub fn new(size: usize) -> Self {
+        MemDevice {
+            data: Rc::new(RefCell::new(vec![0; size])),
+        }
+    }
+}
+
+impl BlockDevice for MemDevice {
+    fn size_bytes(&self) -> u64 {
+        self.data.borrow().len() as u64
+    }
+    async fn read(&self, offset: u64, length: u32) -> IoResult<Bytes> {
+        check_range(offset, u64::from(length), self.size_bytes())?;
+        let data = self.data.borrow();
+        Ok(Bytes::copy_from_slice(
+            &data[offset as usize..offset as usize + length as usize],
+        ))
+    }
+    async fn write(&self, offset: u64, data: Bytes, _fua: bool) -> IoResult<()> {
+        check_range(offset, data.len() as u64, self.size_bytes())?;
+        self.data.borrow_mut()[offset as usize..offset as usize + data.len()]
+            .copy_from_slice(&data);
+        Ok(())
+    }
+    async fn flush(&self) -> IoResult<()> {
+        Ok(())
+    }
+    async fn trim(&self, offset: u64, length: u32) -> IoResult<()> {
+        self.write_zeroes(offset, length, true).await
+    }
+    async fn write_zeroes(&self, offset: u64, length: u32, _punch: bool) -> IoResult<()> {
+        check_range(offset, u64::from(length), self.size_bytes())?;
+        self.data.borrow_mut()[offset as usize..offset as usize + length as usize].fill(0);
+        Ok(())
+    }
+    async fn block_status(&self, offset: u64, length: u32) -> IoResult<Vec<BlockStatusRun>> {
+        check_range(offset, u64::from(length), self.size_bytes())?;
+        Ok(vec![BlockStatusRun {
+            length: u64::from(length),
+            hole: false,
+            zero: false,
+        }])
+    }
+}
+
+pub(crate) fn unit(size: usize) -> LogicalUnit<MemDevice> {
+    LogicalUnit {
+        device: MemDevice::new(size),
+        name: "disk0".into(),
+        id: 7,
+        shared: Arc::new(LunReservations::default()),
+    }
+}
+
+/// One target `iqn.t` open to `iqn.i` (with optional CHAP), one 1 MiB LUN.
+pub(crate) struct TestRegistry {
+    pub access: Access,
+}
+
+pub(crate) const TARGET: &str = "iqn.t";
+pub(crate) const INITIATOR: &str = "iqn.i";
+
+impl TestRegistry {
+    pub fn open() -> Self {
+        TestRegistry {
+            access: Access::default(),
+        }
+    }
+    pub fn chap(user: &str, secret: &str) -> Self {
+        TestRegistry {
+            access: Access {
+                chap: Some(ChapCredentials {
+                    user: user.into(),
+                    secret: secret.into(),
+                }),
+                mutual_chap: None,
+            },
+        }
+    }
+}
+
+impl TargetRegistry for TestRegistry {
+    type Device = MemDevice;
+    fn discover(&self, initiator: &str) -> Vec<String> {
+        if initiator == INITIATOR {
+            vec![TARGET.into()]
+        } else {
+            vec![]
+        }
+    }
+    fn authorize(&self, initiator: &str, target: &str) -> Result<Access, Refusal> {
+        if target != TARGET {
+            return Err(Refusal::UnknownTarget);
+        }
+        if initiator != INITIATOR {
+            return Err(Refusal::NotAttached);
+        }
+        Ok(self.access.clone())
+    }
+    fn open_luns(&self, target: &str) -> Result<Vec<LogicalUnit<MemDevice>>, String> {
+        if target == TARGET {
+            Ok(vec![unit(1 << 20)])
+        } else {
+            Err("no such target".into())
+        }
+    }
+}
