@@ -200,13 +200,19 @@ async fn serve(args: NodeArgs) -> Result<()> {
         .map_err(|e| anyhow!("loading volume groups: {e}"))?;
     let iscsi_listener = TcpListener::bind(args.iscsi_listen)
         .await
-        .with_context(|| format!("cannot listen for iSCSI on {}", args.iscsi_listen))?;
-    let nbd_listener = TcpListener::bind(args.nbd_listen)
-        .await
-        .with_context(|| format!("cannot listen for NBD on {}", args.nbd_listen))?;
-    let http_listener = TcpListener::bind(args.http_listen)
-        .await
-        .with_context(|| format!("cannot listen for HTTP on {}", args.http_listen))?;
+        .with_context(|| format!("cannot listen for iSCSI on {} (another target there? choose another address with --iscsi-listen)", args.iscsi_listen))?;
+    let nbd_listener = TcpListener::bind(args.nbd_listen).await.with_context(|| {
+        format!(
+            "cannot listen for NBD on {} (choose another address with --nbd-listen)",
+            args.nbd_listen
+        )
+    })?;
+    let http_listener = TcpListener::bind(args.http_listen).await.with_context(|| {
+        format!(
+            "cannot listen for HTTP on {} (choose another address with --http-listen)",
+            args.http_listen
+        )
+    })?;
     let started = Instant::now();
     let engine = Engine::start(config, meta)
         .await
