@@ -2,7 +2,7 @@
 //! LUNs; the accept loop of the iSCSI portal; the limits from the command line.
 
 use crate::args::NodeArgs;
-use crate::node::{ConnectionCount, ConnectionTicket};
+use crate::node::{ConnectionCount, ConnectionTicket, Refusals};
 use crate::registry::NodeEngine;
 use crate::volume_groups::VolumeGroups;
 use anyhow::{anyhow, bail, Result};
@@ -16,14 +16,11 @@ use ashlar_meta::EmbeddedMetaStore;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 pub type NodeVolumeGroups = VolumeGroups<EmbeddedMetaStore>;
-
-/// At most one warning per this interval about sessions refused at `--iscsi-max-sessions`.
-const REFUSAL_WARNING_INTERVAL: Duration = Duration::from_secs(10);
 
 /// The iSCSI limits of every session; clones share the node's data budget.
 pub fn iscsi_limits(args: &NodeArgs) -> Result<IscsiLimits> {
@@ -129,13 +126,6 @@ impl TargetRegistry for IscsiRegistry {
     }
 }
 
-/// Sessions refused at the limit, warned about at most once per interval.
-#[derive(Default)]
-struct Refusals {
-    last_warning: Option<Instant>,
-    unreported: u64,
-}
-
 /// Accepts iSCSI connections and serves each on a reactor, round-robin (one session per
 /// connection: MaxConnections=1). With `max_sessions` live, a new connection is closed at
 /// once.
@@ -150,7 +140,7 @@ pub async fn accept_loop(
 ) -> Result<()> {
     let reservations = Arc::new(MemoryReservations::default());
     let mut next_reactor = 0usize;
-    let mut refusals = Refusals::default();
+    let mut refusals = Refusals::new("iSCSI session", "--iscsi-max-sessions");
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
@@ -161,18 +151,7 @@ pub async fn accept_loop(
             }
         };
         if sessions.live() >= max_sessions {
-            refusals.unreported += 1;
-            let now = Instant::now();
-            if refusals
-                .last_warning
-                .is_none_or(|last| now.duration_since(last) >= REFUSAL_WARNING_INTERVAL)
-            {
-                tracing::warn!(%peer, limit = max_sessions, refused = refusals.unreported,
-                    "iSCSI session limit reached (--iscsi-max-sessions); closing new connections \
-                     at once (this warning repeats at most every 10 s)");
-                refusals.last_warning = Some(now);
-                refusals.unreported = 0;
-            }
+            refusals.refused(peer, max_sessions);
             drop(stream);
             continue;
         }

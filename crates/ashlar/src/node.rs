@@ -366,28 +366,40 @@ impl Drop for ConnectionTicket {
     }
 }
 
-/// Connections refused at `--max-connections`, warned about at most once per
+/// Connections refused at a connection limit, warned about at most once per
 /// [`REFUSAL_WARNING_INTERVAL`] so a flood of connections cannot flood the log.
-#[derive(Default)]
-struct Refusals {
+pub(crate) struct Refusals {
+    /// What is limited and by which flag, for the warning: e.g. ("NBD connection",
+    /// "--max-connections").
+    what: &'static str,
+    flag: &'static str,
     last_warning: Option<Instant>,
     unreported: u64,
 }
 
 impl Refusals {
-    fn refused(&mut self, peer: std::net::SocketAddr, limit: usize) {
+    pub(crate) fn new(what: &'static str, flag: &'static str) -> Refusals {
+        Refusals {
+            what,
+            flag,
+            last_warning: None,
+            unreported: 0,
+        }
+    }
+
+    pub(crate) fn refused(&mut self, peer: std::net::SocketAddr, limit: usize) {
         self.unreported += 1;
         let now = Instant::now();
         if self
             .last_warning
             .is_some_and(|last| now.duration_since(last) < REFUSAL_WARNING_INTERVAL)
         {
-            tracing::debug!(%peer, "NBD connection refused: connection limit reached");
+            tracing::debug!(%peer, "{} refused: limit reached", self.what);
             return;
         }
         tracing::warn!(%peer, limit, refused = self.unreported,
-            "NBD connection limit reached (--max-connections); closing new connections at once \
-             (this warning repeats at most every 10 s; `refused` counts since the last one)");
+            "{} limit reached ({}); closing new connections at once (this warning repeats at \
+             most every 10 s; `refused` counts since the last one)", self.what, self.flag);
         self.last_warning = Some(now);
         self.unreported = 0;
     }
@@ -445,7 +457,7 @@ async fn accept_loop(
     max_connections: usize,
 ) -> Result<()> {
     let mut next_reactor = 0usize;
-    let mut refusals = Refusals::default();
+    let mut refusals = Refusals::new("NBD connection", "--max-connections");
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
