@@ -4,6 +4,11 @@
 use std::collections::HashMap;
 use std::hash::Hash;
 
+// Every read that misses the cache inserts a block and usually evicts one: several lookups per
+// read. foldhash is a fraction of SipHash's cost there and is seeded per process, so a client
+// choosing which blocks to read cannot aim for collisions.
+type FastMap<K> = HashMap<K, usize, foldhash::fast::RandomState>;
+
 const NIL: usize = usize::MAX;
 
 struct Node<K, V> {
@@ -14,7 +19,7 @@ struct Node<K, V> {
 }
 
 pub struct Lru<K, V> {
-    map: HashMap<K, usize>,
+    map: FastMap<K>,
     nodes: Vec<Option<Node<K, V>>>,
     free: Vec<usize>,
     head: usize, // most recently used
@@ -24,7 +29,7 @@ pub struct Lru<K, V> {
 impl<K: Hash + Eq + Clone, V> Lru<K, V> {
     pub fn new() -> Self {
         Lru {
-            map: HashMap::new(),
+            map: FastMap::default(),
             nodes: Vec::new(),
             free: Vec::new(),
             head: NIL,

@@ -9,6 +9,7 @@ use ashlar_storage::extent_store::{ExtentError, ExtentStore, WriteBatch};
 use ashlar_storage::fs::{remove_tree, NodeFs};
 use ashlar_storage::oplog::{DrainKind, LogPiece, Oplog, OplogError, PieceSource};
 use bytes::{Bytes, BytesMut};
+use futures_util::{stream, StreamExt, TryStreamExt};
 use std::rc::Rc;
 
 /// Why a read did not produce data.
@@ -66,9 +67,21 @@ pub(super) async fn read(
     offset: u64,
     length: u64,
 ) -> Result<ReadData, ReadFailure> {
+    let pieces = storage.oplog.lookup(offset, length);
+    if let [piece] = pieces.as_slice() {
+        if matches!(piece.source, PieceSource::Absent) && is_block_aligned(offset, length) {
+            // The common cold read: whole blocks, none in the log. The blocks read are the
+            // answer itself (no second buffer, no copy) and, shared, the cache's fill.
+            let whole = read_whole_blocks(&storage, vdisk, offset, length).await?;
+            return Ok(ReadData {
+                data: whole.clone(),
+                fills: vec![(offset / BLOCK_SIZE_BYTES, whole)],
+            });
+        }
+    }
     let mut buffer = BytesMut::zeroed(length as usize);
     let mut fills = Vec::new();
-    for piece in storage.oplog.lookup(offset, length) {
+    for piece in pieces {
         let start = (piece.offset - offset) as usize;
         let slice = &mut buffer[start..start + piece.length as usize];
         match piece.source {
@@ -107,17 +120,34 @@ async fn read_store(
 ) -> Result<(u64, Bytes), ReadFailure> {
     let blocks = block_range(offset, slice.len() as u64);
     let first_byte = blocks.start * BLOCK_SIZE_BYTES;
-    let mut whole = vec![0u8; ((blocks.end - blocks.start) * BLOCK_SIZE_BYTES) as usize];
-    match storage.store.read(first_byte, &mut whole).await {
-        Ok(()) => {}
-        Err(error) if error.is_corruption() => {
-            return Err(ReadFailure::Corrupt(store_error(vdisk, offset, error)))
-        }
-        Err(other) => return Err(ReadFailure::Failed(store_error(vdisk, offset, other))),
-    }
+    let whole_length = (blocks.end - blocks.start) * BLOCK_SIZE_BYTES;
+    let whole = read_whole_blocks(storage, vdisk, first_byte, whole_length).await?;
     let skip = (offset - first_byte) as usize;
     slice.copy_from_slice(&whole[skip..skip + slice.len()]);
-    Ok((blocks.start, Bytes::from(whole)))
+    Ok((blocks.start, whole))
+}
+
+fn is_block_aligned(offset: u64, length: u64) -> bool {
+    offset.is_multiple_of(BLOCK_SIZE_BYTES) && length.is_multiple_of(BLOCK_SIZE_BYTES)
+}
+
+/// Reads `[offset, offset + length)`, whole blocks, from the extent store (verified there).
+/// Errors carry the first byte of the range.
+async fn read_whole_blocks(
+    storage: &Storage,
+    vdisk: VdiskId,
+    offset: u64,
+    length: u64,
+) -> Result<Bytes, ReadFailure> {
+    debug_assert!(is_block_aligned(offset, length));
+    let mut whole = vec![0u8; length as usize];
+    match storage.store.read(offset, &mut whole).await {
+        Ok(()) => Ok(Bytes::from(whole)),
+        Err(error) if error.is_corruption() => {
+            Err(ReadFailure::Corrupt(store_error(vdisk, offset, error)))
+        }
+        Err(other) => Err(ReadFailure::Failed(store_error(vdisk, offset, other))),
+    }
 }
 
 /// Whether a write goes straight to the extent store: whole extents with nothing of the
@@ -228,6 +258,11 @@ pub(super) async fn drain_step(storage: Rc<Storage>, max_bytes: u64) -> Result<u
     drain_batch(&storage.oplog, &storage.store, max_bytes).await
 }
 
+/// Oplog reads one drain step keeps in flight. The step's data is bounded by its batch size
+/// anyway; this bounds its share of the reactor's disk queue (ring slots are shared with the
+/// clients' reads).
+pub const DRAIN_READS_IN_FLIGHT: usize = 32;
+
 async fn drain_batch(
     oplog: &Oplog<NodeFs>,
     store: &ExtentStore<NodeFs>,
@@ -237,13 +272,19 @@ async fn drain_batch(
     if items.is_empty() {
         return Ok(0);
     }
-    let mut data = Vec::with_capacity(items.len());
-    for item in &items {
-        data.push(match item.kind {
-            DrainKind::Data => Some(oplog.read_drain_item(item).await?),
-            DrainKind::Zero | DrainKind::Lost => None,
-        });
-    }
+    // The items' data is read from the log concurrently: one at a time, a batch of small
+    // random writes cost one disk round trip per item and the drain could not keep up with
+    // the writers it makes room for.
+    let data: Vec<Option<Bytes>> = stream::iter(&items)
+        .map(|item| async move {
+            match item.kind {
+                DrainKind::Data => oplog.read_drain_item(item).await.map(Some),
+                DrainKind::Zero | DrainKind::Lost => Ok(None),
+            }
+        })
+        .buffered(DRAIN_READS_IN_FLIGHT)
+        .try_collect()
+        .await?;
     let mut batch = WriteBatch::new();
     for (item, bytes) in items.iter().zip(&data) {
         match (item.kind, bytes) {

@@ -237,8 +237,9 @@ impl<D: DiskFile> Egroup<D> {
         }
         for (i, (entry, block)) in entries.iter().zip(out.chunks_mut(BLOCK_LEN)).enumerate() {
             let index = first + i;
+            // Built only on failure: the success path of a read allocates nothing per block.
+            let (vdisk, path) = (self.vdisk, || self.path.clone());
             let (offset, file_offset) = (self.vdisk_offset(index), data_offset(index));
-            let (vdisk, path) = (self.vdisk, self.path.clone());
             match entry.state {
                 BlockState::Hole => block.fill(0),
                 BlockState::Written => {
@@ -247,7 +248,7 @@ impl<D: DiskFile> Egroup<D> {
                         return Err(ExtentError::Corrupt {
                             vdisk,
                             offset,
-                            path,
+                            path: path(),
                             file_offset,
                             expected: entry.crc,
                             actual,
@@ -258,7 +259,7 @@ impl<D: DiskFile> Egroup<D> {
                     return Err(ExtentError::Poisoned {
                         vdisk,
                         offset,
-                        path,
+                        path: path(),
                         file_offset,
                     })
                 }
@@ -266,7 +267,7 @@ impl<D: DiskFile> Egroup<D> {
                     return Err(ExtentError::Lost {
                         vdisk,
                         offset,
-                        path,
+                        path: path(),
                         file_offset,
                     })
                 }
