@@ -37,6 +37,8 @@ pub struct ExtentStore<F: Filesystem> {
     listing: tokio::sync::Mutex<()>,
     open: RefCell<HashMap<u64, Rc<Slot<F::File>>>>,
     clock: Cell<u64>,
+    /// Listings made so far: the generation of the newest.
+    listings_made: Cell<u64>,
 }
 
 pub(super) struct Slot<D> {
@@ -60,6 +62,9 @@ struct Known {
     /// Whether the listed directories (and their parents) have been synced since listing.
     /// Reads do not need it; a write does, before it relies on a listed file (`apply`).
     dirs_synced: bool,
+    /// Which listing this is: `close_all` drops a listing and the next use makes another, so
+    /// a sync that began on one must not mark the next one synced.
+    generation: u64,
 }
 
 impl Known {
@@ -85,6 +90,7 @@ impl<F: Filesystem> ExtentStore<F> {
             listing: tokio::sync::Mutex::new(()),
             open: RefCell::new(HashMap::new()),
             clock: Cell::new(0),
+            listings_made: Cell::new(0),
         }
     }
 
@@ -113,10 +119,12 @@ impl<F: Filesystem> ExtentStore<F> {
         if self.known.borrow().is_some() {
             return Ok(());
         }
+        self.listings_made.set(self.listings_made.get() + 1);
         let mut known = Known {
             disks: Vec::new(),
             dir_exists: Vec::new(),
             dirs_synced: false,
+            generation: self.listings_made.get(),
         };
         for disk in &self.config.disks {
             let dir = egroup_dir(&disk.path, self.config.vdisk);
@@ -157,16 +165,22 @@ impl<F: Filesystem> ExtentStore<F> {
 
     /// The listing, with its directories durable: a write may rely on every listed file.
     pub(super) async fn ensure_durable_listing(&self) -> Result<(), ExtentError> {
-        self.ensure_listing().await?;
-        let dir_exists = match self.known.borrow().as_ref() {
-            Some(known) if !known.dirs_synced => known.dir_exists.clone(),
-            _ => return Ok(()),
-        };
-        self.sync_listed_dirs(&dir_exists).await?;
-        if let Some(known) = self.known.borrow_mut().as_mut() {
-            known.dirs_synced = true;
+        loop {
+            self.ensure_listing().await?;
+            let (dir_exists, generation) = match self.known.borrow().as_ref() {
+                Some(known) if !known.dirs_synced => (known.dir_exists.clone(), known.generation),
+                _ => return Ok(()),
+            };
+            self.sync_listed_dirs(&dir_exists).await?;
+            match self.known.borrow_mut().as_mut() {
+                Some(known) if known.generation == generation => {
+                    known.dirs_synced = true;
+                    return Ok(());
+                }
+                // Listed again while this sync ran: the new listing may name other directories.
+                _ => continue,
+            }
         }
-        Ok(())
     }
 
     /// Syncs each existing vdisk directory and its two parents.
