@@ -12,7 +12,9 @@
 #   durable   : DURABLE_JOBS (4 KiB random writes) on `ashlar-cold` (durable at ack), on
 #               `raw-cold-dsync` (io_uring direct=1 sync=dsync on COLD_IMG) and on
 #               `nbdkit-memory-cold` (nbdkit memory plugin of UNCACHED_SIZE, filled: the NBD
-#               transport's ceiling, as ../shared/bench/peers/nbdkit.sh runs it).
+#               transport's ceiling, as ../shared/bench/peers/nbdkit.sh runs it) and on
+#               `nbdkit-file-fua-cold` (nbdkit's file plugin on COLD_IMG behind its fua filter
+#               with fuamode=force: the simplest NBD server whose writes are durable at reply).
 #   pagecache : after drop_caches (and a 1 MiB read to page fio itself back in), read
 #               PAGECACHE_READ through the node (fio nbd, 1 MiB sequential reads, QD8; wraps
 #               around if the vdisk is smaller) and record the growth of `Cached:`
@@ -29,7 +31,7 @@
 #   UNCACHED_JOBS="randread4k:32 randread4k:1 seqread1m:8 seqwrite1m:8"   WORKLOAD:QD ...
 #   UNCACHED_SYSTEMS="raw ashlar"
 #   DURABLE_JOBS="randwrite4k:1 randwrite4k:32"
-#   DURABLE_SYSTEMS="raw-dsync nbdkit-memory ashlar"
+#   DURABLE_SYSTEMS="raw-dsync nbdkit-memory nbdkit-file-fua ashlar"
 #   PAGECACHE_READ=4G       bytes read through the node in the pagecache stage
 #   PAGECACHE_MODES="on"    --direct-io of the node for each pagecache measurement; "on off"
 #                           adds a buffered control run (node restarted on the same data)
@@ -50,7 +52,7 @@ UNCACHED_CACHE=${UNCACHED_CACHE:-256M}
 UNCACHED_JOBS=${UNCACHED_JOBS:-"randread4k:32 randread4k:1 seqread1m:8 seqwrite1m:8"}
 UNCACHED_SYSTEMS=${UNCACHED_SYSTEMS:-"raw ashlar"}
 DURABLE_JOBS=${DURABLE_JOBS:-"randwrite4k:1 randwrite4k:32"}
-DURABLE_SYSTEMS=${DURABLE_SYSTEMS:-"raw-dsync nbdkit-memory ashlar"}
+DURABLE_SYSTEMS=${DURABLE_SYSTEMS:-"raw-dsync nbdkit-memory nbdkit-file-fua ashlar"}
 PAGECACHE_READ=${PAGECACHE_READ:-4G}
 PAGECACHE_MODES=${PAGECACHE_MODES:-on}
 ASHLAR_BIN=${ASHLAR_BIN:-$HERE/../target/release/ashlar}
@@ -182,6 +184,32 @@ if has uncached "$COLD_STAGES"; then
     fi
 fi
 
+# nbdkit_durable NAME FILL NOTE NBDKIT-ARGS...: the durable jobs against an nbdkit started with
+# NBDKIT-ARGS (filled first when FILL is 1), with the node stopped so its memory and CPU stay
+# out of the rows.
+nbdkit_durable() {
+    local name=$1 fill=$2 what=$3; shift 3
+    if ! port_free "$COLD_NBDKIT_PORT"; then
+        note "$name" "port $COLD_NBDKIT_PORT busy, skipped"
+        return
+    fi
+    stop_node   # restarted for Ashlar's rows on the same data
+    nbdkit -f --exit-with-parent -i 127.0.0.1 -p "$COLD_NBDKIT_PORT" -t "${NBDKIT_THREADS:-16}" \
+        "$@" > "$RESULTS_DIR/logs/$name.server.log" 2>&1 &
+    NBDKIT_PID=$!
+    if wait_port 127.0.0.1 "$COLD_NBDKIT_PORT" 20; then
+        local kuri=nbd://127.0.0.1:$COLD_NBDKIT_PORT/
+        [ "$fill" = 1 ] && { run_bounded 300 "$FIO" --name=fill --ioengine=nbd --uri="$kuri" \
+            --rw=write --bs=1M --iodepth=8 >/dev/null 2>&1 || note "$name" "pre-fill failed"; }
+        note "$name" "$(nbdkit --version), $what, page cache dropped before every job"
+        record_load "$name"; SERVER_PIDS=$NBDKIT_PID
+        for j in $DURABLE_JOBS; do cold_case "$name" "$j" --ioengine=nbd --uri="$kuri"; done
+    else
+        note "$name" "nbdkit did not start: $(tail -2 "$RESULTS_DIR/logs/$name.server.log" | tr '\n' ' ')"
+    fi
+    stop_pid "$NBDKIT_PID" nbdkit; NBDKIT_PID=""
+}
+
 # ---- durable ------------------------------------------------------------------------------
 if has durable "$COLD_STAGES"; then
     if has raw-dsync "$DURABLE_SYSTEMS" && raw_ready; then
@@ -189,25 +217,12 @@ if has durable "$COLD_STAGES"; then
         for j in $DURABLE_JOBS; do cold_case raw-cold-dsync "$j" "${raw_args[@]}" --sync=dsync; done
     fi
     if has nbdkit-memory "$DURABLE_SYSTEMS"; then
-        if port_free "$COLD_NBDKIT_PORT"; then
-            stop_node   # keep its memory and CPU out of nbdkit's rows; restarted below on the same data
-            nbdkit -f --exit-with-parent -i 127.0.0.1 -p "$COLD_NBDKIT_PORT" -t "${NBDKIT_THREADS:-16}" \
-                memory "size=$UNCACHED_SIZE" > "$RESULTS_DIR/logs/nbdkit-memory-cold.server.log" 2>&1 &
-            NBDKIT_PID=$!
-            if wait_port 127.0.0.1 "$COLD_NBDKIT_PORT" 20; then
-                kuri=nbd://127.0.0.1:$COLD_NBDKIT_PORT/
-                run_bounded 300 "$FIO" --name=fill --ioengine=nbd --uri="$kuri" --rw=write --bs=1M \
-                    --iodepth=8 >/dev/null 2>&1 || note nbdkit-memory-cold "pre-fill failed"
-                note nbdkit-memory-cold "$(nbdkit --version), memory plugin size=$UNCACHED_SIZE (filled), page cache dropped before every job"
-                record_load nbdkit-memory-cold; SERVER_PIDS=$NBDKIT_PID
-                for j in $DURABLE_JOBS; do cold_case nbdkit-memory-cold "$j" --ioengine=nbd --uri="$kuri"; done
-            else
-                note nbdkit-memory-cold "nbdkit did not start: $(tail -2 "$RESULTS_DIR/logs/nbdkit-memory-cold.server.log" | tr '\n' ' ')"
-            fi
-            stop_pid "$NBDKIT_PID" nbdkit; NBDKIT_PID=""
-        else
-            note nbdkit-memory-cold "port $COLD_NBDKIT_PORT busy, skipped"
-        fi
+        nbdkit_durable nbdkit-memory-cold 1 "memory plugin size=$UNCACHED_SIZE (filled)" \
+            memory "size=$UNCACHED_SIZE"
+    fi
+    if has nbdkit-file-fua "$DURABLE_SYSTEMS" && raw_ready; then
+        nbdkit_durable nbdkit-file-fua-cold 0 "file plugin on $COLD_IMG with the fua filter, fuamode=force: every write is made durable before its reply (pwrite + fdatasync), as Ashlar's are" \
+            --filter=fua file "$COLD_IMG" fuamode=force
     fi
     if has ashlar "$DURABLE_SYSTEMS" && node_up; then
         record_load "ashlar-cold (durable)"; SERVER_PIDS=$NODE_PID

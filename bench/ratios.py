@@ -16,7 +16,7 @@ COLUMNS = ["system", "workload", "qd", "iops", "mibs", "mean_us", "p99_us", "srv
            "fio_usr", "fio_sys", "fio_cpu_s", "client_cpu_s", "host_busy_s", "elapsed_s", "status"]
 
 
-COLD_SYSTEMS = ["ashlar-cold", "raw-cold", "raw-cold-dsync", "nbdkit-memory-cold"]
+COLD_SYSTEMS = ["ashlar-cold", "raw-cold", "raw-cold-dsync", "nbdkit-memory-cold", "nbdkit-file-fua-cold"]
 
 
 def load(path):
@@ -154,6 +154,15 @@ def main():
     m = get("nbdkit-memory-cold", "randwrite4k", "1")
     target("durable 4k randwrite QD1: p50 latency (µs) vs nbdkit-memory", p50(a), p50(m), None,
            higher_is_better=False)
+    # The simplest NBD server that is durable at reply, beside raw: how much of Ashlar's gap
+    # to raw any durable NBD server pays on this machine.
+    f = get("nbdkit-file-fua-cold", "randwrite4k", "1")
+    target("durable 4k randwrite QD1: p50 latency (µs) vs nbdkit file + fua=force", p50(a), p50(f), None,
+           higher_is_better=False)
+    target("(reference) nbdkit file + fua=force QD1 p50 (µs) vs raw io_uring direct+dsync", p50(f), p50(d), None,
+           higher_is_better=False)
+    a32, f32 = get("ashlar-cold", "randwrite4k", "32"), get("nbdkit-file-fua-cold", "randwrite4k", "32")
+    target("durable 4k randwrite QD32: IOPS vs nbdkit file + fua=force", field(a32, "iops"), field(f32, "iops"), None)
 
     # cold.sh, pagecache stage: bytes the page cache grew by / bytes read through the node.
     pagecache = load_pagecache(results_dir)
