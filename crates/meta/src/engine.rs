@@ -181,11 +181,7 @@ impl Inner {
         range: &KeyRange,
         limit: Option<usize>,
     ) -> Result<Vec<KeyValue>, MetaError> {
-        if limit == Some(0) {
-            return Err(MetaError::invalid(
-                "range limit must be at least 1 (use None for no limit)",
-            ));
-        }
+        check_limit(limit)?;
         check_range(range)?;
         let _st = self.state()?;
         let rtx = self.db.begin_read().map_err(|e| self.err(e))?;
@@ -372,6 +368,16 @@ impl Inner {
 pub(crate) fn check_key(key: &[u8]) -> Result<(), MetaError> {
     if key.is_empty() {
         return Err(MetaError::invalid("key must not be empty"));
+    }
+    Ok(())
+}
+
+/// etcd reads a limit of 0 as "no limit"; refuse it rather than surprise.
+pub(crate) fn check_limit(limit: Option<usize>) -> Result<(), MetaError> {
+    if limit == Some(0) {
+        return Err(MetaError::invalid(
+            "range limit must be at least 1 (use None for no limit)",
+        ));
     }
     Ok(())
 }
