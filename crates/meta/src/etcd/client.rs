@@ -227,7 +227,7 @@ impl Client {
                     return Ok((value, member.url.clone()));
                 }
                 Ok(Err(status)) if is_connect_error(&status) => {
-                    format!("{}: cannot connect: {}", member.url, status.message())
+                    format!("{}: cannot connect: {}", member.url, root_cause(&status))
                 }
                 Ok(Err(status)) if is_transient(&status) => {
                     let failure = format!("{}: {}", member.url, status.message());
@@ -342,6 +342,19 @@ fn is_connect_error(status: &Status) -> bool {
         source = err.source();
     }
     false
+}
+
+/// The innermost error under `status` ("Connection refused (os error 111)"
+/// rather than tonic's "tcp connect error"), which says what to fix.
+fn root_cause(status: &Status) -> String {
+    let mut cause: &dyn std::error::Error = status;
+    while let Some(inner) = cause.source() {
+        cause = inner;
+    }
+    match cause.to_string() {
+        s if s.is_empty() => status.message().to_string(),
+        s => s,
+    }
 }
 
 /// Worth trying another endpoint: a broken connection, or a member that

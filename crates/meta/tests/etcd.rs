@@ -1,0 +1,225 @@
+//! What only the etcd store has: several endpoints, timeouts, errors when
+//! etcd is unreachable or dies, and request counting.
+
+mod common;
+
+use std::net::TcpListener;
+use std::time::{Duration, Instant};
+
+use ashlar_meta::{EtcdMetaStore, EtcdOptions, KeyRange, MetaError, MetaStore, RequestCounts};
+use common::{EtcdServer, Settings};
+
+/// A loopback URL where nothing listens.
+fn dead_endpoint() -> String {
+    format!("http://127.0.0.1:{}", common::etcd_server::free_port())
+}
+
+fn options(endpoints: &str, timeout: Duration) -> EtcdOptions {
+    EtcdOptions {
+        connect_timeout: timeout,
+        request_timeout: timeout,
+        ..EtcdOptions::new(endpoints).expect("endpoints")
+    }
+}
+
+async fn start_etcd() -> EtcdServer {
+    tokio::task::spawn_blocking(EtcdServer::start)
+        .await
+        .expect("start etcd")
+}
+
+#[tokio::test]
+async fn unreachable_endpoints_fail_promptly_with_one_line() {
+    let (a, b) = (dead_endpoint(), dead_endpoint());
+    let started = Instant::now();
+    let err = EtcdMetaStore::connect(options(&format!("{a},{b}"), Duration::from_secs(1)))
+        .await
+        .expect_err("nothing listens");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        started.elapsed()
+    );
+    match &err {
+        MetaError::Unavailable { endpoints, reason } => {
+            assert_eq!(endpoints, &format!("{a},{b}"));
+            assert!(reason.contains(&a) && reason.contains(&b), "{reason}");
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    let line = err.to_string();
+    assert!(
+        !line.contains('\n') && line.contains("etcd unavailable"),
+        "{line}"
+    );
+}
+
+#[tokio::test]
+async fn bad_endpoints_are_refused() {
+    for bad in ["", " , ", "https://h:2379", "unix:///run/etcd.sock"] {
+        assert!(
+            matches!(EtcdOptions::new(bad), Err(MetaError::InvalidArgument(_))),
+            "{bad:?} accepted"
+        );
+    }
+    let opts = EtcdOptions::new("h1:2379, http://h2:2379").expect("valid");
+    assert_eq!(opts.endpoints, ["http://h1:2379", "http://h2:2379"]);
+}
+
+/// A dead first endpoint costs one failed attempt, once: later calls, writes
+/// included, go straight to the member that answered.
+#[tokio::test]
+async fn fails_over_to_the_next_endpoint() {
+    let server = start_etcd().await;
+    let endpoints = format!("{},{}", dead_endpoint(), server.url);
+    let store = EtcdMetaStore::connect(options(&endpoints, Duration::from_secs(2)))
+        .await
+        .expect("connect through the second endpoint");
+    assert_eq!(store.request_counts().range, 2);
+    store.put(b"/a", b"1", None).await.expect("put");
+    assert_eq!(
+        store.get(b"/a").await.expect("get").map(|kv| kv.value),
+        Some(b"1".to_vec())
+    );
+    let counts = store.request_counts();
+    assert_eq!((counts.range, counts.put), (3, 1));
+
+    // A write also moves on when the connection cannot be made at all:
+    // it never left this host, so it cannot be applied twice.
+    let fresh =
+        EtcdMetaStore::connect_lazy(options(&endpoints, Duration::from_secs(2))).expect("options");
+    fresh
+        .put(b"/b", b"2", None)
+        .await
+        .expect("put through the second endpoint");
+    assert_eq!(fresh.request_counts().put, 2);
+}
+
+/// An endpoint that accepts connections and never answers: reads move on
+/// after the request timeout, writes stop there (they may have been applied).
+#[tokio::test]
+async fn silent_endpoint_times_out_reads_move_on_writes_do_not() {
+    let server = start_etcd().await;
+    let silent = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let silent_url = format!("http://{}", silent.local_addr().expect("addr"));
+    // Accepted connections are kept open and never read.
+    std::thread::spawn(move || {
+        let held: Vec<_> = silent.incoming().collect();
+        drop(held);
+    });
+    let timeout = Duration::from_millis(500);
+    let store =
+        EtcdMetaStore::connect_lazy(options(&format!("{silent_url},{}", server.url), timeout))
+            .expect("options");
+
+    let started = Instant::now();
+    let err = store
+        .put(b"/w", b"1", None)
+        .await
+        .expect_err("silent endpoint");
+    assert!(
+        started.elapsed() < timeout * 4,
+        "took {:?}",
+        started.elapsed()
+    );
+    match &err {
+        MetaError::Unavailable { reason, .. } => {
+            assert!(
+                reason.contains(&silent_url) && reason.contains("may or may not"),
+                "{reason}"
+            )
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    assert_eq!(store.request_counts().put, 1, "a write was sent twice");
+
+    let started = Instant::now();
+    assert_eq!(store.get(b"/w").await.expect("read fails over"), None);
+    assert!(
+        started.elapsed() < timeout * 4,
+        "took {:?}",
+        started.elapsed()
+    );
+    assert_eq!(store.request_counts().range, 2);
+}
+
+#[tokio::test]
+async fn etcd_dying_ends_calls_and_watches_with_unavailable() {
+    let server = start_etcd().await;
+    let store = common::etcd_store(&server.url, Settings::default()).await;
+    let mut watch = store
+        .watch(KeyRange::prefix("/"), None)
+        .await
+        .expect("watch");
+    store.put(b"/a", b"1", None).await.expect("put");
+    assert_eq!(watch.next().await.map(|e| e.kv.key), Some(b"/a".to_vec()));
+
+    drop(server);
+    let ended = tokio::time::timeout(Duration::from_secs(10), watch.next_event())
+        .await
+        .expect("watch ends once etcd is gone");
+    assert!(
+        matches!(ended, Err(MetaError::Unavailable { .. })),
+        "{ended:?}"
+    );
+    let started = Instant::now();
+    let err = store.get(b"/a").await.expect_err("etcd is gone");
+    assert!(matches!(err, MetaError::Unavailable { .. }), "{err:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(6),
+        "took {:?}",
+        started.elapsed()
+    );
+}
+
+/// One request per call, of the call's kind: what lets a later test show the
+/// data path sends etcd nothing per client I/O.
+#[tokio::test]
+async fn every_call_is_one_counted_request() {
+    let server = start_etcd().await;
+    let store = common::etcd_store(&server.url, Settings::default()).await;
+    let before = store.request_counts();
+    assert_eq!(before.total(), 1, "connect checks with one read");
+
+    let lease = store
+        .grant_lease(Duration::from_secs(30))
+        .await
+        .expect("grant");
+    for i in 0..5 {
+        store
+            .put(format!("/k{i}"), "v", Some(lease))
+            .await
+            .expect("put");
+    }
+    store
+        .range(KeyRange::prefix("/k"), Some(2))
+        .await
+        .expect("range");
+    store.delete(KeyRange::key("/k0")).await.expect("delete");
+    store.keep_alive(lease).await.expect("keep alive");
+    store.keep_alive(lease).await.expect("keep alive");
+    let _watch = store
+        .watch(KeyRange::prefix("/"), None)
+        .await
+        .expect("watch");
+    store.revoke_lease(lease).await.expect("revoke");
+    // Empty ranges never reach etcd.
+    assert!(store
+        .range(KeyRange::range("b", "a"), None)
+        .await
+        .expect("range")
+        .is_empty());
+
+    let expected = RequestCounts {
+        range: 2,
+        put: 5,
+        delete_range: 1,
+        watch: 1,
+        lease_grant: 1,
+        lease_revoke: 1,
+        lease_keep_alive: 2,
+        ..RequestCounts::default()
+    };
+    assert_eq!(store.request_counts(), expected);
+    assert_eq!(expected.total(), 13);
+}
