@@ -240,11 +240,58 @@ async fn txn_update_if_mod_revision_matches<B: Backend>() {
     }
 }
 
+/// etcd compares an absent key's fields as zero, except its value: a value
+/// compare on an absent key is always false (absent is not empty).
+async fn compares_on_absent_and_present_keys<B: Backend>() {
+    let (_guard, store) = B::open(Settings::default()).await;
+    store.put(b"/b", b"b", None).await.expect("put");
+    let holds = |compare: Compare| {
+        let store = store.clone();
+        async move {
+            store
+                .txn(Txn::new().when([compare]))
+                .await
+                .expect("txn")
+                .succeeded
+        }
+    };
+    assert!(!holds(Compare::value("/none", CompareOp::Equal, "")).await);
+    assert!(!holds(Compare::value("/none", CompareOp::NotEqual, "x")).await);
+    assert!(holds(Compare::version("/none", CompareOp::Equal, 0)).await);
+    assert!(holds(Compare::absent("/none")).await);
+    assert!(holds(Compare::mod_revision("/none", CompareOp::Less, Revision(1))).await);
+    assert!(holds(Compare::lease("/none", CompareOp::Equal, None)).await);
+
+    assert!(holds(Compare::exists("/b")).await);
+    assert!(holds(Compare::value("/b", CompareOp::Greater, "a")).await);
+    assert!(holds(Compare::value("/b", CompareOp::Less, "c")).await);
+    assert!(!holds(Compare::value("/b", CompareOp::Less, "b")).await);
+    assert!(holds(Compare::value("/b", CompareOp::NotEqual, "a")).await);
+    assert!(
+        holds(Compare::create_revision(
+            "/b",
+            CompareOp::Equal,
+            Revision(2)
+        ))
+        .await
+    );
+    assert!(!holds(Compare::mod_revision("/b", CompareOp::Greater, Revision(2))).await);
+    assert!(holds(Compare::version("/b", CompareOp::Less, 2)).await);
+}
+
 async fn txn_rejects_what_etcd_rejects<B: Backend>() {
     let (_guard, store) = B::open(Settings::default()).await;
     let dup = Txn::new().and_then([TxnOp::put("/a", "1", None), TxnOp::put("/a", "2", None)]);
     assert!(matches!(
         store.txn(dup).await,
+        Err(MetaError::InvalidArgument(_))
+    ));
+    let covered = Txn::new().and_then([
+        TxnOp::delete(KeyRange::prefix("/d/")),
+        TxnOp::put("/d/1", "x", None),
+    ]);
+    assert!(matches!(
+        store.txn(covered).await,
         Err(MetaError::InvalidArgument(_))
     ));
     let too_many = Txn::new().and_then((0..129).map(|i| TxnOp::put(format!("/k{i}"), "v", None)));
@@ -348,6 +395,7 @@ conformance!(
     revisions_and_versions_follow_etcd,
     txn_create_if_absent,
     txn_update_if_mod_revision_matches,
+    compares_on_absent_and_present_keys,
     txn_rejects_what_etcd_rejects,
     concurrent_cas_counter_is_exact,
 );
