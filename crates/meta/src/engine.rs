@@ -17,7 +17,7 @@ use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use tokio::sync::Notify;
 
 use crate::error::MetaError;
-use crate::lease::LeaseTable;
+use crate::lease::{Deadlines, LeaseTable};
 use crate::record;
 use crate::types::{
     Compare, CompareTarget, EventKind, KeyRange, KeyValue, LeaseId, Revision, Txn, TxnOp,
@@ -45,6 +45,8 @@ pub(crate) struct Inner {
     pub(crate) db: Database,
     pub(crate) max_txn_ops: usize,
     pub(crate) state: Mutex<State>,
+    /// The lease deadlines of `state.leases`, reachable without the state lock.
+    pub(crate) lease_deadlines: Arc<Deadlines>,
     /// Wakes the expiry task: on a grant (maybe an earlier deadline) and on drop.
     pub(crate) expiry_wake: Arc<Notify>,
     pub(crate) reserve: SpaceReserve,
@@ -150,7 +152,7 @@ impl Inner {
     /// the background expiry task has not run yet.
     pub(crate) fn state(&self) -> Result<MutexGuard<'_, State>, MetaError> {
         let mut st = self.state.lock().map_err(|_| MetaError::Poisoned)?;
-        for id in st.leases.expired(Instant::now()) {
+        for id in st.leases.expired(Instant::now())? {
             self.revoke_locked(&mut st, id)?;
         }
         Ok(st)
@@ -165,8 +167,7 @@ impl Inner {
             // Internal: skips validate() (a lease may hold more keys than max_txn_ops).
             self.execute(st, &txn)?;
         }
-        st.leases.remove(id);
-        Ok(())
+        st.leases.remove(id)
     }
 
     pub(crate) fn get(&self, key: &[u8]) -> Result<Option<KeyValue>, MetaError> {

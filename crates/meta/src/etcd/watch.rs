@@ -91,7 +91,16 @@ pub(crate) async fn open(client: &Client, spec: WatchSpec) -> Result<Watch, Meta
             Err(e) => return Err(e),
         }
     }
-    tokio::spawn(pump(stream, tx, spec.capacity, spec.shutdown, endpoint));
+    tokio::spawn(pump(
+        stream,
+        tx,
+        Pump {
+            next_revision: Revision(start),
+            capacity: spec.capacity,
+            shutdown: spec.shutdown,
+            endpoint,
+        },
+    ));
     Ok(Watch::from_receiver(rx))
 }
 
@@ -121,17 +130,24 @@ async fn compaction_notice(
     }
 }
 
+struct Pump {
+    /// The first revision not yet delivered, for a `Compacted` error.
+    next_revision: Revision,
+    capacity: usize,
+    shutdown: tokio::sync::watch::Receiver<()>,
+    endpoint: String,
+}
+
 /// Move events from the gRPC stream to the watcher's channel until either
 /// side ends. Like the embedded store, a watcher that falls `capacity`
 /// events behind is dropped with `WatchLagged` instead of holding up etcd.
-async fn pump(
-    mut stream: Streaming<proto::WatchResponse>,
-    tx: mpsc::Sender<WatchItem>,
-    capacity: usize,
-    mut shutdown: tokio::sync::watch::Receiver<()>,
-    endpoint: String,
-) {
-    let mut next_revision = Revision(0);
+async fn pump(mut stream: Streaming<proto::WatchResponse>, tx: mpsc::Sender<WatchItem>, p: Pump) {
+    let Pump {
+        mut next_revision,
+        capacity,
+        mut shutdown,
+        endpoint,
+    } = p;
     loop {
         let msg = tokio::select! {
             _ = tx.closed() => return,
