@@ -126,6 +126,12 @@ impl Client {
         if options.endpoints.is_empty() {
             return Err(MetaError::invalid("no etcd endpoint given"));
         }
+        // tonic spawns a task per connection and would panic without a runtime.
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(MetaError::invalid(
+                "the etcd store must be created inside a tokio runtime",
+            ));
+        }
         let members = options
             .endpoints
             .iter()
@@ -190,7 +196,7 @@ impl Client {
         Req: prost::Message + Clone + Send + Sync + 'static,
         Resp: prost::Message + Default + Send + Sync + 'static,
     {
-        self.call(call, |channel, _| unary(channel, path, req.clone()))
+        self.call(call, |channel| unary(channel, path, req.clone()))
             .await
             .map(|(resp, _)| resp)
     }
@@ -205,7 +211,7 @@ impl Client {
         mut f: F,
     ) -> Result<(T, String), MetaError>
     where
-        F: FnMut(Channel, &str) -> Fut,
+        F: FnMut(Channel) -> Fut,
         Fut: Future<Output = Result<T, Status>>,
     {
         let n = self.members.len();
@@ -220,7 +226,7 @@ impl Client {
                 member.channel.clone()
             };
             self.counts[call.kind as usize].fetch_add(1, Ordering::Relaxed);
-            let outcome = tokio::time::timeout(self.request_timeout, f(channel, &member.url)).await;
+            let outcome = tokio::time::timeout(self.request_timeout, f(channel)).await;
             let failure = match outcome {
                 Ok(Ok(value)) => {
                     self.preferred.store(idx, Ordering::Relaxed);
@@ -267,6 +273,10 @@ impl Client {
     }
 }
 
+/// tonic refuses answers over 4 MiB by default, which a range over many keys
+/// can exceed; etcd's own Go client accepts up to 2 GiB, and so do we.
+const MAX_RESPONSE_BYTES: usize = i32::MAX as usize;
+
 type Codec<Req, Resp> = tonic_prost::ProstCodec<Req, Resp>;
 
 /// A gRPC client on `channel` once it can take a request.
@@ -277,7 +287,7 @@ where
     Req: prost::Message + Send + Sync + 'static,
     Resp: prost::Message + Default + Send + Sync + 'static,
 {
-    let mut grpc = tonic::client::Grpc::new(channel);
+    let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(MAX_RESPONSE_BYTES);
     grpc.ready()
         .await
         .map_err(|e| Status::from_error(e.into()))?;

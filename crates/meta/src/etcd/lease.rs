@@ -46,7 +46,7 @@ pub(crate) async fn keep_alive(client: &Client, lease: LeaseId) -> Result<(), Me
         ..Call::read(RpcKind::LeaseKeepAlive)
     };
     let (resp, _) = client
-        .call(call, |channel, _| async move {
+        .call(call, |channel| async move {
             let req = proto::LeaseKeepAliveRequest { id: lease.0 };
             // The request side may close after one message: etcd answers it
             // before it sees the end of the stream.

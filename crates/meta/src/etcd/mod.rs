@@ -128,7 +128,7 @@ impl EtcdMetaStore {
     }
 
     /// Like [`EtcdMetaStore::connect`], without contacting etcd until the
-    /// first call.
+    /// first call. Fails without a current tokio runtime.
     pub fn connect_lazy(options: EtcdOptions) -> Result<Self, MetaError> {
         if options.watch_channel_capacity == 0 {
             return Err(MetaError::invalid(

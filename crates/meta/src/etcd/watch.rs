@@ -51,7 +51,7 @@ pub(crate) async fn open(client: &Client, spec: WatchSpec) -> Result<Watch, Meta
         })),
     };
     let ((mut stream, current), endpoint) = client
-        .call(Call::read(RpcKind::Watch), |channel, _| {
+        .call(Call::read(RpcKind::Watch), |channel| {
             let create = create.clone();
             async move {
                 let mut stream =
