@@ -251,3 +251,73 @@ async fn large_ranges_are_read_whole() {
         .enumerate()
         .all(|(i, kv)| kv.value.len() == 1 << 20 && kv.value[0] == i as u8));
 }
+
+/// Create `key` unless it exists, retrying while the cluster elects a
+/// leader: a create-if-absent applies at most once however often it is sent.
+async fn create_with_retry(store: &EtcdMetaStore, key: &str) -> ashlar_meta::Revision {
+    use ashlar_meta::{Compare, Txn, TxnOp};
+    let txn = Txn::new()
+        .when([Compare::absent(key)])
+        .and_then([TxnOp::put(key, "v", None)]);
+    for _ in 0..100 {
+        match store.txn(txn.clone()).await {
+            Ok(_) => {
+                return store
+                    .get(key.as_bytes())
+                    .await
+                    .expect("get")
+                    .expect("created")
+                    .mod_revision
+            }
+            // Backoff while the cluster has no leader; nothing to wait on.
+            Err(MetaError::Unavailable { .. }) => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            Err(e) => panic!("create {key}: {e}"),
+        }
+    }
+    panic!("{key} not created within 100 tries");
+}
+
+/// In a three-member cluster, losing the member a client talks to costs
+/// neither calls nor watch events: both continue on another member, and the
+/// watch resumes exactly where it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn member_loss_fails_over_calls_and_resumes_watches() {
+    let mut members = tokio::task::spawn_blocking(|| EtcdServer::start_cluster(3))
+        .await
+        .expect("start cluster");
+    let urls: Vec<String> = members.iter().map(|m| m.url.clone()).collect();
+    let store = common::etcd_store(&urls.join(","), Settings::default()).await;
+    let mut watch = store
+        .watch(KeyRange::prefix("/m/"), None)
+        .await
+        .expect("watch");
+    let a = create_with_retry(&store, "/m/a").await;
+    let ev = watch.next_event().await.expect("event");
+    assert_eq!((ev.kv.key.as_slice(), ev.revision()), (&b"/m/a"[..], a));
+
+    // The store and its watch talk to the first member: kill it.
+    drop(members.remove(0));
+    let b = create_with_retry(&store, "/m/b").await;
+    let c = create_with_retry(&store, "/m/c").await;
+    for (key, rev) in [(&b"/m/b"[..], b), (b"/m/c", c)] {
+        let ev = tokio::time::timeout(Duration::from_secs(10), watch.next_event())
+            .await
+            .expect("event after failover")
+            .expect("watch resumed");
+        assert_eq!((ev.kv.key.as_slice(), ev.revision()), (key, rev));
+    }
+    assert!(
+        store.request_counts().watch >= 2,
+        "the watch was not resumed"
+    );
+    let keys: Vec<Vec<u8>> = store
+        .range(KeyRange::prefix("/m/"), None)
+        .await
+        .expect("range")
+        .into_iter()
+        .map(|kv| kv.key)
+        .collect();
+    assert_eq!(keys, [b"/m/a".to_vec(), b"/m/b".to_vec(), b"/m/c".to_vec()]);
+}

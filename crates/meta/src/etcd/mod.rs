@@ -103,7 +103,8 @@ pub struct EtcdMetaStore {
 }
 
 struct Inner {
-    client: Client,
+    /// Shared with watch tasks, which resume lost watches through it.
+    client: Arc<Client>,
     watch_channel_capacity: usize,
     /// Never sends; watch tasks see it dropped with the store.
     shutdown: tokio::sync::watch::Sender<()>,
@@ -135,7 +136,7 @@ impl EtcdMetaStore {
                 "watch_channel_capacity must be at least 1",
             ));
         }
-        let client = Client::new(&options)?;
+        let client = Arc::new(Client::new(&options)?);
         let (shutdown, _) = tokio::sync::watch::channel(());
         Ok(EtcdMetaStore {
             inner: Arc::new(Inner {
@@ -269,7 +270,7 @@ impl MetaStore for EtcdMetaStore {
             capacity: self.inner.watch_channel_capacity,
             shutdown: self.inner.shutdown.subscribe(),
         };
-        watch::open(self.client(), spec).await
+        watch::open(&self.inner.client, spec).await
     }
 
     async fn current_revision(&self) -> Result<Revision, MetaError> {

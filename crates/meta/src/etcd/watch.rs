@@ -1,6 +1,8 @@
 //! Watches: one gRPC stream per watch, pumped by a task into the channel
 //! behind [`Watch`].
 
+use std::sync::Arc;
+
 use tokio::sync::mpsc;
 use tonic::Streaming;
 
@@ -20,7 +22,21 @@ pub(crate) struct WatchSpec {
     pub shutdown: tokio::sync::watch::Receiver<()>,
 }
 
-pub(crate) async fn open(client: &Client, spec: WatchSpec) -> Result<Watch, MetaError> {
+/// The keys a watch covers, in etcd's spelling.
+#[derive(Clone)]
+struct Target {
+    key: Vec<u8>,
+    range_end: Vec<u8>,
+}
+
+/// A stream whose watch etcd has created, with the `created` answer.
+struct Created {
+    stream: Streaming<proto::WatchResponse>,
+    answer: proto::WatchResponse,
+    endpoint: String,
+}
+
+pub(crate) async fn open(client: &Arc<Client>, spec: WatchSpec) -> Result<Watch, MetaError> {
     let start = match spec.start {
         None | Some(Revision(0)) => 0,
         Some(r) if r.0 < 0 => {
@@ -42,43 +58,16 @@ pub(crate) async fn open(client: &Client, spec: WatchSpec) -> Result<Watch, Meta
         });
         return Ok(Watch::from_receiver(rx));
     };
-    let create = proto::WatchRequest {
-        request_union: Some(RequestUnion::CreateRequest(proto::WatchCreateRequest {
-            key: key.clone(),
-            range_end: range_end.clone(),
-            start_revision: start,
-            prev_kv: true,
-        })),
-    };
-    let ((mut stream, current), endpoint) = client
-        .call(Call::read(RpcKind::Watch), |channel| {
-            let create = create.clone();
-            async move {
-                let mut stream =
-                    open_stream::<_, proto::WatchResponse>(channel, path::WATCH, create, true)
-                        .await?;
-                let created = stream.message().await?.ok_or_else(|| {
-                    tonic::Status::unavailable("etcd closed the watch stream before creating it")
-                })?;
-                Ok((stream, created))
-            }
-        })
-        .await?;
-    if !current.created || current.canceled {
-        return Err(MetaError::Etcd {
-            endpoint,
-            code: "watch refused".to_string(),
-            message: current.cancel_reason,
-        });
-    }
+    let target = Target { key, range_end };
+    let mut created = create(client, &target, start).await?;
     // etcd reports a compacted start revision only later, on the stream; a
     // read at the start revision fails right away in exactly that case.
-    let now = header_revision(current.header.as_ref());
+    let now = header_revision(created.answer.header.as_ref());
     if start > 0 && start <= now.0 {
         let probe = proto::RangeRequest {
             revision: start,
             count_only: true,
-            ..range_request(key, range_end, Some(1))
+            ..range_request(target.key.clone(), target.range_end.clone(), Some(1))
         };
         let read = client
             .unary::<_, proto::RangeResponse>(Call::read(RpcKind::Range), path::RANGE, probe)
@@ -86,22 +75,64 @@ pub(crate) async fn open(client: &Client, spec: WatchSpec) -> Result<Watch, Meta
         match read {
             Ok(_) => {}
             Err(MetaError::Etcd { message, .. }) if message.contains("compacted") => {
-                return Err(compaction_notice(client, &mut stream, Revision(start)).await);
+                return Err(compaction_notice(client, &mut created.stream, Revision(start)).await);
             }
             Err(e) => return Err(e),
         }
     }
-    tokio::spawn(pump(
-        stream,
-        tx,
-        Pump {
-            next_revision: Revision(start),
-            capacity: spec.capacity,
-            shutdown: spec.shutdown,
-            endpoint,
+    let pump = Pump {
+        client: Arc::clone(client),
+        target,
+        // A watch from "now" covers the revisions after the one etcd was at.
+        next_revision: if start > 0 {
+            Revision(start)
+        } else {
+            now.next()
         },
-    ));
+        capacity: spec.capacity,
+        shutdown: spec.shutdown,
+        tx,
+    };
+    tokio::spawn(pump.run(created));
     Ok(Watch::from_receiver(rx))
+}
+
+/// Open a watch stream on some endpoint and wait for etcd to create it.
+async fn create(client: &Client, target: &Target, start: i64) -> Result<Created, MetaError> {
+    let request = proto::WatchRequest {
+        request_union: Some(RequestUnion::CreateRequest(proto::WatchCreateRequest {
+            key: target.key.clone(),
+            range_end: target.range_end.clone(),
+            start_revision: start,
+            prev_kv: true,
+        })),
+    };
+    let ((stream, answer), endpoint) = client
+        .call(Call::read(RpcKind::Watch), |channel| {
+            let request = request.clone();
+            async move {
+                let mut stream =
+                    open_stream::<_, proto::WatchResponse>(channel, path::WATCH, request, true)
+                        .await?;
+                let answer = stream.message().await?.ok_or_else(|| {
+                    tonic::Status::unavailable("etcd closed the watch stream before creating it")
+                })?;
+                Ok((stream, answer))
+            }
+        })
+        .await?;
+    if !answer.created || (answer.canceled && answer.compact_revision == 0) {
+        return Err(MetaError::Etcd {
+            endpoint,
+            code: "watch refused".to_string(),
+            message: answer.cancel_reason,
+        });
+    }
+    Ok(Created {
+        stream,
+        answer,
+        endpoint,
+    })
 }
 
 /// Wait for the compaction message etcd is about to send on `stream`.
@@ -130,78 +161,120 @@ async fn compaction_notice(
     }
 }
 
+/// Streams lost in a row, with no event between them, before the watch
+/// gives up: etcd members that keep dropping a watch at once are not
+/// worth retrying forever.
+const MAX_RESUMES: usize = 3;
+
+/// The task that moves events from the gRPC stream to the watcher's
+/// channel. Like the embedded store, a watcher that falls `capacity` events
+/// behind is dropped with `WatchLagged` instead of holding up etcd. When the
+/// stream is lost (a member died or became unreachable), the watch resumes
+/// from the first undelivered revision on whichever endpoint answers, so
+/// the watcher sees every event exactly once.
 struct Pump {
-    /// The first revision not yet delivered, for a `Compacted` error.
+    client: Arc<Client>,
+    target: Target,
+    /// The first revision not yet delivered.
     next_revision: Revision,
     capacity: usize,
+    /// Sender dropped with the store; dropping `tx` then says Closed.
     shutdown: tokio::sync::watch::Receiver<()>,
-    endpoint: String,
+    tx: mpsc::Sender<WatchItem>,
 }
 
-/// Move events from the gRPC stream to the watcher's channel until either
-/// side ends. Like the embedded store, a watcher that falls `capacity`
-/// events behind is dropped with `WatchLagged` instead of holding up etcd.
-async fn pump(mut stream: Streaming<proto::WatchResponse>, tx: mpsc::Sender<WatchItem>, p: Pump) {
-    let Pump {
-        mut next_revision,
-        capacity,
-        mut shutdown,
-        endpoint,
-    } = p;
-    loop {
-        let msg = tokio::select! {
-            _ = tx.closed() => return,
-            // Sender dropped: the store is gone; dropping `tx` says Closed.
-            _ = shutdown.changed() => return,
-            msg = stream.message() => msg,
-        };
-        let resp = match msg {
-            Ok(Some(resp)) => resp,
-            Ok(None) => {
-                let _ = tx.try_send(Err(lost(&endpoint, "etcd ended the watch stream")));
-                return;
-            }
-            Err(status) => {
-                let _ = tx.try_send(Err(lost(&endpoint, status.message())));
-                return;
-            }
-        };
-        if resp.canceled {
-            let err = if resp.compact_revision > 0 {
-                MetaError::Compacted {
-                    requested: next_revision,
-                    oldest: Revision(resp.compact_revision),
-                }
-            } else {
-                lost(
-                    &endpoint,
-                    &format!("etcd cancelled the watch: {}", resp.cancel_reason),
-                )
+impl Pump {
+    async fn run(mut self, created: Created) {
+        let Created {
+            mut stream,
+            mut endpoint,
+            ..
+        } = created;
+        let mut resumes = 0;
+        loop {
+            let msg = tokio::select! {
+                _ = self.tx.closed() => return,
+                _ = self.shutdown.changed() => return,
+                msg = stream.message() => msg,
             };
-            let _ = tx.try_send(Err(err));
-            return;
-        }
-        for ev in resp.events {
-            let item = event_from_etcd(ev);
-            if let Ok(ev) = &item {
-                next_revision = ev.revision().next();
+            let resp = match msg {
+                Ok(Some(resp)) => resp,
+                Ok(None) | Err(_) => {
+                    let why = match msg {
+                        Err(status) => format!("{endpoint}: {}", status.message()),
+                        _ => format!("{endpoint} ended the watch stream"),
+                    };
+                    resumes += 1;
+                    let resumed = if resumes > MAX_RESUMES {
+                        Err(MetaError::Unavailable {
+                            endpoints: self.client.endpoints(),
+                            reason: format!("lost {MAX_RESUMES} times in a row"),
+                        })
+                    } else {
+                        tracing::debug!(%why, revision = %self.next_revision, "etcd watch lost; resuming");
+                        tokio::select! {
+                            _ = self.tx.closed() => return,
+                            _ = self.shutdown.changed() => return,
+                            c = create(&self.client, &self.target, self.next_revision.0) => c,
+                        }
+                    };
+                    match resumed {
+                        Ok(created) => {
+                            stream = created.stream;
+                            endpoint = created.endpoint;
+                            continue;
+                        }
+                        Err(e) => return self.end(lost_for_good(why, e)),
+                    }
+                }
+            };
+            if resp.canceled {
+                let err = if resp.compact_revision > 0 {
+                    MetaError::Compacted {
+                        requested: self.next_revision,
+                        oldest: Revision(resp.compact_revision),
+                    }
+                } else {
+                    MetaError::Etcd {
+                        endpoint,
+                        code: "watch cancelled".to_string(),
+                        message: resp.cancel_reason,
+                    }
+                };
+                return self.end(err);
             }
-            // One slot is reserved for the terminal error.
-            if tx.capacity() <= 1 {
-                let _ = tx.try_send(Err(MetaError::WatchLagged { capacity }));
-                return;
+            if !resp.events.is_empty() {
+                resumes = 0;
             }
-            let failed = item.is_err();
-            if tx.try_send(item).is_err() || failed {
-                return;
+            for ev in resp.events {
+                let ev = match event_from_etcd(ev) {
+                    Ok(ev) => ev,
+                    Err(e) => return self.end(e),
+                };
+                self.next_revision = ev.revision().next();
+                // One slot is reserved for the terminal error.
+                if self.tx.capacity() <= 1 {
+                    let capacity = self.capacity;
+                    return self.end(MetaError::WatchLagged { capacity });
+                }
+                if self.tx.try_send(Ok(ev)).is_err() {
+                    return;
+                }
             }
         }
     }
+
+    fn end(self, err: MetaError) {
+        let _ = self.tx.try_send(Err(err));
+    }
 }
 
-fn lost(endpoint: &str, reason: &str) -> MetaError {
-    MetaError::Unavailable {
-        endpoints: endpoint.to_string(),
-        reason: format!("watch lost: {reason}"),
+fn lost_for_good(why: String, err: MetaError) -> MetaError {
+    match err {
+        MetaError::Unavailable { endpoints, reason } => MetaError::Unavailable {
+            endpoints,
+            reason: format!("watch lost ({why}) and not resumed: {reason}"),
+        },
+        other => other,
     }
 }

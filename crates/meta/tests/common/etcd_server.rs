@@ -1,9 +1,9 @@
-//! A throwaway etcd for tests: Debian's `etcd` binary on free loopback
-//! ports with a temporary data directory, killed when dropped.
+//! Throwaway etcd members for tests: Debian's `etcd` binary on free loopback
+//! ports, each with a temporary data directory, killed when dropped.
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
@@ -41,72 +41,117 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// A spawned member whose log is being read for the ready line.
+struct Starting {
+    child: Child,
+    url: String,
+    dir: TempDir,
+    /// `Ok` once ready, `Err(log)` if etcd exited first.
+    ready: mpsc::Receiver<Result<(), String>>,
+}
+
+fn spawn_member(bin: &Path, name: &str, client: String, peer: &str, cluster: &str) -> Starting {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut child = Command::new(bin)
+        .arg(format!("--name={name}"))
+        .arg(format!("--data-dir={}", dir.path().join("data").display()))
+        .arg(format!("--listen-client-urls={client}"))
+        .arg(format!("--advertise-client-urls={client}"))
+        .arg(format!("--listen-peer-urls={peer}"))
+        .arg(format!("--initial-advertise-peer-urls={peer}"))
+        .arg(format!("--initial-cluster={cluster}"))
+        .arg("--heartbeat-interval=10")
+        .arg("--election-timeout=100")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {}: {e}", bin.display()));
+    let stderr = child.stderr.take().expect("piped stderr");
+    let (tx, ready) = mpsc::channel();
+    // Keeps draining the pipe after the ready line, so etcd never blocks on
+    // a full pipe.
+    std::thread::spawn(move || {
+        let mut log = String::new();
+        let mut waiting = Some(tx.clone());
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if waiting.is_some() {
+                log.push_str(&line);
+                log.push('\n');
+            }
+            if line.contains(READY) {
+                if let Some(tx) = waiting.take() {
+                    let _ = tx.send(Ok(()));
+                }
+            }
+        }
+        let _ = tx.send(Err(log));
+    });
+    Starting {
+        child,
+        url: client,
+        dir,
+        ready,
+    }
+}
+
 impl EtcdServer {
-    /// Start etcd and return once it serves clients. A short election timeout
-    /// makes it elect itself at once and lowers its minimum lease TTL to 1 s.
+    /// Start a one-member etcd and return once it serves clients.
     pub fn start() -> Self {
+        Self::start_cluster(1).pop().expect("one member")
+    }
+
+    /// Start an etcd cluster of `n` members and return once all serve
+    /// clients. A short election timeout makes a leader emerge at once and
+    /// lowers the minimum lease TTL to 1 s.
+    pub fn start_cluster(n: usize) -> Vec<Self> {
         let bin = etcd_binary();
         let mut last_log = String::new();
         // Another process may take a port between our probe and etcd's bind.
         for _ in 0..5 {
-            let dir = tempfile::tempdir().expect("tempdir");
-            let client = format!("http://127.0.0.1:{}", free_port());
-            let peer = format!("http://127.0.0.1:{}", free_port());
-            let mut child = Command::new(&bin)
-                .arg("--name=test")
-                .arg(format!("--data-dir={}", dir.path().join("data").display()))
-                .arg(format!("--listen-client-urls={client}"))
-                .arg(format!("--advertise-client-urls={client}"))
-                .arg(format!("--listen-peer-urls={peer}"))
-                .arg(format!("--initial-advertise-peer-urls={peer}"))
-                .arg(format!("--initial-cluster=test={peer}"))
-                .arg("--heartbeat-interval=10")
-                .arg("--election-timeout=100")
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap_or_else(|e| panic!("start {}: {e}", bin.display()));
-            let stderr = child.stderr.take().expect("piped stderr");
-            let (tx, rx) = mpsc::channel();
-            // Keeps draining the pipe after the ready line, so etcd never
-            // blocks on a full pipe.
-            std::thread::spawn(move || {
-                let mut log = String::new();
-                let mut ready = Some(tx.clone());
-                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                    if ready.is_some() {
-                        log.push_str(&line);
-                        log.push('\n');
-                    }
-                    if line.contains(READY) {
-                        if let Some(tx) = ready.take() {
-                            let _ = tx.send(Ok(()));
-                        }
-                    }
+            let ports: Vec<(String, String)> = (0..n)
+                .map(|_| {
+                    (
+                        format!("http://127.0.0.1:{}", free_port()),
+                        format!("http://127.0.0.1:{}", free_port()),
+                    )
+                })
+                .collect();
+            let cluster = ports
+                .iter()
+                .enumerate()
+                .map(|(i, (_, peer))| format!("m{i}={peer}"))
+                .collect::<Vec<_>>()
+                .join(",");
+            let starting: Vec<Starting> = ports
+                .into_iter()
+                .enumerate()
+                .map(|(i, (client, peer))| {
+                    spawn_member(&bin, &format!("m{i}"), client, &peer, &cluster)
+                })
+                .collect();
+            let mut members = Vec::new();
+            let mut failure = None;
+            for s in starting {
+                match s.ready.recv_timeout(Duration::from_secs(30)) {
+                    Ok(Ok(())) => {}
+                    Ok(Err(log)) => failure = failure.or(Some(log)),
+                    Err(_) => failure = failure.or(Some(format!("no {READY:?} within 30 s"))),
                 }
-                let _ = tx.send(Err(log));
-            });
-            match rx.recv_timeout(Duration::from_secs(30)) {
-                Ok(Ok(())) => {
-                    return EtcdServer {
-                        child,
-                        url: client,
-                        _dir: dir,
-                    }
-                }
-                Ok(Err(log)) => {
-                    let _ = child.wait();
+                members.push(EtcdServer {
+                    child: s.child,
+                    url: s.url,
+                    _dir: s.dir,
+                });
+            }
+            match failure {
+                None => return members,
+                Some(log) => {
+                    drop(members);
                     last_log = log;
-                    if last_log.contains("address already in use") {
-                        continue;
+                    if !last_log.contains("address already in use") {
+                        panic!("etcd did not start:\n{last_log}");
                     }
-                    panic!("etcd exited before serving clients:\n{last_log}");
-                }
-                Err(_) => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    panic!("etcd did not report {READY:?} within 30 s");
                 }
             }
         }
