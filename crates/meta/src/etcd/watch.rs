@@ -2,6 +2,7 @@
 //! behind [`Watch`].
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use tokio::sync::mpsc;
 use tonic::Streaming;
@@ -161,9 +162,10 @@ async fn compaction_notice(
     }
 }
 
-/// Streams lost in a row, with no event between them, before the watch
-/// gives up: etcd members that keep dropping a watch at once are not
-/// worth retrying forever.
+/// Streams lost in quick succession (each within a request timeout of its
+/// creation) before the watch gives up: members that keep dropping a watch
+/// at once are not worth retrying forever, while a watch that lives for
+/// months may be resumed any number of times.
 const MAX_RESUMES: usize = 3;
 
 /// The task that moves events from the gRPC stream to the watcher's
@@ -191,6 +193,7 @@ impl Pump {
             ..
         } = created;
         let mut resumes = 0;
+        let mut since = Instant::now();
         loop {
             let msg = tokio::select! {
                 _ = self.tx.closed() => return,
@@ -204,11 +207,14 @@ impl Pump {
                         Err(status) => format!("{endpoint}: {}", status.message()),
                         _ => format!("{endpoint} ended the watch stream"),
                     };
+                    if since.elapsed() > self.client.request_timeout() {
+                        resumes = 0;
+                    }
                     resumes += 1;
                     let resumed = if resumes > MAX_RESUMES {
                         Err(MetaError::Unavailable {
                             endpoints: self.client.endpoints(),
-                            reason: format!("lost {MAX_RESUMES} times in a row"),
+                            reason: format!("lost {MAX_RESUMES} times in quick succession"),
                         })
                     } else {
                         tracing::debug!(%why, revision = %self.next_revision, "etcd watch lost; resuming");
@@ -220,6 +226,7 @@ impl Pump {
                     };
                     match resumed {
                         Ok(created) => {
+                            since = Instant::now();
                             stream = created.stream;
                             endpoint = created.endpoint;
                             continue;
@@ -242,9 +249,6 @@ impl Pump {
                     }
                 };
                 return self.end(err);
-            }
-            if !resp.events.is_empty() {
-                resumes = 0;
             }
             for ev in resp.events {
                 let ev = match event_from_etcd(ev) {
