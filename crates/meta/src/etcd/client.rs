@@ -227,35 +227,33 @@ impl Client {
             };
             self.counts[call.kind as usize].fetch_add(1, Ordering::Relaxed);
             let outcome = tokio::time::timeout(self.request_timeout, f(channel)).await;
-            let failure = match outcome {
+            // `maybe_sent`: the request may have reached etcd (and a write been applied).
+            let (failure, maybe_sent) = match outcome {
                 Ok(Ok(value)) => {
                     self.preferred.store(idx, Ordering::Relaxed);
                     return Ok((value, member.url.clone()));
                 }
-                Ok(Err(status)) if is_connect_error(&status) => {
-                    format!("{}: cannot connect: {}", member.url, root_cause(&status))
-                }
+                Ok(Err(status)) if is_connect_error(&status) => (
+                    format!("{}: cannot connect: {}", member.url, root_cause(&status)),
+                    false,
+                ),
                 Ok(Err(status)) if is_transient(&status) => {
-                    let failure = format!("{}: {}", member.url, status.message());
-                    if call.retry == Retry::IfNotSent {
-                        return Err(self.unavailable(failure, true));
-                    }
-                    failure
+                    (format!("{}: {}", member.url, status.message()), true)
                 }
                 Ok(Err(status)) => return Err(rejected(&status, &member.url, call.lease)),
-                Err(_) => {
-                    let failure = format!(
+                Err(_) => (
+                    format!(
                         "{}: no answer within {:?} (request timeout)",
                         member.url, self.request_timeout
-                    );
-                    if call.retry == Retry::IfNotSent {
-                        return Err(self.unavailable(failure, true));
-                    }
-                    failure
-                }
+                    ),
+                    true,
+                ),
             };
-            tracing::debug!(endpoint = %member.url, %failure, "etcd request failed; trying the next endpoint");
+            tracing::debug!(endpoint = %member.url, %failure, "etcd request failed");
             failures.push(failure);
+            if maybe_sent && call.retry == Retry::IfNotSent {
+                return Err(self.unavailable(failures.join("; "), true));
+            }
         }
         Err(self.unavailable(failures.join("; "), false))
     }
