@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: unit tests, storage crash/property tests, and end-to-end tests that run
 # a real `ashlar node` against real clients (fio, nbdinfo, nbdcopy, qemu-img, nbdfuse).
-# Needs: fio libnbd-bin nbdkit qemu-utils fuse3 e2fsprogs (.ci/run installs them).
+# Needs: fio libnbd-bin nbdkit qemu-utils fuse3 e2fsprogs, and etcd-server for the MetaStore
+# tests, which start their own etcd (.ci/run installs them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Release mode: the end-to-end tests push real I/O through the node. The whole run is bounded

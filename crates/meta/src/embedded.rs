@@ -103,13 +103,15 @@ impl EmbeddedMetaStore {
                 "deleted keys attached to leases of the previous process"
             );
         }
+        let leases = LeaseTable::new(epoch);
         let inner = Arc::new(Inner {
             path: path.to_path_buf(),
             db,
             max_txn_ops: options.max_txn_ops,
+            lease_deadlines: leases.deadlines(),
             state: Mutex::new(State {
                 revision,
-                leases: LeaseTable::new(epoch),
+                leases,
                 hub: WatchHub::new(
                     revision,
                     options.watch_history_events,
@@ -236,7 +238,10 @@ fn spawn_expiry_task(inner: &Arc<Inner>) {
             let sleep_for = {
                 let Some(inner) = weak.upgrade() else { return };
                 let next = match inner.state.lock() {
-                    Ok(st) => st.leases.next_deadline(),
+                    Ok(st) => match st.leases.next_deadline() {
+                        Ok(next) => next,
+                        Err(_) => return,
+                    },
                     Err(_) => return,
                 };
                 next.map_or(IDLE, |d| {
@@ -314,8 +319,8 @@ impl MetaStore for EmbeddedMetaStore {
     }
 
     async fn keep_alive(&self, lease: LeaseId) -> Result<(), MetaError> {
-        self.run(move |inner| inner.state()?.leases.keep_alive(lease, Instant::now()))
-            .await
+        // Neither the state lock nor the blocking pool: see `Deadlines`.
+        self.inner.lease_deadlines.keep_alive(lease, Instant::now())
     }
 
     async fn revoke_lease(&self, lease: LeaseId) -> Result<(), MetaError> {

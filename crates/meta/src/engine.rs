@@ -17,7 +17,7 @@ use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use tokio::sync::Notify;
 
 use crate::error::MetaError;
-use crate::lease::LeaseTable;
+use crate::lease::{Deadlines, LeaseTable};
 use crate::record;
 use crate::types::{
     Compare, CompareTarget, EventKind, KeyRange, KeyValue, LeaseId, Revision, Txn, TxnOp,
@@ -45,6 +45,8 @@ pub(crate) struct Inner {
     pub(crate) db: Database,
     pub(crate) max_txn_ops: usize,
     pub(crate) state: Mutex<State>,
+    /// The lease deadlines of `state.leases`, reachable without the state lock.
+    pub(crate) lease_deadlines: Arc<Deadlines>,
     /// Wakes the expiry task: on a grant (maybe an earlier deadline) and on drop.
     pub(crate) expiry_wake: Arc<Notify>,
     pub(crate) reserve: SpaceReserve,
@@ -150,7 +152,7 @@ impl Inner {
     /// the background expiry task has not run yet.
     pub(crate) fn state(&self) -> Result<MutexGuard<'_, State>, MetaError> {
         let mut st = self.state.lock().map_err(|_| MetaError::Poisoned)?;
-        for id in st.leases.expired(Instant::now()) {
+        for id in st.leases.expired(Instant::now())? {
             self.revoke_locked(&mut st, id)?;
         }
         Ok(st)
@@ -165,8 +167,7 @@ impl Inner {
             // Internal: skips validate() (a lease may hold more keys than max_txn_ops).
             self.execute(st, &txn)?;
         }
-        st.leases.remove(id);
-        Ok(())
+        st.leases.remove(id)
     }
 
     pub(crate) fn get(&self, key: &[u8]) -> Result<Option<KeyValue>, MetaError> {
@@ -181,11 +182,7 @@ impl Inner {
         range: &KeyRange,
         limit: Option<usize>,
     ) -> Result<Vec<KeyValue>, MetaError> {
-        if limit == Some(0) {
-            return Err(MetaError::invalid(
-                "range limit must be at least 1 (use None for no limit)",
-            ));
-        }
+        check_limit(limit)?;
         check_range(range)?;
         let _st = self.state()?;
         let rtx = self.db.begin_read().map_err(|e| self.err(e))?;
@@ -372,6 +369,16 @@ impl Inner {
 pub(crate) fn check_key(key: &[u8]) -> Result<(), MetaError> {
     if key.is_empty() {
         return Err(MetaError::invalid("key must not be empty"));
+    }
+    Ok(())
+}
+
+/// etcd reads a limit of 0 as "no limit"; refuse it rather than surprise.
+pub(crate) fn check_limit(limit: Option<usize>) -> Result<(), MetaError> {
+    if limit == Some(0) {
+        return Err(MetaError::invalid(
+            "range limit must be at least 1 (use None for no limit)",
+        ));
     }
     Ok(())
 }

@@ -47,6 +47,20 @@ pub enum MetaError {
 
     #[error("metadata store state is unusable after an internal panic; restart the process")]
     Poisoned,
+
+    /// No etcd endpoint answered, or one gave up on the request. A write
+    /// that fails this way may or may not have been applied: re-read before
+    /// retrying a compare-and-swap.
+    #[error("etcd unavailable at {endpoints}: {reason}; check that etcd runs and that this host can reach it")]
+    Unavailable { endpoints: String, reason: String },
+
+    /// etcd answered with an error that has no more specific variant.
+    #[error("etcd at {endpoint} refused the request ({code}): {message}")]
+    Etcd {
+        endpoint: String,
+        code: String,
+        message: String,
+    },
 }
 
 impl MetaError {

@@ -6,16 +6,40 @@
 //! lease died with the process).
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::error::MetaError;
 use crate::types::{EventKind, LeaseId, WatchEvent};
 
-struct Lease {
+struct Clock {
     ttl: Duration,
     deadline: Instant,
-    /// Keys currently attached, so revoke/expiry need no table scan.
-    keys: BTreeSet<Vec<u8>>,
+}
+
+/// Lease deadlines, under a lock of their own: a keep-alive only moves a
+/// deadline, so it never waits for the store's state lock, which every
+/// commit holds while it fsyncs. Otherwise a busy store could let a lease
+/// expire that its holder kept alive in time. Lock order: state, then this.
+#[derive(Default)]
+pub(crate) struct Deadlines(Mutex<HashMap<LeaseId, Clock>>);
+
+impl Deadlines {
+    fn lock(&self) -> Result<MutexGuard<'_, HashMap<LeaseId, Clock>>, MetaError> {
+        self.0.lock().map_err(|_| MetaError::Poisoned)
+    }
+
+    /// A lease whose deadline has passed is gone even before it is reaped.
+    pub(crate) fn keep_alive(&self, id: LeaseId, now: Instant) -> Result<(), MetaError> {
+        match self.lock()?.get_mut(&id) {
+            Some(clock) if clock.deadline > now => {
+                // A TTL too large to add saturates.
+                clock.deadline = now.checked_add(clock.ttl).unwrap_or(clock.deadline);
+                Ok(())
+            }
+            _ => Err(MetaError::LeaseNotFound(id)),
+        }
+    }
 }
 
 pub(crate) struct LeaseTable {
@@ -23,7 +47,9 @@ pub(crate) struct LeaseTable {
     /// without a disk write per grant: id = epoch << 32 | sequence.
     epoch: i64,
     next_seq: u64,
-    leases: HashMap<LeaseId, Lease>,
+    /// Keys currently attached to each lease, so revoke/expiry need no table scan.
+    keys: HashMap<LeaseId, BTreeSet<Vec<u8>>>,
+    deadlines: Arc<Deadlines>,
 }
 
 impl LeaseTable {
@@ -31,8 +57,14 @@ impl LeaseTable {
         LeaseTable {
             epoch,
             next_seq: 1,
-            leases: HashMap::new(),
+            keys: HashMap::new(),
+            deadlines: Arc::default(),
         }
+    }
+
+    /// The deadlines, for keep-alives without the state lock.
+    pub(crate) fn deadlines(&self) -> Arc<Deadlines> {
+        Arc::clone(&self.deadlines)
     }
 
     pub(crate) fn grant(&mut self, ttl: Duration, now: Instant) -> Result<LeaseId, MetaError> {
@@ -54,59 +86,46 @@ impl LeaseTable {
             .ok_or_else(|| MetaError::invalid("lease id space exhausted"))?;
         self.next_seq += 1;
         let id = LeaseId(id);
-        self.leases.insert(
-            id,
-            Lease {
-                ttl,
-                deadline,
-                keys: BTreeSet::new(),
-            },
-        );
+        self.deadlines.lock()?.insert(id, Clock { ttl, deadline });
+        self.keys.insert(id, BTreeSet::new());
         Ok(id)
     }
 
-    pub(crate) fn keep_alive(&mut self, id: LeaseId, now: Instant) -> Result<(), MetaError> {
-        let lease = self
-            .leases
-            .get_mut(&id)
-            .ok_or(MetaError::LeaseNotFound(id))?;
-        // The deadline only moves forward; a TTL too large to add saturates.
-        lease.deadline = now.checked_add(lease.ttl).unwrap_or(lease.deadline);
-        Ok(())
-    }
-
     pub(crate) fn contains(&self, id: LeaseId) -> bool {
-        self.leases.contains_key(&id)
+        self.keys.contains_key(&id)
     }
 
     /// Keys attached to the lease, for a revoke.
     pub(crate) fn keys(&self, id: LeaseId) -> Result<Vec<Vec<u8>>, MetaError> {
-        self.leases
+        self.keys
             .get(&id)
-            .map(|l| l.keys.iter().cloned().collect())
+            .map(|keys| keys.iter().cloned().collect())
             .ok_or(MetaError::LeaseNotFound(id))
     }
 
     /// Forget the lease (after its keys were deleted).
-    pub(crate) fn remove(&mut self, id: LeaseId) {
-        self.leases.remove(&id);
+    pub(crate) fn remove(&mut self, id: LeaseId) -> Result<(), MetaError> {
+        self.keys.remove(&id);
+        self.deadlines.lock()?.remove(&id);
+        Ok(())
     }
 
     /// Leases whose deadline has passed.
-    pub(crate) fn expired(&self, now: Instant) -> Vec<LeaseId> {
+    pub(crate) fn expired(&self, now: Instant) -> Result<Vec<LeaseId>, MetaError> {
         let mut ids: Vec<LeaseId> = self
-            .leases
+            .deadlines
+            .lock()?
             .iter()
-            .filter(|(_, l)| l.deadline <= now)
+            .filter(|(_, c)| c.deadline <= now)
             .map(|(id, _)| *id)
             .collect();
         // Deterministic order: oldest grant first.
         ids.sort();
-        ids
+        Ok(ids)
     }
 
-    pub(crate) fn next_deadline(&self) -> Option<Instant> {
-        self.leases.values().map(|l| l.deadline).min()
+    pub(crate) fn next_deadline(&self) -> Result<Option<Instant>, MetaError> {
+        Ok(self.deadlines.lock()?.values().map(|c| c.deadline).min())
     }
 
     /// Follow the key -> lease associations changed by a committed transaction.
@@ -114,14 +133,14 @@ impl LeaseTable {
         for ev in events {
             let key = &ev.kv.key;
             if let Some(old) = ev.prev.as_ref().and_then(|p| p.lease) {
-                if let Some(lease) = self.leases.get_mut(&old) {
-                    lease.keys.remove(key);
+                if let Some(keys) = self.keys.get_mut(&old) {
+                    keys.remove(key);
                 }
             }
             if ev.kind == EventKind::Put {
                 if let Some(new) = ev.kv.lease {
-                    if let Some(lease) = self.leases.get_mut(&new) {
-                        lease.keys.insert(key.clone());
+                    if let Some(keys) = self.keys.get_mut(&new) {
+                        keys.insert(key.clone());
                     }
                 }
             }
@@ -148,14 +167,21 @@ mod tests {
         let mut t = LeaseTable::new(1);
         let now = Instant::now();
         let id = t.grant(Duration::from_secs(10), now).expect("grant");
-        assert!(t.expired(now + Duration::from_secs(9)).is_empty());
-        t.keep_alive(id, now + Duration::from_secs(9))
+        let deadlines = t.deadlines();
+        assert!(t.expired(now + Duration::from_secs(9)).unwrap().is_empty());
+        deadlines
+            .keep_alive(id, now + Duration::from_secs(9))
             .expect("keep alive");
-        assert!(t.expired(now + Duration::from_secs(18)).is_empty());
-        assert_eq!(t.expired(now + Duration::from_secs(19)), vec![id]);
-        t.remove(id);
+        assert!(t.expired(now + Duration::from_secs(18)).unwrap().is_empty());
+        assert_eq!(t.expired(now + Duration::from_secs(19)).unwrap(), vec![id]);
+        // Past its deadline, a lease cannot be kept alive even before it is reaped.
         assert!(matches!(
-            t.keep_alive(id, now),
+            deadlines.keep_alive(id, now + Duration::from_secs(19)),
+            Err(MetaError::LeaseNotFound(_))
+        ));
+        t.remove(id).unwrap();
+        assert!(matches!(
+            deadlines.keep_alive(id, now),
             Err(MetaError::LeaseNotFound(_))
         ));
     }

@@ -15,7 +15,7 @@ pub type WatchItem = Result<WatchEvent, MetaError>;
 ///
 /// Ends (for good) when the store closes, when the watcher falls too far
 /// behind ([`MetaError::WatchLagged`]) or, for remote stores, when the
-/// connection is lost. [`Watch::next`] reports the end as `None` and keeps
+/// connection is lost and no endpoint can resume it. [`Watch::next`] reports the end as `None` and keeps
 /// the reason in [`Watch::end_reason`]; [`Watch::next_event`] returns it.
 #[derive(Debug)]
 pub struct Watch {

@@ -1,6 +1,8 @@
-//! Key-value operations, revisions and transactions of the embedded store.
+//! Key-value operations, revisions and transactions, on both stores.
 
 mod common;
+
+use common::{Backend, Settings};
 
 use std::sync::Arc;
 
@@ -8,9 +10,8 @@ use ashlar_meta::{
     Compare, CompareOp, KeyRange, MetaError, MetaStore, Revision, Txn, TxnOp, TxnOpResult,
 };
 
-#[tokio::test]
-async fn put_get_range_prefix_delete() {
-    let (_dir, store) = common::store();
+async fn put_get_range_prefix_delete<B: Backend>() {
+    let (_guard, store) = B::open(Settings::default()).await;
     assert_eq!(store.get(b"/a").await.expect("get"), None);
 
     store.put(b"/a", b"1", None).await.expect("put");
@@ -57,6 +58,27 @@ async fn put_get_range_prefix_delete() {
         .await
         .expect("range")
         .is_empty());
+    // Inside a transaction too, where etcd has no way to say "nothing".
+    let inverted = KeyRange::range("/c", "/a");
+    let resp = store
+        .txn(Txn::new().and_then([TxnOp::get(inverted.clone()), TxnOp::delete(inverted)]))
+        .await
+        .expect("txn");
+    assert_eq!(
+        resp.results,
+        vec![
+            TxnOpResult::Get { kvs: Vec::new() },
+            TxnOpResult::Delete { deleted: 0 }
+        ]
+    );
+    assert_eq!(
+        store
+            .range(KeyRange::prefix(""), None)
+            .await
+            .expect("range")
+            .len(),
+        4
+    );
     let single = store.range(KeyRange::key("/c"), None).await.expect("range");
     assert_eq!(keys(single), vec![b"/c".to_vec()]);
 
@@ -85,9 +107,8 @@ async fn put_get_range_prefix_delete() {
     ));
 }
 
-#[tokio::test]
-async fn revisions_and_versions_follow_etcd() {
-    let (_dir, store) = common::store();
+async fn revisions_and_versions_follow_etcd<B: Backend>() {
+    let (_guard, store) = B::open(Settings::default()).await;
     // etcd starts at revision 1; the first write is revision 2.
     assert_eq!(store.current_revision().await.expect("rev"), Revision(1));
 
@@ -132,9 +153,8 @@ async fn revisions_and_versions_follow_etcd() {
     );
 }
 
-#[tokio::test]
-async fn txn_create_if_absent() {
-    let (_dir, store) = common::store();
+async fn txn_create_if_absent<B: Backend>() {
+    let (_guard, store) = B::open(Settings::default()).await;
     let create = |value: &'static str| {
         Txn::new()
             .when([Compare::absent("/vd/a")])
@@ -166,9 +186,8 @@ async fn txn_create_if_absent() {
     );
 }
 
-#[tokio::test]
-async fn txn_update_if_mod_revision_matches() {
-    let (_dir, store) = common::store();
+async fn txn_update_if_mod_revision_matches<B: Backend>() {
+    let (_guard, store) = B::open(Settings::default()).await;
     store.put(b"/cfg", b"v1", None).await.expect("put");
     let seen = store.get(b"/cfg").await.expect("get").expect("present");
 
@@ -221,12 +240,58 @@ async fn txn_update_if_mod_revision_matches() {
     }
 }
 
-#[tokio::test]
-async fn txn_rejects_what_etcd_rejects() {
-    let (_dir, store) = common::store();
+/// etcd compares an absent key's fields as zero, except its value: a value
+/// compare on an absent key is always false (absent is not empty).
+async fn compares_on_absent_and_present_keys<B: Backend>() {
+    let (_guard, store) = B::open(Settings::default()).await;
+    store.put(b"/b", b"b", None).await.expect("put");
+    let holds = |compare: Compare| {
+        let store = store.clone();
+        async move {
+            store
+                .txn(Txn::new().when([compare]))
+                .await
+                .expect("txn")
+                .succeeded
+        }
+    };
+    assert!(!holds(Compare::value("/none", CompareOp::Equal, "")).await);
+    assert!(!holds(Compare::value("/none", CompareOp::NotEqual, "x")).await);
+    assert!(holds(Compare::version("/none", CompareOp::Equal, 0)).await);
+    assert!(holds(Compare::absent("/none")).await);
+    assert!(holds(Compare::mod_revision("/none", CompareOp::Less, Revision(1))).await);
+    assert!(holds(Compare::lease("/none", CompareOp::Equal, None)).await);
+
+    assert!(holds(Compare::exists("/b")).await);
+    assert!(holds(Compare::value("/b", CompareOp::Greater, "a")).await);
+    assert!(holds(Compare::value("/b", CompareOp::Less, "c")).await);
+    assert!(!holds(Compare::value("/b", CompareOp::Less, "b")).await);
+    assert!(holds(Compare::value("/b", CompareOp::NotEqual, "a")).await);
+    assert!(
+        holds(Compare::create_revision(
+            "/b",
+            CompareOp::Equal,
+            Revision(2)
+        ))
+        .await
+    );
+    assert!(!holds(Compare::mod_revision("/b", CompareOp::Greater, Revision(2))).await);
+    assert!(holds(Compare::version("/b", CompareOp::Less, 2)).await);
+}
+
+async fn txn_rejects_what_etcd_rejects<B: Backend>() {
+    let (_guard, store) = B::open(Settings::default()).await;
     let dup = Txn::new().and_then([TxnOp::put("/a", "1", None), TxnOp::put("/a", "2", None)]);
     assert!(matches!(
         store.txn(dup).await,
+        Err(MetaError::InvalidArgument(_))
+    ));
+    let covered = Txn::new().and_then([
+        TxnOp::delete(KeyRange::prefix("/d/")),
+        TxnOp::put("/d/1", "x", None),
+    ]);
+    assert!(matches!(
+        store.txn(covered).await,
         Err(MetaError::InvalidArgument(_))
     ));
     let too_many = Txn::new().and_then((0..129).map(|i| TxnOp::put(format!("/k{i}"), "v", None)));
@@ -247,11 +312,10 @@ async fn txn_rejects_what_etcd_rejects() {
     assert_eq!(store.current_revision().await.expect("rev"), Revision(1));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_cas_counter_is_exact() {
+async fn concurrent_cas_counter_is_exact<B: Backend>() {
     const TASKS: u64 = 8;
     const INCREMENTS: u64 = 25;
-    let (_dir, store) = common::store();
+    let (_guard, store) = B::open(Settings::default()).await;
     let store = Arc::new(store);
 
     let mut handles = Vec::new();
@@ -325,3 +389,13 @@ fn works_without_a_tokio_runtime() {
         assert_eq!(store.get(b"/leased").await.expect("get"), None);
     });
 }
+
+conformance!(
+    put_get_range_prefix_delete,
+    revisions_and_versions_follow_etcd,
+    txn_create_if_absent,
+    txn_update_if_mod_revision_matches,
+    compares_on_absent_and_present_keys,
+    txn_rejects_what_etcd_rejects,
+    concurrent_cas_counter_is_exact,
+);

@@ -1,6 +1,8 @@
-//! Watch behaviour of the embedded store.
+//! Watch behaviour, on both stores.
 
 mod common;
+
+use common::{Backend, Settings};
 
 use std::time::Duration;
 
@@ -15,9 +17,8 @@ async fn next(watch: &mut ashlar_meta::Watch) -> ashlar_meta::WatchEvent {
         .expect("watch alive")
 }
 
-#[tokio::test]
-async fn puts_and_deletes_arrive_in_order() {
-    let (_dir, store) = common::store();
+async fn puts_and_deletes_arrive_in_order<B: Backend>() {
+    let (_guard, store) = B::open(Settings::default()).await;
     let mut watch = store
         .watch(KeyRange::prefix(""), None)
         .await
@@ -61,9 +62,8 @@ async fn puts_and_deletes_arrive_in_order() {
     assert_eq!((ex.revision(), ey.revision()), (r4, r4));
 }
 
-#[tokio::test]
-async fn prefix_filtering() {
-    let (_dir, store) = common::store();
+async fn prefix_filtering<B: Backend>() {
+    let (_guard, store) = B::open(Settings::default()).await;
     let mut vdisks = store
         .watch(KeyRange::prefix("/ashlar/v1/vdisks/"), None)
         .await
@@ -99,9 +99,8 @@ async fn prefix_filtering() {
         .is_err());
 }
 
-#[tokio::test]
-async fn start_revision_replays_history() {
-    let (_dir, store) = common::store();
+async fn start_revision_replays_history<B: Backend>() {
+    let (_guard, store) = B::open(Settings::default()).await;
     let r1 = store.put(b"/a", b"1", None).await.expect("put");
     store.put(b"/b", b"1", None).await.expect("put");
     let r3 = store.put(b"/a", b"2", None).await.expect("put");
@@ -130,17 +129,9 @@ async fn start_revision_replays_history() {
     assert_eq!(next(&mut after_read).await.revision(), r4);
 }
 
-#[tokio::test]
-async fn too_old_start_revision_is_compacted() {
-    let options = EmbeddedOptions {
-        watch_history_events: 5,
-        ..EmbeddedOptions::default()
-    };
-    let (_dir, store) = common::store_with(options);
-    for i in 0..10 {
-        store.put(b"/k", format!("{i}"), None).await.expect("put");
-    }
-    // Revisions 2..=11 were written; only the last 5 (7..=11) are retained.
+/// Revisions 2..=11 were written and history before 7 is gone: watching from
+/// 2 is refused, watching from 7 replays it.
+async fn assert_compacted_before_7(store: &impl MetaStore) {
     match store.watch(KeyRange::prefix(""), Some(Revision(2))).await {
         Err(MetaError::Compacted { requested, oldest }) => {
             assert_eq!(requested, Revision(2));
@@ -159,13 +150,38 @@ async fn too_old_start_revision_is_compacted() {
     ));
 }
 
+async fn put_ten(store: &impl MetaStore) {
+    for i in 0..10 {
+        store.put(b"/k", format!("{i}"), None).await.expect("put");
+    }
+}
+
+/// The embedded store keeps a bounded history in memory.
 #[tokio::test]
-async fn lagging_watcher_is_dropped_without_blocking_writers() {
+async fn embedded_history_limit_compacts() {
     let options = EmbeddedOptions {
-        watch_channel_capacity: 4,
+        watch_history_events: 5,
         ..EmbeddedOptions::default()
     };
     let (_dir, store) = common::store_with(options);
+    put_ten(&store).await;
+    assert_compacted_before_7(&store).await;
+}
+
+/// etcd keeps everything until compacted.
+#[tokio::test]
+async fn etcd_compaction_compacts() {
+    let (_server, store) = common::Etcd::open(Settings::default()).await;
+    put_ten(&store).await;
+    store.compact(Revision(7)).await.expect("compact");
+    assert_compacted_before_7(&store).await;
+}
+
+async fn lagging_watcher_is_dropped_without_blocking_writers<B: Backend>() {
+    let settings = Settings {
+        watch_channel_capacity: Some(4),
+    };
+    let (_guard, store) = B::open(settings).await;
     let mut slow = store
         .watch(KeyRange::prefix(""), None)
         .await
@@ -204,18 +220,25 @@ async fn lagging_watcher_is_dropped_without_blocking_writers() {
     assert_eq!(next(&mut fast).await.kv.value, b"19");
 }
 
-#[tokio::test]
-async fn watch_ends_with_closed_when_store_is_dropped() {
-    let (_dir, store) = common::store();
+async fn watch_ends_with_closed_when_store_is_dropped<B: Backend>() {
+    let (_guard, store) = B::open(Settings::default()).await;
     let mut watch = store
         .watch(KeyRange::prefix(""), None)
         .await
         .expect("watch");
     store.put(b"/a", b"1", None).await.expect("put");
-    drop(store);
     assert_eq!(next(&mut watch).await.kv.key, b"/a");
+    drop(store);
     let end = tokio::time::timeout(Duration::from_secs(5), watch.next_event())
         .await
         .expect("ends");
     assert!(matches!(end, Err(MetaError::Closed)));
 }
+
+conformance!(
+    puts_and_deletes_arrive_in_order,
+    prefix_filtering,
+    start_revision_replays_history,
+    lagging_watcher_is_dropped_without_blocking_writers,
+    watch_ends_with_closed_when_store_is_dropped,
+);
