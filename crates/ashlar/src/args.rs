@@ -70,6 +70,11 @@ pub struct NodeArgs {
     /// Writers wait when it is full.
     #[arg(long, default_value = "256M", value_name = "SIZE")]
     pub oplog_size: String,
+    /// Oplog data one drain step moves into the extent store at once, per shard (held in
+    /// memory while it runs). Larger steps touch each extent group for more blocks at once,
+    /// so fewer syncs per block drained; 1M to 1G.
+    #[arg(long, default_value = "8M", value_name = "SIZE")]
+    pub drain_batch: String,
     /// Requests queued per shard controller before clients wait.
     #[arg(long, default_value_t = 1024, value_name = "N")]
     pub shard_queue_limit: usize,

@@ -112,6 +112,10 @@ fn engine_config(args: &NodeArgs) -> Result<EngineConfig> {
     if args.default_shards == 0 || args.default_shards > max_shards {
         bail!("--default-shards must be between 1 and {max_shards}");
     }
+    let drain_batch_bytes = size("--drain-batch", &args.drain_batch)?;
+    if !((1 << 20)..=(1 << 30)).contains(&drain_batch_bytes) {
+        bail!("--drain-batch must be between 1M and 1G");
+    }
     let disks = if args.disks.is_empty() {
         vec![Disk {
             path: args.data_dir.join("disk0"),
@@ -133,7 +137,7 @@ fn engine_config(args: &NodeArgs) -> Result<EngineConfig> {
         shard_queue_limit: args.shard_queue_limit.max(1),
         shard_requests_in_flight_limit:
             ashlar_engine::config::DEFAULT_SHARD_REQUESTS_IN_FLIGHT_LIMIT,
-        drain_batch_bytes: 8 << 20,
+        drain_batch_bytes,
         drain_idle: Duration::from_millis(500),
         max_open_egroups_per_shard: args.max_open_egroups.max(1),
         default_shards: args.default_shards,

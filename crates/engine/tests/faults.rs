@@ -349,6 +349,16 @@ impl Node {
         node
     }
 
+    /// A node whose shards never drain on their own (only a re-shard or a full log does):
+    /// the data stays in the oplogs.
+    async fn start_without_background_drain() -> Node {
+        Node::start(Settings {
+            drain_idle: Duration::from_secs(3600),
+            ..Settings::default()
+        })
+        .await
+    }
+
     fn config(&self) -> EngineConfig {
         let s = &self.settings;
         EngineConfig {
@@ -1232,12 +1242,7 @@ async fn power_cuts_with_two_open_egroups_keep_acknowledged_writes() {
 #[tokio::test(flavor = "current_thread")]
 async fn a_reshard_whose_caller_gives_up_serves_no_stale_data() {
     let _cpu = CPU.read().await;
-    let mut node = Node::start(Settings {
-        // No background drain: the data stays in the old shards' oplogs until they retire.
-        drain_idle: Duration::from_secs(3600),
-        ..Settings::default()
-    })
-    .await;
+    let mut node = Node::start_without_background_drain().await;
     let id = node.create("v", 8 * MIB, 2).await;
     let mut tracker = Tracker::new(8 * MIB, 0);
     for i in 0..64 {
@@ -1833,36 +1838,18 @@ enum LogRot {
     BatchHeader,
 }
 
-async fn oplog_rot(rot: LogRot) {
-    let _cpu = CPU.read().await;
-    let label = format!("oplog rot in a {rot:?}");
-    let mut node = Node::start(Settings {
-        // Nothing drains: every record stays in the oplog until the restart.
-        drain_idle: Duration::from_secs(3600),
-        ..Settings::default()
-    })
-    .await;
-    let c = node.create("c", 16 * MIB, 1).await;
-    node.create("d", 8 * MIB, 1).await;
-    let mut tc = Tracker::new(16 * MIB, 0);
-    let mut td = Tracker::new(8 * MIB, 1 << 40);
-    // One 8 KiB write per batch (one at a time), at distinct offsets.
+/// One 8 KiB write per batch (one at a time), at distinct offsets of vdisk "c".
+async fn write_200_records(node: &Node, tc: &mut Tracker) {
     for i in 0..200 {
-        node.tracked_write("c", &mut tc, i * 64 * 1024, 8192)
+        node.tracked_write("c", tc, i * 64 * 1024, 8192)
             .await
             .expect("write c");
     }
-    node.tracked_write("d", &mut td, 0, MIB)
-        .await
-        .expect("write d");
-    for i in 0..50 {
-        node.tracked_write("d", &mut td, MIB + i * 32 * 1024, 8192)
-            .await
-            .expect("write d");
-    }
-    node.stop().await;
+}
 
-    let records: Vec<LogRecord> = oplog_records(&node.sim, &oplog_dir(c))
+/// The middle one of the 8 KiB write records `write_200_records` left in the oplog of `c`.
+fn middle_of_200_writes(sim: &SimFs, c: VdiskId, label: &str) -> LogRecord {
+    let records: Vec<LogRecord> = oplog_records(sim, &oplog_dir(c))
         .into_iter()
         .filter(|r| r.kind == 1)
         .collect();
@@ -1873,6 +1860,29 @@ async fn oplog_rot(rot: LogRot) {
     );
     let victim = records[records.len() / 2].clone();
     assert_eq!(victim.length, 8192, "{label}: {victim:?}");
+    victim
+}
+
+async fn oplog_rot(rot: LogRot) {
+    let _cpu = CPU.read().await;
+    let label = format!("oplog rot in a {rot:?}");
+    let mut node = Node::start_without_background_drain().await;
+    let c = node.create("c", 16 * MIB, 1).await;
+    node.create("d", 8 * MIB, 1).await;
+    let mut tc = Tracker::new(16 * MIB, 0);
+    let mut td = Tracker::new(8 * MIB, 1 << 40);
+    write_200_records(&node, &mut tc).await;
+    node.tracked_write("d", &mut td, 0, MIB)
+        .await
+        .expect("write d");
+    for i in 0..50 {
+        node.tracked_write("d", &mut td, MIB + i * 32 * 1024, 8192)
+            .await
+            .expect("write d");
+    }
+    node.stop().await;
+
+    let victim = middle_of_200_writes(&node.sim, c, &label);
     let first_block = (victim.offset / BLOCK) as usize;
     let (at, damaged, lost_ranges) = match rot {
         LogRot::Payload => (
@@ -1922,6 +1932,34 @@ async fn oplog_rot(rot: LogRot) {
     )
     .await;
     rewrite_damage(&node, "c", &mut tc, &damaged, &label).await;
+    node.stop().await;
+}
+
+/// Rot the running node's drain finds (not replay): the drain records the rotted block lost
+/// and goes on; before, it failed and retried forever, and the re-shard waiting for it never
+/// finished.
+#[tokio::test(flavor = "current_thread")]
+async fn rot_found_by_a_running_drain_costs_its_own_block_only() {
+    let _cpu = CPU.read().await;
+    let label = "rot found by a running drain";
+    let mut node = Node::start_without_background_drain().await;
+    let c = node.create("c", 16 * MIB, 1).await;
+    let mut tc = Tracker::new(16 * MIB, 0);
+    write_200_records(&node, &mut tc).await;
+    let victim = middle_of_200_writes(&node.sim, c, label);
+    let damaged = [(victim.offset / BLOCK) as usize];
+    let at = victim.record_at + 40 + 4 * victim.chunks + 100;
+    node.sim.flip_bits(&victim.file, at, 0x5a).expect("flip");
+    // A re-shard drains the old shard's whole oplog before the new shards serve.
+    tokio::time::timeout(Duration::from_secs(60), node.engine().set_shards("c", 2))
+        .await
+        .expect("the re-shard's drain finishes")
+        .expect("re-shard");
+    check_damage(&node, "c", &tc, &damaged, label).await;
+    node.stop().await;
+    node.restart(&format!("{label}: restart")).await;
+    check_damage(&node, "c", &tc, &damaged, &format!("{label}, restart")).await;
+    rewrite_damage(&node, "c", &mut tc, &damaged, label).await;
     node.stop().await;
 }
 

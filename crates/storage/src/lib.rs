@@ -6,4 +6,5 @@
 pub mod disk;
 pub mod extent_store;
 pub mod fs;
+mod join;
 pub mod oplog;

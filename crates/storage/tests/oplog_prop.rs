@@ -9,7 +9,8 @@ mod oplog_support;
 mod oplog {
     use super::oplog_support::*;
     use ashlar_storage::oplog::{
-        Append, DrainItem, DrainKind, Oplog, OplogConfig, OplogEvent, Seq, TryAppendError,
+        Append, DrainData, DrainItem, DrainKind, DrainReadLimits, Oplog, OplogConfig, OplogEvent,
+        Seq, TryAppendError,
     };
     use proptest::prelude::*;
     use proptest::test_runner::FileFailurePersistence;
@@ -152,20 +153,31 @@ mod oplog {
         max: u64,
     ) -> Vec<(DrainItem, Vec<u8>)> {
         let items = oplog.drain_batch(max);
+        // Small reads with small gaps, so batches are cut into many merged reads.
+        let limits = DrainReadLimits {
+            max_read_bytes: 3 * 4096 + max % 8192,
+            max_gap_bytes: max % 4096,
+        };
+        let read = oplog
+            .read_drain_data(&items, limits)
+            .await
+            .expect("read drain data");
+        assert_eq!(read.len(), items.len(), "one result per drain item");
         let mut out = Vec::new();
         let mut previous_end = 0;
-        for item in items {
+        for (item, data) in items.into_iter().zip(read) {
             assert!(
                 item.offset >= previous_end,
                 "drain items sorted and disjoint"
             );
             previous_end = item.offset + item.length;
             assert_ne!(item.kind, DrainKind::Lost);
-            let data = oplog
-                .read_drain_item(&item)
-                .await
-                .expect("read drain item")
-                .to_vec();
+            let data = match data {
+                DrainData::Data(bytes) => bytes.to_vec(),
+                DrainData::Zero => vec![0u8; item.length as usize],
+                other => panic!("drain item at {} read as {other:?}", item.offset),
+            };
+            assert_eq!(data.len() as u64, item.length);
             for (i, &b) in data.iter().enumerate() {
                 let expected = model.log[(item.offset + i as u64) as usize];
                 match expected {

@@ -7,9 +7,8 @@ use super::Storage;
 use ashlar_core::{BlockStatusRun, IoError, VdiskId, BLOCK_SIZE_BYTES, EXTENT_SIZE_BYTES};
 use ashlar_storage::extent_store::{ExtentError, ExtentStore, WriteBatch};
 use ashlar_storage::fs::{remove_tree, NodeFs};
-use ashlar_storage::oplog::{DrainKind, LogPiece, Oplog, OplogError, PieceSource};
+use ashlar_storage::oplog::{DrainData, DrainReadLimits, LogPiece, Oplog, OplogError, PieceSource};
 use bytes::{Bytes, BytesMut};
-use futures_util::{stream, StreamExt, TryStreamExt};
 use std::rc::Rc;
 
 /// Why a read did not produce data.
@@ -258,11 +257,6 @@ pub(super) async fn drain_step(storage: Rc<Storage>, max_bytes: u64) -> Result<u
     drain_batch(&storage.oplog, &storage.store, max_bytes).await
 }
 
-/// Oplog reads one drain step keeps in flight. The step's data is bounded by its batch size
-/// anyway; this bounds its share of the reactor's disk queue (ring slots are shared with the
-/// clients' reads).
-pub const DRAIN_READS_IN_FLIGHT: usize = 32;
-
 async fn drain_batch(
     oplog: &Oplog<NodeFs>,
     store: &ExtentStore<NodeFs>,
@@ -272,34 +266,43 @@ async fn drain_batch(
     if items.is_empty() {
         return Ok(0);
     }
-    // The items' data is read from the log concurrently: one at a time, a batch of small
-    // random writes cost one disk round trip per item and the drain could not keep up with
-    // the writers it makes room for.
-    let data: Vec<Option<Bytes>> = stream::iter(&items)
-        .map(|item| async move {
-            match item.kind {
-                DrainKind::Data => oplog.read_drain_item(item).await.map(Some),
-                DrainKind::Zero | DrainKind::Lost => Ok(None),
-            }
-        })
-        .buffered(DRAIN_READS_IN_FLIGHT)
-        .try_collect()
+    let started = std::time::Instant::now();
+    // The items' data is read back from the log in few large reads (neighbouring records
+    // together): one small read per item, a batch of 4 KiB random writes cost thousands of
+    // disk round trips and the drain could not keep up with the writers it makes room for.
+    let data = oplog
+        .read_drain_data(&items, DrainReadLimits::default())
         .await?;
     let mut batch = WriteBatch::new();
-    for (item, bytes) in items.iter().zip(&data) {
-        match (item.kind, bytes) {
-            (DrainKind::Data, Some(bytes)) => batch.write(item.offset, bytes),
-            (DrainKind::Zero, _) => batch.write_zeroes(item.offset, item.length),
+    for (item, data) in items.iter().zip(&data) {
+        match data {
+            DrainData::Data(bytes) => batch.write(item.offset, bytes),
+            DrainData::Zero => batch.write_zeroes(item.offset, item.length),
             // Lost to corruption in the log: the blocks read as EIO until overwritten, and
             // the log can let go of the record (a bad record costs its own blocks only).
-            (DrainKind::Lost, _) | (DrainKind::Data, None) => {
-                batch.mark_lost(item.offset, item.length)
+            DrainData::Lost(_) => batch.mark_lost(item.offset, item.length),
+            DrainData::Rotted { bytes, lost } => {
+                batch.write(item.offset, bytes);
+                for error in lost {
+                    tracing::error!(%error, "oplog data rotted since it was written: the range is recorded lost in the extent store");
+                    if let Some((offset, length)) = error.lost_range() {
+                        batch.mark_lost(offset, length);
+                    }
+                }
+                &mut batch
             }
         };
     }
+    let read = started.elapsed();
     // Durable when it returns; only then may the log forget the items.
     store.apply(&batch).await?;
     oplog.complete_drain(&items);
+    tracing::debug!(
+        items = items.len(),
+        read_us = read.as_micros() as u64,
+        total_us = started.elapsed().as_micros() as u64,
+        "drain step"
+    );
     Ok(items.len())
 }
 

@@ -12,10 +12,10 @@
 use super::batch::{merge_patch, BlockOp};
 use super::egroup::{is_zero, Egroup};
 use super::format::{data_offset, BLOCKS_PER_EXTENT, BLOCK_LEN, EXTENTS};
-use super::join::try_join_all;
 use super::table::{zero_block_crc, BlockState, Entry};
 use super::{io_error, ExtentError};
 use crate::fs::{DiskFile, Filesystem};
+use crate::join::try_join_all;
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::future::Future;

@@ -22,7 +22,6 @@ mod batch;
 mod disk_state;
 mod egroup;
 mod format;
-mod join;
 mod requests;
 mod store;
 mod table;

@@ -5,10 +5,10 @@
 use super::apply::apply_plan;
 use super::batch::{plan, Op, WriteBatch};
 use super::format::{BLOCK, BLOCK_LEN, EGROUP_SPAN_BYTES};
-use super::join::{join_all, try_join_all};
 use super::table::BlockState;
 use super::{ExtentError, ExtentStore};
 use crate::fs::Filesystem;
+use crate::join::{join_all, try_join_all};
 use ashlar_core::{EXTENT_SIZE_BYTES, MAX_VDISK_SIZE_BYTES};
 
 /// The end of the range; ranges beyond the largest vdisk (1 PiB) are refused, which keeps

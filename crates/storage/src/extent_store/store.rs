@@ -3,9 +3,9 @@
 
 use super::egroup::Egroup;
 use super::format::{egroup_dir, egroup_file_name, parse_egroup_file_name};
-use super::join::try_join_all;
 use super::{io_error, ExtentError, ExtentStoreConfig};
 use crate::fs::Filesystem;
+use crate::join::try_join_all;
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
 use std::io;

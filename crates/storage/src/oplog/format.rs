@@ -30,7 +30,7 @@ const BATCH_CRC_AT: usize = 68;
 pub const TABLE_ENTRY_BYTES: u64 = 24;
 pub const RECORD_HEADER_BYTES: u64 = 40;
 const RECORD_CRC_AT: usize = 36;
-const CRC_BYTES: u64 = 4;
+pub(super) const CRC_BYTES: u64 = 4;
 
 /// Rounds `bytes` up to a multiple of [`BLOCK_BYTES`].
 pub fn pad_to_block(bytes: u64) -> u64 {

@@ -22,6 +22,7 @@
 //! (checksum-verified reads), `buf` (aligned buffers).
 
 mod buf;
+mod drain_read;
 mod driver;
 mod error;
 mod files;
@@ -32,6 +33,7 @@ mod read;
 mod replay;
 mod state;
 
+pub use drain_read::{DrainData, DrainReadLimits};
 pub use error::OplogError;
 
 use crate::fs::Filesystem;
@@ -676,30 +678,26 @@ impl<F: Filesystem> Oplog<F> {
             offset: item.offset,
             length: item.length,
         })?;
-        let mut buf = vec![0u8; length];
-        match &item.target.kind {
-            TargetKind::Data(data) => {
-                self.inner
-                    .read_data(
-                        item.target.segment,
-                        item.target.seq,
-                        data,
-                        item.offset,
-                        &mut buf,
-                    )
-                    .await?
-            }
-            TargetKind::Zero => {}
-            TargetKind::Lost(lost) => {
-                return Err(self.inner.lost_error(
-                    item.target.segment,
-                    lost,
-                    item.offset,
-                    item.length,
-                ))
-            }
+        let mut data = self
+            .read_drain_data(std::slice::from_ref(item), DrainReadLimits::default())
+            .await?;
+        match data.pop().expect("one result per item") {
+            DrainData::Data(bytes) => Ok(bytes),
+            DrainData::Zero => Ok(Bytes::from(vec![0u8; length])),
+            DrainData::Lost(error) => Err(error),
+            DrainData::Rotted { mut lost, .. } => Err(lost.swap_remove(0)),
         }
-        Ok(Bytes::from(buf))
+    }
+
+    /// The content of every item of a drain batch, in order, read with few large reads (see
+    /// `drain_read.rs`). Fails only if the disk fails a read (or a segment is gone); an item
+    /// whose bytes are lost or fail their CRC is [`DrainData::Lost`], and only that item.
+    pub async fn read_drain_data(
+        &self,
+        items: &[DrainItem],
+        limits: DrainReadLimits,
+    ) -> Result<Vec<DrainData>, OplogError> {
+        self.inner.read_drain_data(items, limits).await
     }
 
     /// Called once every item is represented in the extent store, durably: its data copied
