@@ -2,7 +2,8 @@
 //! serves connections.
 //!
 //! Per connection one task reads frames and starts a handler task per request, holding an
-//! in-flight slot; at the limit it stops reading, so TCP pushes back on the client. Finished
+//! in-flight slot; at the limit it stops reading (holding at most the one request that
+//! waits for a slot), so TCP pushes back on the client. Finished
 //! handlers queue their response for the connection's writer (the same task, selected
 //! against the reader), which batches frames into writes.
 
@@ -250,11 +251,6 @@ impl<H: Handler> Session<H> {
         loop {
             // Handlers never panic out (see `answer`); reaping only frees their memory.
             while handlers.try_join_next().is_some() {}
-            // No slot, no read: the client's requests wait in TCP buffers.
-            let slot = Arc::clone(&slots)
-                .acquire_owned()
-                .await
-                .expect("never closed");
             let frame = match tokio::time::timeout(idle_timeout, frames.next_frame()).await {
                 Ok(Ok(frame)) => frame,
                 Ok(Err(reason)) => return reason,
@@ -266,6 +262,14 @@ impl<H: Handler> Session<H> {
             };
             match frame.kind {
                 FrameKind::Request => {
+                    // No slot, no further reads: the client's requests wait in TCP buffers.
+                    // The slot is taken after reading, not before, so that a client with
+                    // all its (negotiated) slots busy on slow handlers still gets its pings
+                    // read and answered: the frame after its requests can only be a ping.
+                    let slot = Arc::clone(&slots)
+                        .acquire_owned()
+                        .await
+                        .expect("never closed");
                     handlers.spawn(answer(
                         Arc::clone(&self.handler),
                         self.peer,

@@ -2,6 +2,7 @@
 //! needs fault injection and runs on the simulated network only.
 
 mod env;
+mod rogue;
 mod sim_faults;
 mod suite;
 
