@@ -1,7 +1,7 @@
 //! Typed errors. A decoder or a connection never panics on what a peer sends: every bad input
 //! is a [`ProtocolError`] that closes the connection.
 
-use crate::ids::RequestId;
+use crate::ids::{NodeId, RequestId};
 use std::io;
 use std::sync::Arc;
 
@@ -150,6 +150,10 @@ pub enum TransportError {
     /// connection stays usable.
     #[error("payload of {len} bytes exceeds the connection's frame limit of {max} bytes")]
     PayloadTooLarge { len: usize, max: u32 },
+    /// The node at the address is not the one the caller expected; the connection was
+    /// closed.
+    #[error("expected {expected} at this address, found {got}")]
+    WrongPeer { expected: NodeId, got: NodeId },
     /// The server's handler answered with an error.
     #[error(transparent)]
     Remote(#[from] RemoteError),

@@ -5,6 +5,7 @@ use crate::client::Connection;
 use crate::config::TransportConfig;
 use crate::error::TransportError;
 use crate::handshake::client_handshake;
+use crate::ids::NodeId;
 use crate::server::{Handler, Server};
 use std::future::Future;
 use std::io;
@@ -45,6 +46,24 @@ pub trait Transport: Send + Sync + 'static {
                     .map_err(|_| TransportError::Timeout { timeout_ms })??;
             let negotiated = client_handshake(&mut reader, &mut writer, self.config()).await?;
             Ok(Connection::start(reader, writer, negotiated, limits))
+        }
+    }
+
+    /// [`Transport::connect`], and then checks that the peer is the node `expected`: an
+    /// address can outlive the node that advertised it (a replacement node may listen there
+    /// now). The connection is closed on a mismatch.
+    fn connect_node(
+        &self,
+        addr: SocketAddr,
+        expected: NodeId,
+    ) -> impl Future<Output = Result<Connection, TransportError>> + Send {
+        async move {
+            let connection = self.connect(addr).await?;
+            let got = connection.peer();
+            if got != expected {
+                return Err(TransportError::WrongPeer { expected, got });
+            }
+            Ok(connection)
         }
     }
 

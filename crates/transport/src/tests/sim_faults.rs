@@ -216,3 +216,69 @@ async fn connect_to_nobody_is_refused() {
         "{refused:?}"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_partition_cuts_only_its_link_in_a_three_node_cluster() {
+    let env = SimEnv::new(6);
+    let limits = quick_limits();
+    let mut servers = Vec::new();
+    for node in 1..=3u64 {
+        let transport = env.node(node, &secret(SECRET), limits.clone());
+        servers.push(
+            transport
+                .serve(env.listen_addr(node), echo(Started::default()))
+                .await
+                .unwrap(),
+        );
+    }
+    let link = |from: u64, to: u64| {
+        let transport = env.node(from, &secret(SECRET), limits.clone());
+        let addr = env.listen_addr(to);
+        async move {
+            let connection = transport.connect_node(addr, crate::NodeId(to)).await?;
+            connection
+                .call(Bytes::from_static(b"hi"), Duration::from_millis(200))
+                .await
+        }
+    };
+    env.network.partition(host(1), host(2));
+    for (from, to) in [(1, 3), (3, 1), (2, 3), (3, 2)] {
+        assert_eq!(
+            link(from, to).await.unwrap(),
+            echoed(b"hi"),
+            "{from} -> {to}"
+        );
+    }
+    for (from, to) in [(1, 2), (2, 1)] {
+        let cut = link(from, to).await.unwrap_err();
+        assert!(
+            matches!(cut, TransportError::Timeout { .. }),
+            "{from} -> {to}: {cut:?}"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn connecting_to_an_unexpected_node_is_refused() {
+    let env = SimEnv::new(7);
+    let (server, _) = serve_echo(&env, SECRET, TransportLimits::default()).await;
+    let client = env.node(CLIENT, &secret(SECRET), TransportLimits::default());
+    let wrong = client
+        .connect_node(server.local_addr(), crate::NodeId(9))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            wrong,
+            TransportError::WrongPeer {
+                expected: crate::NodeId(9),
+                got: crate::NodeId(SERVER)
+            }
+        ),
+        "{wrong:?}"
+    );
+    assert!(client
+        .connect_node(server.local_addr(), crate::NodeId(SERVER))
+        .await
+        .is_ok());
+}
