@@ -50,8 +50,9 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     }
 }
 
-/// Writes `frames` (already gathered into `buf`) and clears `buf`. A write that makes no
-/// progress for `stall_timeout` closes the connection: the peer stopped reading.
+/// Writes the frames gathered in `buf` and empties it. A batch not written within
+/// `stall_timeout` closes the connection: the peer stopped reading (or the network is gone),
+/// and waiting longer would only hold the caller's slots.
 pub async fn write_batch<W: AsyncWrite + Unpin>(
     stream: &mut W,
     buf: &mut BytesMut,
@@ -64,6 +65,10 @@ pub async fn write_batch<W: AsyncWrite + Unpin>(
     })
     .await;
     buf.clear();
+    if buf.capacity() > 2 * WRITE_BATCH_BYTES {
+        // One large frame must not pin its size in memory for the connection's life.
+        *buf = BytesMut::new();
+    }
     match written {
         Ok(Ok(())) => Ok(()),
         Ok(Err(error)) => Err(CloseReason::from_io(&error)),
