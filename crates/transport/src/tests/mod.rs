@@ -44,4 +44,5 @@ on_both!(
     handler_errors_and_panics_reach_the_caller,
     quiet_connection_stays_open,
     dropping_the_connection_closes_it_on_the_server,
+    large_payloads_round_trip,
 );

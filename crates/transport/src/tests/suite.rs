@@ -451,3 +451,25 @@ pub async fn dropping_the_connection_closes_it_on_the_server<E: Env>(env: &E) {
     })
     .await;
 }
+
+pub async fn large_payloads_round_trip<E: Env>(env: &E) {
+    const PAYLOAD_BYTES: usize = 3 << 20;
+    let (server, started) = serve_echo(env, SECRET, TransportLimits::default()).await;
+    let connection = connect(env, &server, TransportLimits::default()).await;
+    let requests: Vec<Bytes> = (0..6u8)
+        .map(|i| {
+            Bytes::from(
+                (0..PAYLOAD_BYTES)
+                    .map(|at| (at as u8).wrapping_mul(i + 1))
+                    .collect::<Vec<u8>>(),
+            )
+        })
+        .collect();
+    let calls = requests
+        .iter()
+        .map(|request| connection.call(request.clone(), Duration::from_secs(30)));
+    for (request, response) in requests.iter().zip(join_all(calls).await) {
+        assert_eq!(response.unwrap(), echoed(request));
+    }
+    assert_eq!(started.get(), 6);
+}
