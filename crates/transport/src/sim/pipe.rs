@@ -173,6 +173,25 @@ impl SimWriter {
     }
 }
 
+impl SimWriter {
+    /// `Some` when a write of `len` bytes cannot go ahead now: an error, or `Pending` with
+    /// the waker stored until the reader makes room.
+    fn check_writable(&self, cx: &mut Context<'_>, len: usize) -> Option<Poll<io::Result<usize>>> {
+        let mut state = self.pipe.lock();
+        if state.reset {
+            return Some(Poll::Ready(Err(io::ErrorKind::ConnectionReset.into())));
+        }
+        if state.reader_closed || state.writer_closed {
+            return Some(Poll::Ready(Err(io::ErrorKind::BrokenPipe.into())));
+        }
+        if state.queued_bytes > 0 && state.queued_bytes + len > PIPE_BUFFER_BYTES {
+            state.writer_waker = Some(cx.waker().clone());
+            return Some(Poll::Pending);
+        }
+        None
+    }
+}
+
 impl Drop for SimWriter {
     fn drop(&mut self) {
         self.pipe.close_writer();
@@ -185,22 +204,17 @@ impl AsyncWrite for SimWriter {
         cx: &mut Context<'_>,
         data: &[u8],
     ) -> Poll<io::Result<usize>> {
-        // Decided before taking the pipe's lock: the network's lock comes first everywhere.
+        if let Some(blocked) = self.check_writable(cx, data.len()) {
+            return blocked;
+        }
+        // Drawn only for a write that goes ahead (so a retried write draws once), and without
+        // the pipe's lock: the network's lock comes first everywhere. The pipe can only have
+        // drained in between: this writer is its only one.
         let fate = self.network.fate(self.pipe.from, self.pipe.to);
-        let mut state = self.pipe.lock();
-        if state.reset {
-            return Poll::Ready(Err(io::ErrorKind::ConnectionReset.into()));
-        }
-        if state.reader_closed || state.writer_closed {
-            return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
-        }
-        if state.queued_bytes > 0 && state.queued_bytes + data.len() > PIPE_BUFFER_BYTES {
-            state.writer_waker = Some(cx.waker().clone());
-            return Poll::Pending;
-        }
         let Fate::Deliver { delay } = fate else {
             return Poll::Ready(Ok(data.len())); // Lost on the way.
         };
+        let mut state = self.pipe.lock();
         // In order, like TCP: never before the segment ahead of it.
         let at = Instant::now() + delay;
         let deliver_at = state.last_deliver_at.map_or(at, |last| last.max(at));
