@@ -1,11 +1,13 @@
 //! What the suite needs of a network, and helpers shared by the tests.
 
 use crate::sim::SimNetwork;
+use crate::wire::frame::{encode_frame, Frame, FrameKind};
+use crate::RequestId;
 use crate::{
     handler_fn, ClusterSecret, Handler, NodeId, RemoteError, Server, TcpTransport, Transport,
     TransportConfig, TransportLimits,
 };
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -173,4 +175,14 @@ pub async fn ask(
     request: &'static [u8],
 ) -> Result<Bytes, crate::TransportError> {
     connection.call_default(Bytes::from_static(request)).await
+}
+
+/// The wire bytes of one frame.
+pub fn frame_bytes(kind: FrameKind, id: u64, payload: &'static [u8]) -> BytesMut {
+    let mut buf = BytesMut::new();
+    encode_frame(
+        &Frame::new(kind, RequestId(id), Bytes::from_static(payload)),
+        &mut buf,
+    );
+    buf
 }

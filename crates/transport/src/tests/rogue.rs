@@ -4,8 +4,8 @@
 use super::env::*;
 use crate::framed::FrameReader;
 use crate::handshake::{client_handshake, server_handshake};
-use crate::wire::frame::{encode_frame, Frame, FrameKind};
-use crate::wire::hello::{Hello, HelloKind};
+use crate::wire::frame::FrameKind;
+use crate::wire::hello::Hello;
 use crate::{
     handler_fn, Listener, ProtocolError, RemoteError, RequestId, ServerStats, Transport,
     TransportError, TransportLimits,
@@ -15,15 +15,6 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const SECRET: u8 = 1;
-
-fn frame_bytes(kind: FrameKind, id: u64, payload: &'static [u8]) -> BytesMut {
-    let mut buf = BytesMut::new();
-    encode_frame(
-        &Frame::new(kind, RequestId(id), Bytes::from_static(payload)),
-        &mut buf,
-    );
-    buf
-}
 
 #[tokio::test(start_paused = true)]
 async fn server_reads_no_more_requests_than_its_slots() {
@@ -157,14 +148,7 @@ async fn hello_with_bad_magic_or_version_is_refused() {
     let env = SimEnv::new(16);
     let (server, _) = serve_echo(&env, SECRET, TransportLimits::default()).await;
     let client = env.node(CLIENT, &secret(SECRET), TransportLimits::default());
-    let hello = Hello {
-        kind: HelloKind::ClientHello,
-        node_id: crate::NodeId(CLIENT),
-        max_frame_payload_bytes: 1024,
-        max_in_flight_requests: 8,
-        nonce: [1; 32],
-        mac: [0; 32],
-    };
+    let hello = Hello::for_test(CLIENT);
     let mut bad_magic = hello.encode();
     bad_magic[0..4].copy_from_slice(b"HTTP");
     let mut version_2 = hello.encode();

@@ -2,11 +2,11 @@
 
 use super::env::*;
 use crate::handshake::client_handshake;
-use crate::wire::frame::{encode_frame, Frame, FrameKind, FRAME_HEADER_BYTES};
+use crate::wire::frame::{FrameKind, FRAME_HEADER_BYTES};
 use crate::wire::hello::{Hello, HelloKind, HELLO_BYTES};
 use crate::{
-    handler_fn, CloseReason, NodeId, RemoteError, RequestId, ServerStats, Transport,
-    TransportError, TransportLimits,
+    handler_fn, CloseReason, NodeId, RemoteError, ServerStats, Transport, TransportError,
+    TransportLimits,
 };
 use bytes::{Bytes, BytesMut};
 use futures_util::future::join_all;
@@ -111,14 +111,7 @@ pub async fn forged_client_proof_is_refused<E: Env>(env: &E) {
     let (server, started) = serve_echo(env, SECRET, TransportLimits::default()).await;
     let raw = env.node(CLIENT, &secret(OTHER_SECRET), TransportLimits::default());
     let (mut reader, mut writer) = raw.dial(server.local_addr()).await.unwrap();
-    let hello = Hello {
-        kind: HelloKind::ClientHello,
-        node_id: NodeId(CLIENT),
-        max_frame_payload_bytes: 1024,
-        max_in_flight_requests: 8,
-        nonce: [3; 32],
-        mac: [0; 32],
-    };
+    let hello = Hello::for_test(CLIENT);
     writer.write_all(&hello.encode()).await.unwrap();
     let mut server_hello = [0u8; HELLO_BYTES];
     reader.read_exact(&mut server_hello).await.unwrap();
@@ -133,15 +126,7 @@ pub async fn forged_client_proof_is_refused<E: Env>(env: &E) {
         ..hello
     };
     writer.write_all(&forged.encode()).await.unwrap();
-    let mut request = BytesMut::new();
-    encode_frame(
-        &Frame::new(
-            FrameKind::Request,
-            RequestId(1),
-            Bytes::from_static(b"let me in"),
-        ),
-        &mut request,
-    );
+    let request = frame_bytes(FrameKind::Request, 1, b"let me in");
     let _ = writer.write_all(&request).await;
     assert_closed_by_server(&mut reader).await;
     eventually("the server counts the refusal", || {
@@ -166,14 +151,7 @@ async fn assert_closed_by_server(reader: &mut (impl tokio::io::AsyncRead + Unpin
 
 /// Frames a server must refuse, each with the corruption a test applies after encoding.
 fn bad_frames() -> Vec<(&'static str, BytesMut)> {
-    let frame = |kind, payload: &'static [u8]| {
-        let mut buf = BytesMut::new();
-        encode_frame(
-            &Frame::new(kind, RequestId(1), Bytes::from_static(payload)),
-            &mut buf,
-        );
-        buf
-    };
+    let frame = |kind, payload| frame_bytes(kind, 1, payload);
     let reseal = |mut buf: BytesMut| {
         let crc = crc32c::crc32c(&buf[..20]);
         buf[20..24].copy_from_slice(&crc.to_le_bytes());

@@ -138,6 +138,22 @@ impl Hello {
     }
 }
 
+#[cfg(test)]
+impl Hello {
+    /// A client hello from `node` with small limits and a fixed nonce, for tests that
+    /// script a peer by hand.
+    pub(crate) fn for_test(node: u64) -> Hello {
+        Hello {
+            kind: HelloKind::ClientHello,
+            node_id: NodeId(node),
+            max_frame_payload_bytes: 1024,
+            max_in_flight_requests: 8,
+            nonce: [1; NONCE_BYTES],
+            mac: [0; MAC_BYTES],
+        }
+    }
+}
+
 fn check_range(field: &'static str, got: u32, max: u32) -> Result<(), ProtocolError> {
     if (1..=max).contains(&got) {
         Ok(())

@@ -12,7 +12,7 @@ mod tests {
     use super::frame::{encode_frame, Frame, FrameKind};
     use super::hello::{Hello, HelloKind};
     use super::PROTOCOL_VERSION;
-    use crate::ids::{NodeId, RequestId};
+    use crate::ids::RequestId;
     use bytes::{Bytes, BytesMut};
 
     fn hex(bytes: &[u8]) -> String {
@@ -41,11 +41,11 @@ mod tests {
         );
         let hello = Hello {
             kind: HelloKind::ServerHello,
-            node_id: NodeId(7),
             max_frame_payload_bytes: 4096,
             max_in_flight_requests: 16,
             nonce: [0x11; 32],
             mac: [0x22; 32],
+            ..Hello::for_test(7)
         };
         let expected = [
             "4153485401000200",
