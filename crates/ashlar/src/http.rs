@@ -39,7 +39,7 @@ pub fn router(state: ApiState) -> Router {
         .fallback(|| async {
             ApiError(
                 StatusCode::NOT_FOUND,
-                "no such endpoint; see /api/v1/vdisks, /stats/vdisks, /stats/cache, /metrics"
+                "no such endpoint; see /api/v1/vdisks, /api/v1/nodes, /stats/vdisks, /stats/cache, /metrics"
                     .into(),
             )
         })

@@ -15,7 +15,7 @@ pub mod record;
 pub use error::{ClaimError, ClusterError, NodeIdError, ReleaseError};
 pub use membership::{
     keep_registered, list_nodes, register, remove_member, KeepAliveOutcome, KeepAliveState,
-    KeepAliveStep, MembershipConfig, NodeState, NodeStatus, Registration, Removal,
+    KeepAliveStep, LeaseStatus, MembershipConfig, NodeState, NodeStatus, Registration, Removal,
     DEFAULT_NODE_LEASE_TTL, DEFAULT_RECORD_REFRESH_INTERVAL,
 };
 pub use node_id::{load_or_create_node_id, NodeId, NODE_ID_FILE};

@@ -52,12 +52,23 @@ impl MembershipConfig {
     }
 }
 
+/// The node's lease and how long it surely lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseStatus {
+    pub lease: LeaseId,
+    /// The lease lives at least until then: one TTL after the last grant or keep-alive that
+    /// succeeded, counted from when that request was *sent* (the store restarted its TTL
+    /// later than that). An owner must stop acknowledging writes past this instant unless a
+    /// newer keep-alive moved it: after it, another node may own its vdisks.
+    pub valid_until: Instant,
+}
+
 /// A node's registration: its lease and the record it published.
 pub struct Registration<M: MetaStore> {
     store: M,
     record: NodeRecord,
     config: MembershipConfig,
-    lease: watch::Sender<LeaseId>,
+    lease: watch::Sender<LeaseStatus>,
 }
 
 /// Grants a lease and writes the member and live records in one transaction.
@@ -82,10 +93,14 @@ async fn publish<M: MetaStore>(
     store: &M,
     record: &NodeRecord,
     ttl: Duration,
-) -> Result<LeaseId, ClusterError> {
+) -> Result<LeaseStatus, ClusterError> {
+    let sent = Instant::now();
     let lease = store.grant_lease(ttl).await?;
     write_records(store, record, lease).await?;
-    Ok(lease)
+    Ok(LeaseStatus {
+        lease,
+        valid_until: sent + ttl,
+    })
 }
 
 async fn write_records<M: MetaStore>(
@@ -108,12 +123,13 @@ impl<M: MetaStore> Registration<M> {
 
     /// The lease the node's records (and its ownership claims) live on now.
     pub fn lease(&self) -> LeaseId {
-        *self.lease.borrow()
+        self.lease.borrow().lease
     }
 
-    /// Follows the node's lease: it changes when the node registers again after losing it.
-    /// Every claim made on an older lease has ended by then.
-    pub fn subscribe_lease(&self) -> watch::Receiver<LeaseId> {
+    /// Follows the node's lease: the id changes when the node registers again after losing
+    /// it (every claim made on an older lease has ended by then), and `valid_until` moves
+    /// with every keep-alive.
+    pub fn subscribe_lease(&self) -> watch::Receiver<LeaseStatus> {
         self.lease.subscribe()
     }
 
@@ -134,9 +150,9 @@ impl<M: MetaStore> Registration<M> {
 
     /// Registers again on a new lease, after the old one was lost.
     pub async fn reregister(&mut self) -> Result<LeaseId, ClusterError> {
-        let lease = publish(&self.store, &self.record, self.config.lease_ttl).await?;
-        self.lease.send_replace(lease);
-        Ok(lease)
+        let status = publish(&self.store, &self.record, self.config.lease_ttl).await?;
+        self.lease.send_replace(status);
+        Ok(status.lease)
     }
 
     /// Ends the lease now: the node is listed as down at once (its member record stays).
@@ -148,8 +164,16 @@ impl<M: MetaStore> Registration<M> {
     }
 
     async fn keep_alive_once(&self) -> KeepAliveOutcome {
+        let sent = Instant::now();
         match self.store.keep_alive(self.lease()).await {
-            Ok(()) => KeepAliveOutcome::Kept,
+            Ok(()) => {
+                let valid_until = sent + self.config.lease_ttl;
+                self.lease.send_modify(|status| {
+                    // Answers may come back out of order across retries; never move it back.
+                    status.valid_until = status.valid_until.max(valid_until);
+                });
+                KeepAliveOutcome::Kept
+            }
             Err(MetaError::LeaseNotFound(_)) => KeepAliveOutcome::LeaseLost,
             Err(error) => KeepAliveOutcome::Failed(error.to_string()),
         }

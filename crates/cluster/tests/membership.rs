@@ -121,6 +121,8 @@ async fn keep_alive_keeps_a_node_up_and_registers_it_again_after_a_lost_lease<B:
         .expect("register");
     let mut leases = registration.subscribe_lease();
     let first = registration.lease();
+    let first_valid_until = leases.borrow().valid_until;
+    assert!(first_valid_until > tokio::time::Instant::now());
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let mut refreshed = node_record(1);
     refreshed.disks[0].free_bytes = 12345;
@@ -136,6 +138,13 @@ async fn keep_alive_keeps_a_node_up_and_registers_it_again_after_a_lost_lease<B:
     tokio::time::sleep(ttl * 3).await;
     let nodes = list_nodes(&store).await.expect("list");
     assert_eq!(state_of(&nodes, 1), Some(NodeState::Up));
+    let kept = *leases.borrow_and_update();
+    assert_eq!(kept.lease, first);
+    assert!(
+        kept.valid_until >= first_valid_until + ttl,
+        "keep-alives move the lease's validity on"
+    );
+    assert!(kept.valid_until <= tokio::time::Instant::now() + ttl);
     assert_eq!(
         nodes[0].record, expected,
         "records are refreshed every interval"
@@ -146,11 +155,10 @@ async fn keep_alive_keeps_a_node_up_and_registers_it_again_after_a_lost_lease<B:
         .revoke_lease(first)
         .await
         .expect("revoke the node's lease");
-    tokio::time::timeout(ttl * 5, leases.changed())
+    tokio::time::timeout(ttl * 5, leases.wait_for(|status| status.lease != first))
         .await
         .expect("re-registered within 5 TTLs")
         .expect("lease channel open");
-    assert_ne!(*leases.borrow(), first);
     wait_for_state(&store, 1, NodeState::Up, ttl * 5).await;
     // Stopping the loop ends the lease: the node is down at once.
     stop_tx.send(()).expect("loop running");
