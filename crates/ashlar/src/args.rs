@@ -30,13 +30,35 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Run a node: serve its vdisks over NBD and its API over HTTP until SIGTERM/SIGINT.
-    Node(NodeArgs),
+    /// `ashlar node list` lists the nodes of the cluster instead.
+    Node(NodeCommand),
     /// Create, list, inspect, resize, re-shard and delete vdisks on a running node.
     #[command(subcommand)]
     Vdisk(VdiskCommand),
     /// Volume groups: vdisks exported together as one iSCSI target, and who may use them.
     #[command(subcommand)]
     Vg(crate::args_vg::VgCommand),
+}
+
+/// `ashlar node [FLAGS]` runs a node; `ashlar node list` asks a running one about the cluster.
+#[derive(Args, Debug)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct NodeCommand {
+    #[command(subcommand)]
+    pub action: Option<NodeAction>,
+    #[command(flatten)]
+    pub run: NodeArgs,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum NodeAction {
+    /// List the cluster's nodes: id, address, up or down, storage-only, disks, capacity, free
+    /// space and vdisks owned (a single node without --etcd lists itself).
+    List {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -145,6 +167,26 @@ pub struct NodeArgs {
     /// none fails for it.
     #[arg(long, default_value = "256M", value_name = "SIZE")]
     pub iscsi_data_budget: String,
+    /// etcd client URLs, comma-separated (http://h1:2379,http://h2:2379): keep the metadata in
+    /// etcd and join the cluster there. Without it the node is a single node with its metadata
+    /// in DATA_DIR/meta.redb. While etcd cannot be reached at start the node says so once and
+    /// retries every 2 seconds.
+    #[arg(long, value_name = "URLS", requires = "advertise")]
+    pub etcd: Option<String>,
+    /// Host name or IP address other nodes and clients reach this node at (required with
+    /// --etcd); the node advertises it with the ports of --http-listen, --nbd-listen and
+    /// --iscsi-listen.
+    #[arg(long, value_name = "ADDR")]
+    pub advertise: Option<String>,
+    /// Mark the node storage-only: it is to hold replicas and never own vdisks. Recorded in
+    /// the cluster and shown by `ashlar node list`; replication, which uses it, comes later.
+    #[arg(long, requires = "etcd")]
+    pub storage_only: bool,
+    /// TTL of the node's lease in the metadata store, in milliseconds: a node that stops
+    /// keeping it alive (killed, cut off) is listed as down this long after its last
+    /// keep-alive. etcd counts whole seconds, at least its minimum (2 s by default).
+    #[arg(long, default_value_t = ashlar_cluster::DEFAULT_NODE_LEASE_TTL.as_millis() as u64, value_name = "MILLISECONDS")]
+    pub node_lease_ttl_ms: u64,
     /// Create this vdisk at startup if it does not exist yet (e.g. demo:8G). Repeatable.
     #[arg(long = "ensure-vdisk", value_name = "NAME:SIZE")]
     pub ensure_vdisks: Vec<String>,

@@ -1,7 +1,7 @@
 //! The CLI side of `ashlar vdisk ...`: one HTTP request to the node, one line of output or a
 //! table, one clear line on error.
 
-use crate::args::VdiskCommand;
+use crate::args::{NodeAction, VdiskCommand};
 use anyhow::{anyhow, bail, Context, Result};
 use ashlar_core::{format_size, parse_size};
 use serde_json::{json, Value};
@@ -79,19 +79,11 @@ pub fn run(server: &str, command: VdiskCommand) -> Result<()> {
         }
         VdiskCommand::List { json } => {
             let vdisks = client.request("GET", "/api/v1/vdisks", None)?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&vdisks)?);
-            } else {
-                print_table(&vdisks);
-            }
+            print_json_or(&vdisks, json, print_table)?;
         }
         VdiskCommand::Show { name, json } => {
             let vdisk = client.request("GET", &format!("/api/v1/vdisks/{name}"), None)?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&vdisk)?);
-            } else {
-                print_details(&vdisk);
-            }
+            print_json_or(&vdisk, json, print_details)?;
         }
         VdiskCommand::Resize {
             name,
@@ -124,6 +116,77 @@ pub fn run(server: &str, command: VdiskCommand) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Prints the node's answer as JSON when asked to, else as text for people.
+fn print_json_or(value: &Value, json: bool, print_text: fn(&Value)) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(value)?);
+    } else {
+        print_text(value);
+    }
+    Ok(())
+}
+
+/// `ashlar node list`: the cluster's nodes as the node at `server` sees them.
+pub fn run_node(server: &str, action: NodeAction) -> Result<()> {
+    let client = Client::new(server);
+    match action {
+        NodeAction::List { json } => {
+            let nodes = client.request("GET", "/api/v1/nodes", None)?;
+            print_json_or(&nodes, json, print_nodes)?;
+        }
+    }
+    Ok(())
+}
+
+/// Disk space rounded to one decimal in the largest fitting binary unit (`251.9G`): exact
+/// sizes (`format_size`) of real filesystems are unreadable.
+fn approximate_size(bytes: u64) -> String {
+    const UNITS: [(u32, &str); 5] = [(50, "P"), (40, "T"), (30, "G"), (20, "M"), (10, "K")];
+    UNITS
+        .iter()
+        .find(|(shift, _)| bytes >= 1u64 << shift)
+        .map_or(bytes.to_string(), |(shift, name)| {
+            format!("{:.1}{name}", bytes as f64 / (1u64 << shift) as f64)
+        })
+}
+
+fn bytes_of(value: &Value, field: &str) -> String {
+    value[field]
+        .as_u64()
+        .map(approximate_size)
+        .unwrap_or_default()
+}
+
+fn print_nodes(nodes: &Value) {
+    println!(
+        "{:<32} {:<22} {:<5} {:<12} {:>5} {:>10} {:>10} {:>6}",
+        "ID", "ADDRESS", "STATE", "STORAGE-ONLY", "DISKS", "CAPACITY", "FREE", "VDISKS"
+    );
+    for node in nodes.as_array().into_iter().flatten() {
+        // The node answering marks itself, so an operator knows which one `--server` reached.
+        let local = if node["local"].as_bool() == Some(true) {
+            " (this node)"
+        } else {
+            ""
+        };
+        println!(
+            "{:<32} {:<22} {:<5} {:<12} {:>5} {:>10} {:>10} {:>6}{local}",
+            node["node_id"].as_str().unwrap_or(""),
+            node["addresses"]["http"].as_str().unwrap_or(""),
+            node["state"].as_str().unwrap_or(""),
+            if node["storage_only"].as_bool() == Some(true) {
+                "yes"
+            } else {
+                "no"
+            },
+            node["disks"].as_array().map_or(0, Vec::len),
+            bytes_of(node, "capacity_bytes"),
+            bytes_of(node, "free_bytes"),
+            node["vdisks_owned"].to_string(),
+        );
+    }
 }
 
 fn size_of(vdisk: &Value) -> String {
@@ -170,5 +233,18 @@ fn print_details(vdisk: &Value) {
     }
     if let Some(uri) = vdisk["nbd_uri"].as_str() {
         println!("nbd:          {uri}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::approximate_size;
+
+    #[test]
+    fn sizes_are_rounded_to_one_decimal() {
+        assert_eq!(approximate_size(512), "512");
+        assert_eq!(approximate_size(1536), "1.5K");
+        assert_eq!(approximate_size(270_553_174_016), "252.0G");
+        assert_eq!(approximate_size(3 << 40), "3.0T");
     }
 }

@@ -1,7 +1,9 @@
 //! The node's HTTP JSON API, stats pages and Prometheus metrics.
 
+use crate::cluster::NodeMeta;
 use crate::metrics::render_metrics;
 use crate::registry::NodeEngine;
+use ashlar_cluster::{NodeId, NodeStatus};
 use ashlar_engine::{EngineError, VdiskInfo};
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
@@ -16,6 +18,9 @@ use std::sync::Arc;
 pub struct ApiState {
     pub engine: Arc<NodeEngine>,
     pub nbd_listen: std::net::SocketAddr,
+    /// The node's metadata store, where the cluster's nodes are listed.
+    pub meta: NodeMeta,
+    pub node_id: NodeId,
 }
 
 pub fn router(state: ApiState) -> Router {
@@ -26,6 +31,7 @@ pub fn router(state: ApiState) -> Router {
             get(show_vdisk).patch(update_vdisk).delete(delete_vdisk),
         )
         .route("/api/v1/node", get(node_info))
+        .route("/api/v1/nodes", get(list_nodes))
         .route("/stats/vdisks", get(vdisk_stats))
         .route("/stats/cache", get(cache_stats))
         .route("/metrics", get(metrics))
@@ -33,7 +39,7 @@ pub fn router(state: ApiState) -> Router {
         .fallback(|| async {
             ApiError(
                 StatusCode::NOT_FOUND,
-                "no such endpoint; see /api/v1/vdisks, /stats/vdisks, /stats/cache, /metrics"
+                "no such endpoint; see /api/v1/vdisks, /api/v1/nodes, /stats/vdisks, /stats/cache, /metrics"
                     .into(),
             )
         })
@@ -170,6 +176,48 @@ async fn node_info(State(state): State<ApiState>) -> Json<Value> {
         // Data startup found that no vdisk accounts for, moved aside rather than deleted.
         "quarantined": state.engine.quarantined().iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
     }))
+}
+
+/// The cluster's nodes, up and down. A single node owns every vdisk it serves; in a cluster
+/// `vdisks_owned` counts ownership claims in the metadata store.
+async fn list_nodes(State(state): State<ApiState>) -> Result<Json<Value>, ApiError> {
+    let nodes = ashlar_cluster::list_nodes(&state.meta).await.map_err(|e| {
+        ApiError(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("listing nodes: {e}"),
+        )
+    })?;
+    let single_node = !state.meta.is_clustered();
+    let nodes = nodes
+        .into_iter()
+        .map(|status| {
+            let local = status.record.node_id == state.node_id;
+            let owned = if single_node && local {
+                state.engine.list_vdisks().len()
+            } else {
+                status.vdisks_owned
+            };
+            node_json(status, local, owned)
+        })
+        .collect();
+    Ok(Json(Value::Array(nodes)))
+}
+
+fn node_json(status: NodeStatus, local: bool, vdisks_owned: usize) -> Value {
+    let NodeStatus { record, state, .. } = status;
+    json!({
+        "node_id": record.node_id,
+        "state": state,
+        "local": local,
+        "addresses": record.addresses,
+        "storage_only": record.storage_only,
+        "capacity_bytes": record.capacity_bytes(),
+        "free_bytes": record.free_bytes(),
+        "disks": record.disks,
+        "vdisks_owned": vdisks_owned,
+        "software_version": record.software_version,
+        "started_at_unix_ms": record.started_at_unix_ms,
+    })
 }
 
 async fn vdisk_stats(State(state): State<ApiState>) -> Json<Value> {

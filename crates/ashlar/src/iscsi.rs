@@ -12,7 +12,6 @@ use ashlar_iscsi::{
     serve_connection, Access, ChapCredentials, DataBudget, IscsiLimits, LogicalUnit,
     MemoryReservations, Refusal, ReservationStore, TargetRegistry,
 };
-use ashlar_meta::EmbeddedMetaStore;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -20,7 +19,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-pub type NodeVolumeGroups = VolumeGroups<EmbeddedMetaStore>;
+pub type NodeVolumeGroups = VolumeGroups<crate::cluster::NodeMeta>;
 
 /// The iSCSI limits of every session; clones share the node's data budget.
 pub fn iscsi_limits(args: &NodeArgs) -> Result<IscsiLimits> {

@@ -4,6 +4,7 @@ mod args;
 mod args_vg;
 mod client;
 mod client_vg;
+mod cluster;
 mod http;
 mod http_vg;
 mod iscsi;
@@ -17,7 +18,10 @@ use clap::Parser;
 fn main() {
     let cli = args::Cli::parse();
     let result = match cli.command {
-        args::Command::Node(node_args) => node::run(node_args),
+        args::Command::Node(node) => match node.action {
+            None => node::run(node.run),
+            Some(action) => client::run_node(&cli.server, action),
+        },
         args::Command::Vdisk(command) => client::run(&cli.server, command),
         args::Command::Vg(command) => client_vg::run(&cli.server, command),
     };

@@ -8,7 +8,6 @@ use ashlar_core::{format_size, parse_size};
 use ashlar_engine::reactor::{default_reactor_count, ReactorId};
 use ashlar_engine::vdisk::ConnectionGuard;
 use ashlar_engine::{Engine, EngineConfig, EngineError, VdiskHandle};
-use ashlar_meta::EmbeddedMetaStore;
 use ashlar_nbd::{resume_connection, serve_or_hand_over, Handover, NbdLimits, RequestBudget};
 use ashlar_storage::disk::{Disk, Tier};
 use ashlar_storage::fs::{NodeFs, UringConfig};
@@ -192,9 +191,15 @@ async fn serve(args: NodeArgs) -> Result<()> {
     if args.max_connections == 0 {
         bail!("--max-connections must be at least 1");
     }
-    let meta_path = args.data_dir.join("meta.redb");
-    let meta = EmbeddedMetaStore::open(&meta_path)
-        .map_err(|e| anyhow!("opening metadata store {}: {e}", meta_path.display()))?;
+    // Without --etcd, the embedded store's own file lock guards the data directory.
+    let _data_dir_lock = match args.etcd {
+        Some(_) => Some(crate::cluster::lock_data_dir(&args.data_dir)?),
+        None => None,
+    };
+    let node_id = ashlar_cluster::load_or_create_node_id(&args.data_dir)?;
+    let Some(meta) = crate::cluster::open_meta(&args, wait_for_signal()).await? else {
+        return Ok(());
+    };
     let iscsi_limits = crate::iscsi::iscsi_limits(&args)?;
     if args.iscsi_max_sessions == 0 {
         bail!("--iscsi-max-sessions must be at least 1");
@@ -218,18 +223,38 @@ async fn serve(args: NodeArgs) -> Result<()> {
         )
     })?;
     let started = Instant::now();
-    let engine = Engine::start(config, meta)
+    let engine = Engine::start(config, meta.clone())
         .await
         .map_err(|e| anyhow!("starting the engine: {e}"))?;
     ensure_vdisks(&engine, &args.ensure_vdisks).await?;
+    let record_source = crate::cluster::RecordSource::new(&args, node_id, &engine.config().disks)?;
+    let registration = crate::cluster::register(&meta, &record_source, &args).await?;
     print_banner(&args, &engine, &limits, started.elapsed());
+    println!(
+        "Node {node_id} registered{}",
+        match &args.etcd {
+            Some(endpoints) =>
+                format!(" in etcd at {endpoints}; `ashlar node list` lists the cluster"),
+            None => " (single node)".to_string(),
+        }
+    );
 
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let mut membership_shutdown = shutdown_rx.clone();
+    let membership = tokio::spawn(ashlar_cluster::keep_registered(
+        registration,
+        move || record_source.record(),
+        async move {
+            let _ = membership_shutdown.wait_for(|stop| *stop).await;
+        },
+    ));
     let connections = Arc::new(ConnectionCount::default());
     let iscsi_sessions = Arc::new(ConnectionCount::default());
     let api = router(ApiState {
         engine: engine.clone(),
         nbd_listen: args.nbd_listen,
+        meta,
+        node_id,
     })
     .merge(crate::http_vg::router(crate::http_vg::VgState {
         engine: engine.clone(),
@@ -281,6 +306,8 @@ async fn serve(args: NodeArgs) -> Result<()> {
         );
     }
     engine.begin_shutdown();
+    // Ends the node's lease, so the cluster lists it as down at once.
+    let _ = tokio::time::timeout(Duration::from_secs(2), membership).await;
     let _ = tokio::time::timeout(Duration::from_secs(2), http).await;
     drop(engine);
     tracing::info!("stopped; every acknowledged write is on stable storage");

@@ -2,12 +2,11 @@
 
 use ashlar_engine::vdisk::ConnectionGuard;
 use ashlar_engine::{Engine, VdiskHandle};
-use ashlar_meta::EmbeddedMetaStore;
 use ashlar_nbd::{ExportInfo, ExportRegistry};
 use std::cell::RefCell;
 use std::sync::Arc;
 
-pub type NodeEngine = Engine<EmbeddedMetaStore>;
+pub type NodeEngine = Engine<crate::cluster::NodeMeta>;
 
 pub struct EngineRegistry {
     pub engine: Arc<NodeEngine>,

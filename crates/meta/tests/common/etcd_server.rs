@@ -101,6 +101,26 @@ impl EtcdServer {
         Self::start_cluster(1).pop().expect("one member")
     }
 
+    /// Start a one-member etcd serving clients on `client_port`, for a test that must name
+    /// etcd's address before etcd runs (a node started first). Panics if it does not start.
+    pub fn start_on_port(client_port: u16) -> Self {
+        let bin = etcd_binary();
+        let peer = format!("http://127.0.0.1:{}", free_port());
+        let client = format!("http://127.0.0.1:{client_port}");
+        let starting = spawn_member(&bin, "m0", client, &peer, &format!("m0={peer}"));
+        // Owned before waiting, so the process is killed if it does not become ready.
+        let server = EtcdServer {
+            child: starting.child,
+            url: starting.url,
+            _dir: starting.dir,
+        };
+        match starting.ready.recv_timeout(Duration::from_secs(30)) {
+            Ok(Ok(())) => server,
+            Ok(Err(log)) => panic!("etcd did not start on port {client_port}:\n{log}"),
+            Err(_) => panic!("etcd on port {client_port}: no {READY:?} within 30 s"),
+        }
+    }
+
     /// Start an etcd cluster of `n` members and return once all serve
     /// clients. A short election timeout makes a leader emerge at once and
     /// lowers the minimum lease TTL to 1 s.

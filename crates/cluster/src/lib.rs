@@ -1,0 +1,26 @@
+//! Ashlar's cluster layer over any [`ashlar_meta::MetaStore`]: which nodes exist and which are
+//! up (membership, on leases), and which node owns each vdisk at which epoch (ownership, the
+//! foundation of fencing). Pure control-plane logic: the store is the only I/O, besides the
+//! node id file, and time enters only as an argument or through the keep-alive loop.
+//!
+//! Key layout, record formats and the claim transaction: docs/cluster-metadata.md.
+
+mod error;
+pub mod keys;
+pub mod membership;
+mod node_id;
+pub mod ownership;
+pub mod record;
+
+pub use error::{ClaimError, ClusterError, NodeIdError, ReleaseError};
+pub use membership::{
+    keep_registered, list_nodes, register, remove_member, KeepAliveOutcome, KeepAliveState,
+    KeepAliveStep, LeaseStatus, MembershipConfig, NodeState, NodeStatus, Registration, Removal,
+    DEFAULT_NODE_LEASE_TTL, DEFAULT_RECORD_REFRESH_INTERVAL,
+};
+pub use node_id::{load_or_create_node_id, NodeId, NODE_ID_FILE};
+pub use ownership::{
+    all_owners, claim, current_epoch, current_owner, release, watch_ownership, Owner,
+    OwnershipChange, OwnershipClaim, OwnershipEpoch, OwnershipWatch,
+};
+pub use record::{AdvertisedAddresses, DiskRecord, NodeRecord, NODE_RECORD_VERSION};

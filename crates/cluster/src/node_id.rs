@@ -1,0 +1,173 @@
+//! A node's identity: a random 128-bit id, generated once per data directory and kept in
+//! `<data-dir>/node-id`, so a node that restarts (or moves to another address) is the same
+//! member of the cluster, and two data directories are never the same node.
+
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::error::NodeIdError;
+
+/// Name of the file in the data directory that holds the node id.
+pub const NODE_ID_FILE: &str = "node-id";
+
+/// Hex digits of a node id (128 bits).
+const NODE_ID_HEX_DIGITS: usize = 32;
+
+/// A node's identity in the cluster. Printed (and stored, in keys and records) as 32
+/// lowercase hex digits. Never zero, so a zeroed file or field is never mistaken for an id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct NodeId(u128);
+
+impl NodeId {
+    /// The id with this value; `None` for zero, which is never an id.
+    pub fn new(value: u128) -> Option<NodeId> {
+        (value != 0).then_some(NodeId(value))
+    }
+
+    /// A fresh random id from the kernel's random source.
+    pub fn random() -> std::io::Result<NodeId> {
+        let mut bytes = [0u8; 16];
+        File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+        NodeId::new(u128::from_le_bytes(bytes)).ok_or_else(|| {
+            std::io::Error::other("the random source returned 16 zero bytes; it is broken")
+        })
+    }
+
+    pub fn value(self) -> u128 {
+        self.0
+    }
+}
+
+impl fmt::Display for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+impl FromStr for NodeId {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<NodeId, String> {
+        let well_formed = text.len() == NODE_ID_HEX_DIGITS
+            && text
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+        if !well_formed {
+            return Err(format!(
+                "{text:?} is not a node id ({NODE_ID_HEX_DIGITS} lowercase hex digits)"
+            ));
+        }
+        let value = u128::from_str_radix(text, 16).map_err(|e| e.to_string())?;
+        NodeId::new(value).ok_or_else(|| "the node id is zero".to_string())
+    }
+}
+
+impl Serialize for NodeId {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for NodeId {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<NodeId, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// The node id of `data_dir`: read from its `node-id` file, or generated and stored durably
+/// (file synced, renamed into place, directory synced) when there is none yet. A file that
+/// exists but does not hold an id is an error, never replaced: replacing it would silently
+/// turn this node into a new member.
+pub fn load_or_create_node_id(data_dir: &Path) -> Result<NodeId, NodeIdError> {
+    let path = data_dir.join(NODE_ID_FILE);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => parse_node_id_file(&path, &text),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => create_node_id_file(data_dir),
+        Err(source) => Err(NodeIdError::Io { path, source }),
+    }
+}
+
+/// Format version 1 of the file: the id's 32 hex digits and a newline.
+fn parse_node_id_file(path: &Path, text: &str) -> Result<NodeId, NodeIdError> {
+    let line = text.strip_suffix('\n').unwrap_or(text);
+    line.parse().map_err(|detail| NodeIdError::Corrupt {
+        path: path.to_path_buf(),
+        detail,
+    })
+}
+
+fn create_node_id_file(data_dir: &Path) -> Result<NodeId, NodeIdError> {
+    let path = data_dir.join(NODE_ID_FILE);
+    let io = |path: &PathBuf| {
+        let path = path.clone();
+        move |source| NodeIdError::Io { path, source }
+    };
+    let id = NodeId::random().map_err(io(&path))?;
+    let temporary = data_dir.join(format!("{NODE_ID_FILE}.tmp"));
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&temporary)
+        .map_err(io(&temporary))?;
+    file.write_all(format!("{id}\n").as_bytes())
+        .and_then(|()| file.sync_all())
+        .map_err(io(&temporary))?;
+    // The rename publishes a complete file; syncing the directory makes the name durable,
+    // so a power cut cannot give the node a second identity after its first registration.
+    std::fs::rename(&temporary, &path).map_err(io(&path))?;
+    File::open(data_dir)
+        .and_then(|dir| dir.sync_all())
+        .map_err(io(&data_dir.to_path_buf()))?;
+    Ok(id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn id_is_created_once_and_then_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = load_or_create_node_id(dir.path()).unwrap();
+        let second = load_or_create_node_id(dir.path()).unwrap();
+        assert_eq!(first, second);
+        let text = std::fs::read_to_string(dir.path().join(NODE_ID_FILE)).unwrap();
+        assert_eq!(text, format!("{first}\n"));
+        assert!(!dir.path().join("node-id.tmp").exists());
+        let other = tempfile::tempdir().unwrap();
+        assert_ne!(load_or_create_node_id(other.path()).unwrap(), first);
+    }
+
+    #[test]
+    fn a_corrupt_file_is_an_error_not_a_new_id() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(NODE_ID_FILE), "not an id\n").unwrap();
+        let error = load_or_create_node_id(dir.path()).unwrap_err();
+        assert!(matches!(error, NodeIdError::Corrupt { .. }), "{error}");
+        assert!(error.to_string().contains("node-id"), "{error}");
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join(NODE_ID_FILE)).unwrap(),
+            "not an id\n"
+        );
+    }
+
+    #[test]
+    fn text_form_round_trips_and_rejects_bad_input() {
+        let id = NodeId::new(0x1234_5678_9abc_def0).unwrap();
+        assert_eq!(id.to_string().len(), 32);
+        assert_eq!(id.to_string().parse::<NodeId>(), Ok(id));
+        assert!("0".repeat(32).parse::<NodeId>().is_err());
+        assert!("ABCDEF".repeat(6)[..32].parse::<NodeId>().is_err());
+        assert!("abc".parse::<NodeId>().is_err());
+        assert!(NodeId::new(0).is_none());
+        let json = serde_json::to_string(&id).unwrap();
+        assert_eq!(serde_json::from_str::<NodeId>(&json).unwrap(), id);
+    }
+}
