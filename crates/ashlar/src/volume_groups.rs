@@ -157,6 +157,11 @@ impl<M: MetaStore + Clone> VolumeGroups<M> {
         })
     }
 
+    /// The MetaStore the records live in (iSCSI reservations live there too).
+    pub fn meta(&self) -> &M {
+        &self.meta
+    }
+
     pub fn list(&self) -> Vec<VolumeGroupRecord> {
         self.read().values().cloned().collect()
     }

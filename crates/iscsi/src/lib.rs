@@ -13,6 +13,7 @@
 
 pub mod chap;
 mod error;
+mod keepalive;
 mod limits;
 pub mod login;
 pub mod lun;
@@ -27,10 +28,16 @@ mod testing;
 mod text;
 
 pub use error::IscsiError;
-pub use limits::{DataBudget, IscsiLimits, DEFAULT_DATA_BUDGET_BYTES};
+pub use keepalive::NopSettings;
+pub use limits::{
+    DataBudget, IscsiLimits, DEFAULT_DATA_BUDGET_BYTES, DEFAULT_NOP_INTERVAL, DEFAULT_NOP_TIMEOUT,
+};
 pub use registry::{Access, ChapCredentials, LogicalUnit, Refusal, TargetRegistry};
 pub use reinstate::SessionTable;
-pub use scsi::reservation::{LunReservations, MemoryReservations, ReservationStore};
+pub use scsi::reservation::{
+    BackendFuture, LunReservations, MemoryReservations, PrState, Registration, Reservation,
+    ReservationBackend, ReservationError, ReservationStore,
+};
 pub use session::serve_connection;
 
 /// The portal group tag of every portal of a node.
