@@ -92,6 +92,13 @@ fn nop_settings(args: &NodeArgs) -> Result<Option<NopSettings>> {
     }))
 }
 
+fn credentials(chap: &crate::volume_groups::Chap) -> ChapCredentials {
+    ChapCredentials {
+        user: chap.user.clone(),
+        secret: chap.secret.clone(),
+    }
+}
+
 /// Targets, access and LUNs from the node's volume groups and vdisks.
 pub struct IscsiRegistry {
     pub engine: Arc<NodeEngine>,
@@ -114,14 +121,18 @@ impl TargetRegistry for IscsiRegistry {
     fn authorize(&self, initiator: &str, target: &str) -> Result<Access, Refusal> {
         let group = self.groups.by_iqn(target).ok_or(Refusal::UnknownTarget)?;
         let attachment = group.attachment(initiator).ok_or(Refusal::NotAttached)?;
-        let credentials = |c: &crate::volume_groups::Chap| ChapCredentials {
-            user: c.user.clone(),
-            secret: c.secret.clone(),
-        };
         Ok(Access {
             chap: attachment.chap.as_ref().map(credentials),
             mutual_chap: attachment.mutual_chap.as_ref().map(credentials),
         })
+    }
+
+    fn discovery_access(&self, _initiator: &str) -> Access {
+        let auth = self.groups.discovery_auth();
+        Access {
+            chap: auth.chap.as_ref().map(credentials),
+            mutual_chap: auth.mutual_chap.as_ref().map(credentials),
+        }
     }
 
     fn open_luns(&self, target: &str) -> Result<Vec<LogicalUnit<VdiskHandle>>, String> {

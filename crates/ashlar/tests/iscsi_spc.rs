@@ -1,7 +1,7 @@
 //! SPC-4 behaviour of the iSCSI target that needs more than one session or a node restart,
 //! through the hand-written initiator: persistent reservations kept in the metadata store
-//! across kill -9, unit attentions, NOP-In pings to quiet initiators, and COMPARE AND WRITE
-//! against concurrent writes.
+//! across kill -9, unit attentions, NOP-In pings to quiet initiators, COMPARE AND WRITE
+//! against concurrent writes, and CHAP for discovery sessions.
 
 mod common;
 
@@ -352,4 +352,63 @@ fn compare_and_write_is_atomic_against_concurrent_writes() {
         matched > 0 && miscompared > 0,
         "both outcomes happened: {matched} matched, {miscompared} miscompared"
     );
+}
+
+#[test]
+fn discovery_chap_is_node_wide_and_survives_a_restart() {
+    use common::iscsi::{login, LoginError, LoginSpec};
+    let mut node = node_with_disk("disc", "16M", &[]);
+    let port = node.iscsi_port;
+    let discovery = |chap: Option<(&'static str, &'static str)>| {
+        login(
+            port,
+            &LoginSpec {
+                initiator: INITIATOR,
+                target: None,
+                chap,
+                mutual: None,
+                digests: false,
+            },
+        )
+    };
+    // Open by default.
+    let mut open_session = discovery(None).expect("discovery without CHAP");
+    assert!(open_session
+        .send_targets()
+        .contains(&("TargetName".to_string(), target_iqn("disc"))));
+    node.cli(&["vg", "discovery-auth", "--chap", "disc:short"])
+        .assert_cli_error("secret");
+    node.cli(&["vg", "discovery-auth", "--chap", "disc:discovery-secret"])
+        .assert_ok("vg discovery-auth --chap");
+    let shown = node.cli(&["vg", "discovery-auth"]);
+    shown.assert_ok("vg discovery-auth");
+    assert!(shown.stdout.contains("CHAP user disc"), "{}", shown.stdout);
+    assert!(
+        !shown.stdout.contains("discovery-secret"),
+        "{}",
+        shown.stdout
+    );
+
+    node.sigterm_and_wait();
+    node.restart();
+    let refused = |result: Result<Session, LoginError>, what: &str| match result {
+        Err(LoginError::Status(status)) => assert_eq!(status, 0x0201, "{what}"),
+        Err(other) => panic!("{what}: {other:?}"),
+        Ok(_) => panic!("{what}: logged in"),
+    };
+    refused(discovery(None), "no CHAP");
+    refused(
+        discovery(Some(("disc", "wrong-secret-123"))),
+        "wrong secret",
+    );
+    let mut authenticated = discovery(Some(("disc", "discovery-secret"))).expect("right secret");
+    assert!(authenticated
+        .send_targets()
+        .contains(&("TargetName".to_string(), target_iqn("disc"))));
+    // Normal sessions follow their group's attachment (no CHAP here).
+    let mut normal = session(&node, "disc", INITIATOR_2);
+    assert_good(&normal.test_unit_ready(0), "normal session without CHAP");
+    node.cli(&["vg", "discovery-auth", "--off"])
+        .assert_ok("vg discovery-auth --off");
+    discovery(None).expect("open again");
 }
