@@ -7,6 +7,7 @@
 //! - [`login`], `params`, `chap`, `text`: the login state machine, pure.
 //! - [`scsi`]: command execution over one device, with reservations.
 //! - `session`: one connection's full feature phase (reader, per-command tasks, writer).
+//! - `keepalive`: when to NOP-In ping a quiet initiator and when to give up on it, pure.
 //!
 //! A connection runs inside a tokio current-thread runtime and a `LocalSet`: device futures
 //! need not be `Send`. One session has one connection (MaxConnections=1).
