@@ -187,6 +187,14 @@ pub struct NodeArgs {
     /// keep-alive. etcd counts whole seconds, at least its minimum (2 s by default).
     #[arg(long, default_value_t = ashlar_cluster::DEFAULT_NODE_LEASE_TTL.as_millis() as u64, value_name = "MILLISECONDS")]
     pub node_lease_ttl_ms: u64,
+    /// Seconds an iSCSI initiator may stay quiet before the node sends it a NOP-In ping
+    /// (0 = never ping; at most 3600).
+    #[arg(long, default_value_t = 5, value_name = "SECONDS")]
+    pub iscsi_nop_interval_s: u64,
+    /// Seconds a pinged initiator has to send anything before its connection is dropped
+    /// and its commands aborted (1 to 3600).
+    #[arg(long, default_value_t = 10, value_name = "SECONDS")]
+    pub iscsi_nop_timeout_s: u64,
     /// Create this vdisk at startup if it does not exist yet (e.g. demo:8G). Repeatable.
     #[arg(long = "ensure-vdisk", value_name = "NAME:SIZE")]
     pub ensure_vdisks: Vec<String>,

@@ -44,4 +44,17 @@ pub enum VgCommand {
     },
     /// Delete a volume group (its vdisks stay).
     Delete { name: String },
+    /// Require CHAP of every SendTargets discovery session, whatever group the initiator is
+    /// attached to (node-wide). Without flags, shows the current setting.
+    DiscoveryAuth {
+        /// The initiator must log in to discovery with this user and secret (12+ characters).
+        #[arg(long, value_name = "USER:SECRET", conflicts_with = "off")]
+        chap: Option<String>,
+        /// Mutual CHAP: the target answers the initiator's challenge with these.
+        #[arg(long, value_name = "USER:SECRET", requires = "chap")]
+        mutual_chap: Option<String>,
+        /// Let any initiator discover without CHAP again (the default).
+        #[arg(long)]
+        off: bool,
+    },
 }

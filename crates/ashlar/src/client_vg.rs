@@ -117,6 +117,41 @@ pub fn run(server: &str, command: VgCommand) -> Result<()> {
             client.request("DELETE", &format!("{base}/{}", segment(&name)), None)?;
             println!("deleted volume group {name}");
         }
+        VgCommand::DiscoveryAuth {
+            chap,
+            mutual_chap,
+            off,
+        } => discovery_auth(&client, chap, mutual_chap, off)?,
+    }
+    Ok(())
+}
+
+/// `vg discovery-auth`: sets (with --chap or --off) or shows the discovery authentication.
+fn discovery_auth(
+    client: &Client,
+    chap: Option<String>,
+    mutual_chap: Option<String>,
+    off: bool,
+) -> Result<()> {
+    let path = "/api/v1/iscsi/discovery-auth";
+    let shown = if off || chap.is_some() {
+        let mut body = json!({});
+        if let Some(chap) = chap {
+            body["chap"] = parse_chap("--chap", &chap)?;
+        }
+        if let Some(mutual) = mutual_chap {
+            body["mutual_chap"] = parse_chap("--mutual-chap", &mutual)?;
+        }
+        client.request("POST", path, Some(body))?
+    } else {
+        client.request("GET", path, None)?
+    };
+    match shown["chap_user"].as_str() {
+        None => println!("discovery: open (no CHAP)"),
+        Some(user) => match shown["mutual_chap_user"].as_str() {
+            None => println!("discovery: CHAP user {user}"),
+            Some(mutual) => println!("discovery: CHAP user {user}, mutual CHAP user {mutual}"),
+        },
     }
     Ok(())
 }

@@ -1,8 +1,9 @@
-//! HTTP API of volume groups, beside the vdisk routes: `/api/v1/volume-groups`.
+//! HTTP API of volume groups, beside the vdisk routes: `/api/v1/volume-groups`, and the
+//! node-wide iSCSI discovery authentication: `/api/v1/iscsi/discovery-auth`.
 
 use crate::iscsi::NodeVolumeGroups;
 use crate::registry::NodeEngine;
-use crate::volume_groups::{change, Attachment, Chap, VgError, VolumeGroupRecord};
+use crate::volume_groups::{change, Attachment, Chap, DiscoveryAuth, VgError, VolumeGroupRecord};
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -32,6 +33,10 @@ pub fn router(state: VgState) -> Router {
         .route(
             "/api/v1/volume-groups/{name}/attachments/{initiator}",
             delete(detach),
+        )
+        .route(
+            "/api/v1/iscsi/discovery-auth",
+            get(show_discovery_auth).post(set_discovery_auth),
         )
         .with_state(state)
 }
@@ -196,4 +201,37 @@ async fn detach(
         .update(&name, |g| change::detach(g, &initiator))
         .await?;
     Ok(Json(view(&state, &group)))
+}
+
+/// The discovery authentication as the API shows it: CHAP user names, never secrets.
+fn discovery_view(auth: &DiscoveryAuth) -> Value {
+    json!({
+        "chap_user": auth.chap.as_ref().map(|c| c.user.clone()),
+        "mutual_chap_user": auth.mutual_chap.as_ref().map(|c| c.user.clone()),
+    })
+}
+
+async fn show_discovery_auth(State(state): State<VgState>) -> Json<Value> {
+    Json(discovery_view(&state.groups.discovery_auth()))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DiscoveryAuthRequest {
+    chap: Option<Chap>,
+    mutual_chap: Option<Chap>,
+}
+
+/// Replaces what SendTargets discovery sessions must prove; `{}` lets anyone discover.
+async fn set_discovery_auth(
+    State(state): State<VgState>,
+    body: Result<Json<DiscoveryAuthRequest>, axum::extract::rejection::JsonRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let Json(request) = body.map_err(bad_json)?;
+    let auth = DiscoveryAuth {
+        chap: request.chap,
+        mutual_chap: request.mutual_chap,
+    };
+    state.groups.set_discovery_auth(auth.clone()).await?;
+    Ok(Json(discovery_view(&auth)))
 }

@@ -1,5 +1,8 @@
 //! Connects the iSCSI front-end to the engine: one target per volume group, its vdisks as
-//! LUNs; the accept loop of the iSCSI portal; the limits from the command line.
+//! LUNs; the accept loop of the iSCSI portal; the limits from the command line;
+//! persistent reservations in the MetaStore (`reservations`).
+
+pub mod reservations;
 
 use crate::args::NodeArgs;
 use crate::node::{ConnectionCount, ConnectionTicket, Refusals};
@@ -9,9 +12,10 @@ use anyhow::{anyhow, bail, Result};
 use ashlar_core::parse_size;
 use ashlar_engine::VdiskHandle;
 use ashlar_iscsi::{
-    serve_connection, Access, ChapCredentials, DataBudget, IscsiLimits, LogicalUnit,
-    MemoryReservations, Refusal, ReservationStore, TargetRegistry,
+    serve_connection, Access, ChapCredentials, DataBudget, IscsiLimits, LogicalUnit, NopSettings,
+    Refusal, ReservationStore, TargetRegistry,
 };
+use reservations::MetaReservations;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -61,6 +65,7 @@ pub fn iscsi_limits(args: &NodeArgs) -> Result<IscsiLimits> {
             4096,
             1 << 30,
         )? as u32,
+        nop: nop_settings(args)?,
         data_budget: DataBudget::new(size(
             "--iscsi-data-budget",
             &args.iscsi_data_budget,
@@ -71,11 +76,33 @@ pub fn iscsi_limits(args: &NodeArgs) -> Result<IscsiLimits> {
     })
 }
 
+/// NOP-In pings from the flags: none when the interval is 0.
+fn nop_settings(args: &NodeArgs) -> Result<Option<NopSettings>> {
+    const MAX_SECONDS: u64 = 3600;
+    if args.iscsi_nop_interval_s > MAX_SECONDS {
+        bail!("--iscsi-nop-interval-s must be at most {MAX_SECONDS}");
+    }
+    if !(1..=MAX_SECONDS).contains(&args.iscsi_nop_timeout_s) {
+        bail!("--iscsi-nop-timeout-s must be between 1 and {MAX_SECONDS}");
+    }
+    Ok((args.iscsi_nop_interval_s > 0).then(|| NopSettings {
+        interval: Duration::from_secs(args.iscsi_nop_interval_s),
+        timeout: Duration::from_secs(args.iscsi_nop_timeout_s),
+    }))
+}
+
+fn credentials(chap: &crate::volume_groups::Chap) -> ChapCredentials {
+    ChapCredentials {
+        user: chap.user.clone(),
+        secret: chap.secret.clone(),
+    }
+}
+
 /// Targets, access and LUNs from the node's volume groups and vdisks.
 pub struct IscsiRegistry {
     pub engine: Arc<NodeEngine>,
     pub groups: NodeVolumeGroups,
-    pub reservations: Arc<MemoryReservations>,
+    pub reservations: Arc<MetaReservations<crate::cluster::NodeMeta>>,
 }
 
 impl TargetRegistry for IscsiRegistry {
@@ -93,14 +120,18 @@ impl TargetRegistry for IscsiRegistry {
     fn authorize(&self, initiator: &str, target: &str) -> Result<Access, Refusal> {
         let group = self.groups.by_iqn(target).ok_or(Refusal::UnknownTarget)?;
         let attachment = group.attachment(initiator).ok_or(Refusal::NotAttached)?;
-        let credentials = |c: &crate::volume_groups::Chap| ChapCredentials {
-            user: c.user.clone(),
-            secret: c.secret.clone(),
-        };
         Ok(Access {
             chap: attachment.chap.as_ref().map(credentials),
             mutual_chap: attachment.mutual_chap.as_ref().map(credentials),
         })
+    }
+
+    fn discovery_access(&self, _initiator: &str) -> Access {
+        let auth = self.groups.discovery_auth();
+        Access {
+            chap: auth.chap.as_ref().map(credentials),
+            mutual_chap: auth.mutual_chap.as_ref().map(credentials),
+        }
     }
 
     fn open_luns(&self, target: &str) -> Result<Vec<LogicalUnit<VdiskHandle>>, String> {
@@ -137,7 +168,11 @@ pub async fn accept_loop(
     sessions: Arc<ConnectionCount>,
     max_sessions: usize,
 ) -> Result<()> {
-    let reservations = Arc::new(MemoryReservations::default());
+    let reservations = Arc::new(
+        MetaReservations::load(groups.meta().clone())
+            .await
+            .map_err(|e| anyhow!("loading iSCSI persistent reservations: {e}"))?,
+    );
     let mut next_reactor = 0usize;
     let mut refusals = Refusals::new("iSCSI session", "--iscsi-max-sessions");
     loop {

@@ -132,11 +132,41 @@ pub fn validate_chap(what: &str, chap: &Chap) -> Result<(), VgError> {
     Ok(())
 }
 
+/// Checks CHAP and mutual CHAP settings: each well-formed, mutual only with one-way.
+pub fn validate_chap_pair(chap: Option<&Chap>, mutual: Option<&Chap>) -> Result<(), VgError> {
+    if let Some(chap) = chap {
+        validate_chap("--chap", chap)?;
+    }
+    if let Some(mutual) = mutual {
+        validate_chap("--mutual-chap", mutual)?;
+        if chap.is_none() {
+            return Err(VgError::Invalid(
+                "--mutual-chap needs --chap: the initiator authenticates first".into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The key of the node-wide (volume group independent) discovery authentication record.
+pub const DISCOVERY_AUTH_KEY: &str = "/ashlar/v1/iscsi-discovery-auth";
+
+/// What SendTargets discovery sessions must prove, whatever group the initiator is
+/// attached to (RFC 7143 12: discovery sessions may require CHAP too).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct DiscoveryAuth {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chap: Option<Chap>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mutual_chap: Option<Chap>,
+}
+
 /// The groups of a node: the MetaStore records and the copy logins read.
 #[derive(Clone)]
 pub struct VolumeGroups<M> {
     meta: M,
     cache: Arc<RwLock<BTreeMap<String, VolumeGroupRecord>>>,
+    discovery: Arc<RwLock<DiscoveryAuth>>,
 }
 
 impl<M: MetaStore + Clone> VolumeGroups<M> {
@@ -151,10 +181,47 @@ impl<M: MetaStore + Clone> VolumeGroups<M> {
             let record = decode(&kv.key, &kv.value)?;
             cache.insert(record.name.clone(), record);
         }
+        let discovery = match meta
+            .get(DISCOVERY_AUTH_KEY.as_bytes())
+            .await
+            .map_err(meta_error)?
+        {
+            Some(kv) => serde_json::from_slice(&kv.value).map_err(|e| VgError::Corrupt {
+                key: DISCOVERY_AUTH_KEY.into(),
+                reason: e.to_string(),
+            })?,
+            None => DiscoveryAuth::default(),
+        };
         Ok(VolumeGroups {
             meta,
             cache: Arc::new(RwLock::new(cache)),
+            discovery: Arc::new(RwLock::new(discovery)),
         })
+    }
+
+    /// What discovery sessions must prove now.
+    pub fn discovery_auth(&self) -> DiscoveryAuth {
+        self.discovery
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Replaces the discovery authentication (the whole record: last writer wins).
+    pub async fn set_discovery_auth(&self, auth: DiscoveryAuth) -> Result<(), VgError> {
+        validate_chap_pair(auth.chap.as_ref(), auth.mutual_chap.as_ref())?;
+        let value = serde_json::to_vec(&auth).map_err(meta_error)?;
+        self.meta
+            .put(DISCOVERY_AUTH_KEY.as_bytes().to_vec(), value, None)
+            .await
+            .map_err(meta_error)?;
+        *self.discovery.write().unwrap_or_else(|e| e.into_inner()) = auth;
+        Ok(())
+    }
+
+    /// The MetaStore the records live in (iSCSI reservations live there too).
+    pub fn meta(&self) -> &M {
+        &self.meta
     }
 
     pub fn list(&self) -> Vec<VolumeGroupRecord> {
@@ -304,17 +371,7 @@ pub mod change {
     /// Attaches an initiator, or replaces its secrets if it is attached already.
     pub fn attach(record: &mut VolumeGroupRecord, attachment: &Attachment) -> Result<(), VgError> {
         validate_initiator(&attachment.initiator)?;
-        if let Some(chap) = &attachment.chap {
-            validate_chap("--chap", chap)?;
-        }
-        if let Some(mutual) = &attachment.mutual_chap {
-            validate_chap("--mutual-chap", mutual)?;
-            if attachment.chap.is_none() {
-                return Err(VgError::Invalid(
-                    "--mutual-chap needs --chap: the initiator authenticates first".into(),
-                ));
-            }
-        }
+        validate_chap_pair(attachment.chap.as_ref(), attachment.mutual_chap.as_ref())?;
         record
             .attachments
             .retain(|a| a.initiator != attachment.initiator);

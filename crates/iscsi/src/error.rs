@@ -20,6 +20,8 @@ pub enum IscsiError {
     LoginRefused { status: u16 },
     #[error("protocol error: {0}")]
     Protocol(String),
+    #[error("initiator sent nothing within {0:?} of a NOP-In ping")]
+    Unresponsive(Duration),
 }
 
 impl IscsiError {

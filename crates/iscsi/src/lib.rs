@@ -7,12 +7,14 @@
 //! - [`login`], `params`, `chap`, `text`: the login state machine, pure.
 //! - [`scsi`]: command execution over one device, with reservations.
 //! - `session`: one connection's full feature phase (reader, per-command tasks, writer).
+//! - `keepalive`: when to NOP-In ping a quiet initiator and when to give up on it, pure.
 //!
 //! A connection runs inside a tokio current-thread runtime and a `LocalSet`: device futures
 //! need not be `Send`. One session has one connection (MaxConnections=1).
 
 pub mod chap;
 mod error;
+mod keepalive;
 mod limits;
 pub mod login;
 pub mod lun;
@@ -27,10 +29,16 @@ mod testing;
 mod text;
 
 pub use error::IscsiError;
-pub use limits::{DataBudget, IscsiLimits, DEFAULT_DATA_BUDGET_BYTES};
+pub use keepalive::NopSettings;
+pub use limits::{
+    DataBudget, IscsiLimits, DEFAULT_DATA_BUDGET_BYTES, DEFAULT_NOP_INTERVAL, DEFAULT_NOP_TIMEOUT,
+};
 pub use registry::{Access, ChapCredentials, LogicalUnit, Refusal, TargetRegistry};
 pub use reinstate::SessionTable;
-pub use scsi::reservation::{LunReservations, MemoryReservations, ReservationStore};
+pub use scsi::reservation::{
+    BackendFuture, LunReservations, MemoryReservations, PrState, Registration, Reservation,
+    ReservationBackend, ReservationError, ReservationStore,
+};
 pub use session::serve_connection;
 
 /// The portal group tag of every portal of a node.

@@ -2,6 +2,7 @@
 //! derived from them. Each bounds memory or time an initiator can make the node spend; see
 //! `docs/iscsi.md`.
 
+use crate::keepalive::NopSettings;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -40,7 +41,15 @@ pub struct IscsiLimits {
     pub max_text_bytes: usize,
     /// The node's live sessions, for session reinstatement. Clones share it.
     pub sessions: crate::reinstate::SessionTable,
+    /// NOP-In pings to quiet initiators (`None`: never ping, a dead initiator's connection
+    /// stays until TCP notices).
+    pub nop: Option<NopSettings>,
 }
+
+/// Default NOP-In ping interval.
+pub const DEFAULT_NOP_INTERVAL: Duration = Duration::from_secs(5);
+/// Default time an initiator has to answer a NOP-In ping.
+pub const DEFAULT_NOP_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Default for IscsiLimits {
     fn default() -> Self {
@@ -54,6 +63,10 @@ impl Default for IscsiLimits {
             login_timeout: Duration::from_secs(15),
             max_text_bytes: 64 << 10,
             sessions: crate::reinstate::SessionTable::default(),
+            nop: Some(NopSettings {
+                interval: DEFAULT_NOP_INTERVAL,
+                timeout: DEFAULT_NOP_TIMEOUT,
+            }),
         }
     }
 }
@@ -132,6 +145,7 @@ pub struct Effective {
     pub login_timeout: Duration,
     pub max_text_bytes: usize,
     pub sessions: crate::reinstate::SessionTable,
+    pub nop: Option<NopSettings>,
 }
 
 impl From<&IscsiLimits> for Effective {
@@ -149,6 +163,10 @@ impl From<&IscsiLimits> for Effective {
             login_timeout: limits.login_timeout,
             max_text_bytes: limits.max_text_bytes.clamp(8192, 1 << 20),
             sessions: limits.sessions.clone(),
+            // A zero interval or timeout means no pings.
+            nop: limits
+                .nop
+                .filter(|n| !n.interval.is_zero() && !n.timeout.is_zero()),
         }
     }
 }

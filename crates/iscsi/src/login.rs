@@ -224,7 +224,10 @@ impl Login {
             .ok_or(status::MISSING_PARAMETER)?;
         self.initiator = Some(initiator.to_string());
         let kind = match pairs.get("SessionType").unwrap_or("Normal") {
-            "Discovery" => SessionKind::Discovery,
+            "Discovery" => {
+                self.access = registry.discovery_access(initiator);
+                SessionKind::Discovery
+            }
             "Normal" => {
                 let target = pairs
                     .get("TargetName")

@@ -58,6 +58,12 @@ pub trait TargetRegistry: 'static {
     fn discover(&self, initiator: &str) -> Vec<String>;
     /// Whether `initiator` may log in to `target`, and how it must authenticate.
     fn authorize(&self, initiator: &str, target: &str) -> Result<Access, Refusal>;
+    /// How `initiator` must authenticate for a SendTargets discovery session (any
+    /// initiator may discover; it sees only the targets [`Self::discover`] lists).
+    fn discovery_access(&self, initiator: &str) -> Access {
+        let _ = initiator;
+        Access::default()
+    }
     /// Opens the target's logical units, in LUN order, for one session.
     fn open_luns(&self, target: &str) -> Result<Vec<LogicalUnit<Self::Device>>, String>;
 }

@@ -11,13 +11,15 @@
 //! sent or the read executed.
 
 use crate::error::{IscsiError, Violation, ViolationLog};
+use crate::keepalive::{Decision, Keepalive, NopSettings};
 use crate::limits::{Effective, IscsiLimits};
 use crate::login::{self, Login, LoginReply, LoginRequest, SessionKind, Step};
 use crate::lun::Lun;
 use crate::params::SessionParams;
 use crate::pdu::{self, op, reject, Bhs, Digests, Pdu, BHS_LEN, NO_TAG};
 use crate::registry::{LogicalUnit, TargetRegistry};
-use crate::scsi::{self, sense::status, Context, Nexus, ScsiResult};
+use crate::scsi::sense::{status, Sense};
+use crate::scsi::{self, Context, Nexus, ScsiResult};
 use crate::text::TextPairs;
 use bytes::{Bytes, BytesMut};
 use std::cell::{Cell, RefCell};
@@ -122,8 +124,12 @@ pub async fn serve_connection<R: TargetRegistry>(
         SessionKind::Normal { target } => target.clone(),
         SessionKind::Discovery => String::new(),
     };
+    let nexus = Nexus::new(&logged_in.initiator, logged_in.isid);
+    for unit in &luns {
+        unit.shared.nexus_joined(&nexus.initiator_port);
+    }
     let session = Rc::new(Session {
-        nexus: Nexus::new(&logged_in.initiator, logged_in.isid),
+        nexus,
         initiator: logged_in.initiator.clone(),
         discovery: logged_in.kind == SessionKind::Discovery,
         target_name,
@@ -136,7 +142,13 @@ pub async fn serve_connection<R: TargetRegistry>(
         replies,
         next_ttt: Cell::new(1),
         portal: local.map(|a| a.to_string()).unwrap_or_default(),
+        received: Cell::new(0),
     });
+    let dead = Rc::new(Notify::new());
+    let pinger = session
+        .limits
+        .nop
+        .map(|nop| tokio::task::spawn_local(ping_while_quiet(session.clone(), nop, dead.clone())));
     let mut feature = FullFeature {
         session: session.clone(),
         registry,
@@ -145,7 +157,12 @@ pub async fn serve_connection<R: TargetRegistry>(
         text_pending: None,
     };
     let replaced = registration.as_ref().map(|r| r.replaced.clone());
-    let ended = feature.run(&mut reader, shutdown, replaced, &mut log).await;
+    let ended = feature
+        .run(&mut reader, shutdown, replaced, dead, &mut log)
+        .await;
+    if let Some(pinger) = pinger {
+        pinger.abort();
+    }
     // Commands still waiting for data never complete; running ones get a grace period.
     session.abort_where(
         |_| true,
@@ -443,6 +460,8 @@ struct Session<D> {
     next_ttt: Cell<u32>,
     /// This connection's local address, given as TargetAddress in discovery.
     portal: String,
+    /// PDUs read so far: the ping task's proof that the initiator is alive.
+    received: Cell<u64>,
 }
 
 impl<D: ashlar_core::BlockDevice + 'static> Session<D> {
@@ -532,6 +551,43 @@ impl<D: ashlar_core::BlockDevice + 'static> Session<D> {
     fn unit(&self, lun: Option<Lun>) -> Option<&LogicalUnit<D>> {
         lun.and_then(|lun| self.luns.get(usize::from(lun.0)))
     }
+
+    /// Sends a NOP-In ping (RFC 7143 11.19: ITT reserved, a TTT the answer echoes, StatSN
+    /// not consumed). Never waits: with the writer's queue full the initiator is not
+    /// reading, which the ping's timeout then catches.
+    fn ping(&self) {
+        let mut bhs = Bhs::new(op::NOP_IN);
+        bhs.set_flags(0x80);
+        bhs.set_itt(NO_TAG);
+        bhs.set_u32_at(20, self.new_ttt());
+        let _ = self.replies.try_send(Outgoing {
+            pdu: Pdu::new(bhs, Bytes::new()),
+            stat: StatSn::Carry,
+            last: false,
+        });
+    }
+}
+
+/// Pings the initiator whenever it has been quiet for the interval; notifies `dead` when a
+/// ping goes unanswered for the timeout.
+async fn ping_while_quiet<D: ashlar_core::BlockDevice + 'static>(
+    session: Rc<Session<D>>,
+    nop: NopSettings,
+    dead: Rc<Notify>,
+) {
+    let mut keepalive = Keepalive::new(nop, std::time::Instant::now());
+    loop {
+        match keepalive.decide(std::time::Instant::now(), session.received.get()) {
+            Decision::Wait(until) => {
+                tokio::time::sleep_until(tokio::time::Instant::from_std(until)).await
+            }
+            Decision::Ping => session.ping(),
+            Decision::Dead => {
+                dead.notify_one();
+                return;
+            }
+        }
+    }
 }
 
 /// The reader side of the full feature phase.
@@ -558,6 +614,7 @@ impl<R: TargetRegistry> FullFeature<R> {
         reader: &mut Rd,
         mut shutdown: watch::Receiver<bool>,
         replaced: Option<std::sync::Arc<Notify>>,
+        dead: Rc<Notify>,
         log: &mut ViolationLog,
     ) -> Result<(), IscsiError> {
         let max_data = self.session.params.target_max_recv_data_segment;
@@ -577,10 +634,21 @@ impl<R: TargetRegistry> FullFeature<R> {
                     return Ok(());
                 }
                 _ = self.session.replies.closed() => return Ok(()),
+                _ = dead.notified() => {
+                    let waited = self.session.limits.nop.map(|n| n.timeout).unwrap_or_default();
+                    tracing::warn!(peer = log.peer(), ?waited,
+                        "iSCSI initiator did not answer a NOP-In ping; dropping the connection");
+                    // Its commands will never be answered: abort them all now.
+                    self.session.abort_where(|_| true, |_| true);
+                    return Err(IscsiError::Unresponsive(waited));
+                }
                 pdu = read_pdu(reader, self.digests, max_data) => pdu,
             };
             let pdu = match next {
-                Ok(Some(pdu)) => pdu,
+                Ok(Some(pdu)) => {
+                    self.session.received.set(self.session.received.get() + 1);
+                    pdu
+                }
                 Ok(None) => return Ok(()),
                 Err(error) => {
                     log.report(Violation::BadPdu, &error);
@@ -764,9 +832,9 @@ impl<R: TargetRegistry> FullFeature<R> {
         };
         // Extended CDBs (AHS) and bidirectional commands are not supported.
         let refused = if !pdu.ahs.is_empty() {
-            Some(crate::scsi::sense::Sense::INVALID_OPCODE)
+            Some(Sense::INVALID_OPCODE)
         } else if write && (command.read || command.expected > session.limits.max_transfer) {
-            Some(crate::scsi::sense::Sense::INVALID_FIELD_IN_CDB)
+            Some(Sense::INVALID_FIELD_IN_CDB)
         } else {
             None
         };
@@ -1016,7 +1084,7 @@ impl<R: TargetRegistry> FullFeature<R> {
                     session.abort_where(|l| l == lun, |_| true);
                     if function == 5 {
                         if let Some(unit) = session.unit(lun) {
-                            unit.shared.reset();
+                            unit.shared.reset(Sense::BUS_DEVICE_RESET_OCCURRED);
                         }
                     }
                     0
@@ -1026,7 +1094,7 @@ impl<R: TargetRegistry> FullFeature<R> {
             6 | 7 => {
                 session.abort_where(|_| true, |_| true);
                 for unit in &session.luns {
-                    unit.shared.reset();
+                    unit.shared.reset(Sense::RESET_OCCURRED);
                 }
                 close = function == 7;
                 0

@@ -71,6 +71,8 @@ pub(crate) fn unit(size: usize) -> LogicalUnit<MemDevice> {
 /// One target `iqn.t` open to `iqn.i` (with optional CHAP), one 1 MiB LUN.
 pub(crate) struct TestRegistry {
     pub access: Access,
+    /// What SendTargets discovery sessions must prove.
+    pub discovery: Access,
 }
 
 pub(crate) const TARGET: &str = "iqn.t";
@@ -80,6 +82,7 @@ impl TestRegistry {
     pub fn open() -> Self {
         TestRegistry {
             access: Access::default(),
+            discovery: Access::default(),
         }
     }
     pub fn chap(user: &str, secret: &str) -> Self {
@@ -91,6 +94,7 @@ impl TestRegistry {
                 }),
                 mutual_chap: None,
             },
+            discovery: Access::default(),
         }
     }
 }
@@ -112,6 +116,9 @@ impl TargetRegistry for TestRegistry {
             return Err(Refusal::NotAttached);
         }
         Ok(self.access.clone())
+    }
+    fn discovery_access(&self, _initiator: &str) -> Access {
+        self.discovery.clone()
     }
     fn open_luns(&self, target: &str) -> Result<Vec<LogicalUnit<MemDevice>>, String> {
         if target == TARGET {

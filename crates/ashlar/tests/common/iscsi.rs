@@ -167,8 +167,24 @@ pub fn open(port: u16, initiator: &str, target: Option<&str>) -> Session {
 }
 
 pub fn login(port: u16, spec: &LoginSpec) -> Result<Session, LoginError> {
+    login_isid(port, spec, 1)
+}
+
+/// Like [`open`], with the last ISID byte `isid`: a second I_T nexus of the same initiator.
+pub fn open_isid(port: u16, initiator: &str, target: &str, isid: u8) -> Session {
+    let spec = LoginSpec {
+        initiator,
+        target: Some(target),
+        chap: None,
+        mutual: None,
+        digests: false,
+    };
+    login_isid(port, &spec, isid).unwrap_or_else(|e| panic!("login of {initiator}: {e:?}"))
+}
+
+fn login_isid(port: u16, spec: &LoginSpec, isid_low: u8) -> Result<Session, LoginError> {
     let mut raw = Raw::connect(port);
-    let isid = [0x80, 0x12, 0x34, 0x56, 0x00, 0x01];
+    let isid = [0x80, 0x12, 0x34, 0x56, 0x00, isid_low];
     let mut first = vec![("InitiatorName", spec.initiator.to_string())];
     match spec.target {
         Some(target) => first.push(("TargetName", target.to_string())),
@@ -340,6 +356,7 @@ impl Session {
                         sense,
                     };
                 }
+                op::NOP_IN if pdu.bhs.itt() == NO_TAG => self.answer_ping(&pdu),
                 other => panic!("unexpected opcode {other:#x} during a SCSI command"),
             }
         }
@@ -356,10 +373,108 @@ impl Session {
         bhs.set_u32_at(20, NO_TAG);
         bhs.set_u32_at(24, self.cmd_sn);
         self.raw.send(&Pdu::new(bhs, data)).unwrap();
-        let pdu = self.raw.recv().expect("an answer");
-        assert_eq!(pdu.bhs.opcode(), answer);
-        assert_eq!(pdu.bhs.itt(), itt);
+        loop {
+            let pdu = self.raw.recv().expect("an answer");
+            if pdu.bhs.opcode() == op::NOP_IN && pdu.bhs.itt() == NO_TAG {
+                self.answer_ping(&pdu);
+                continue;
+            }
+            assert_eq!(pdu.bhs.opcode(), answer);
+            assert_eq!(pdu.bhs.itt(), itt);
+            return pdu;
+        }
+    }
+
+    /// Answers the target's NOP-In ping with a NOP-Out echoing its TTT (RFC 7143 11.18).
+    pub fn answer_ping(&mut self, ping: &Pdu) {
+        assert_eq!(ping.bhs.opcode(), op::NOP_IN);
+        let ttt = ping.bhs.u32_at(20);
+        assert_ne!(ttt, NO_TAG, "a ping asks for an answer");
+        let mut bhs = Bhs::new(op::NOP_OUT);
+        bhs.0[0] |= 0x40;
+        bhs.set_flags(0x80);
+        bhs.set_lun_field(ping.bhs.lun_field());
+        bhs.set_itt(NO_TAG);
+        bhs.set_u32_at(20, ttt);
+        bhs.set_u32_at(24, self.cmd_sn);
+        self.raw.send(&Pdu::new(bhs, Bytes::new())).unwrap();
+    }
+
+    /// Waits for the target's next NOP-In ping (nothing else may arrive meanwhile).
+    pub fn next_ping(&mut self) -> Pdu {
+        let pdu = self.raw.recv().expect("a NOP-In ping");
+        assert_eq!(pdu.bhs.opcode(), op::NOP_IN, "a ping, not {pdu:?}");
+        assert_eq!(pdu.bhs.itt(), NO_TAG);
         pdu
+    }
+
+    /// A task management request for `lun`; returns the response code.
+    pub fn task_management(&mut self, function: u8, lun: u16) -> u8 {
+        let itt = self.next_itt();
+        let mut bhs = Bhs::new(op::TASK_MANAGEMENT);
+        bhs.0[0] |= 0x40;
+        bhs.set_flags(0x80 | function);
+        bhs.set_lun_field(ashlar_iscsi::lun::Lun(lun).encode());
+        bhs.set_itt(itt);
+        bhs.set_u32_at(20, NO_TAG);
+        bhs.set_u32_at(24, self.cmd_sn);
+        self.raw.send(&Pdu::new(bhs, Bytes::new())).unwrap();
+        loop {
+            let pdu = self.raw.recv().expect("a task management response");
+            if pdu.bhs.opcode() == op::NOP_IN && pdu.bhs.itt() == NO_TAG {
+                self.answer_ping(&pdu);
+                continue;
+            }
+            assert_eq!(pdu.bhs.opcode(), op::TASK_MANAGEMENT_RESPONSE);
+            assert_eq!(pdu.bhs.itt(), itt);
+            return pdu.bhs.0[2];
+        }
+    }
+
+    pub fn test_unit_ready(&mut self, lun: u16) -> Reply {
+        self.scsi(lun, &[0; 6], &[], 0)
+    }
+
+    /// REQUEST SENSE in fixed format.
+    pub fn request_sense(&mut self, lun: u16) -> Reply {
+        self.scsi(lun, &[0x03, 0, 0, 0, 252, 0], &[], 252)
+    }
+
+    /// PERSISTENT RESERVE OUT `action` of reservation `kind` with the reservation key `key`
+    /// and service action key `sa_key`; `aptpl` asks for persistence through power loss.
+    pub fn pr_out(
+        &mut self,
+        lun: u16,
+        action: u8,
+        kind: u8,
+        key: u64,
+        sa_key: u64,
+        aptpl: bool,
+    ) -> Reply {
+        let mut params = vec![0u8; 24];
+        params[0..8].copy_from_slice(&key.to_be_bytes());
+        params[8..16].copy_from_slice(&sa_key.to_be_bytes());
+        params[20] = u8::from(aptpl);
+        let cdb = [0x5f, action, kind, 0, 0, 0, 0, 0, 24, 0];
+        self.scsi(lun, &cdb, &params, 0)
+    }
+
+    /// PERSISTENT RESERVE IN `action` (0 READ KEYS, 1 READ RESERVATION, 2 REPORT
+    /// CAPABILITIES).
+    pub fn pr_in(&mut self, lun: u16, action: u8) -> Reply {
+        self.scsi(lun, &[0x5e, action, 0, 0, 0, 0, 0, 0x10, 0, 0], &[], 4096)
+    }
+
+    /// COMPARE AND WRITE of `compare.len()` bytes at `lba` (the blocks must hold `compare`
+    /// to become `write`).
+    pub fn compare_and_write(&mut self, lun: u16, lba: u64, compare: &[u8], write: &[u8]) -> Reply {
+        assert_eq!(compare.len(), write.len());
+        let mut cdb = vec![0x89, 0];
+        cdb.extend_from_slice(&lba.to_be_bytes());
+        cdb.extend_from_slice(&[0, 0, 0, (compare.len() / 512) as u8, 0, 0]);
+        let mut data = compare.to_vec();
+        data.extend_from_slice(write);
+        self.scsi(lun, &cdb, &data, 0)
     }
 
     /// NOP-Out ping; returns the echoed data.

@@ -157,6 +157,32 @@ fn discovery_needs_no_target() {
 }
 
 #[test]
+fn discovery_chap_when_the_registry_asks_for_it() {
+    let mut registry = TestRegistry::open();
+    registry.discovery.chap = Some(crate::registry::ChapCredentials {
+        user: "disc".into(),
+        secret: "discovery-secret".into(),
+    });
+    let first = "InitiatorName=iqn.anyone;SessionType=Discovery;AuthMethod=None;".to_string();
+    let step = login().step(&request(true, 0, 1, &first), &registry);
+    assert!(matches!(step, Step::Fail(ref r) if r.status == status::AUTHENTICATION_FAILURE));
+    let first = "InitiatorName=iqn.anyone;SessionType=Discovery;".to_string();
+    let step = login().step(&request(true, 1, 3, &first), &registry);
+    assert!(
+        matches!(step, Step::Fail(ref r) if r.status == status::AUTHENTICATION_FAILURE),
+        "skipping the security stage does not help"
+    );
+    let mut l = login();
+    let first = "InitiatorName=iqn.anyone;SessionType=Discovery;AuthMethod=CHAP,None;";
+    let r = reply_of(l.step(&request(false, 0, 0, first), &registry));
+    assert_eq!(r.text.get("AuthMethod"), Some("CHAP"));
+    // Normal sessions still follow the target's own rule (none here).
+    let first = format!("InitiatorName={INITIATOR};TargetName={TARGET};AuthMethod=None;");
+    let r = reply_of(login().step(&request(true, 0, 1, &first), &registry));
+    assert_eq!(r.status, status::SUCCESS);
+}
+
+#[test]
 fn bad_stage_and_version_are_refused() {
     let registry = TestRegistry::open();
     let mut bad = request(true, 0, 2, "InitiatorName=a;SessionType=Discovery;");

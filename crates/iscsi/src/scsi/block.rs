@@ -174,6 +174,7 @@ pub(super) async fn write<D: BlockDevice>(
     }
     let fua = t.flags & 0x08 != 0 || is_verify;
     let data = data.slice(..sent as usize);
+    let _ordered = unit.shared.write_order.read().await;
     match unit.device.write(bytes_of(t.lba), data, fua).await {
         Ok(()) => ScsiResult::good().with_transfer(length as u32),
         Err(error) => ScsiResult::check(io_sense(&error, true)).with_transfer(length as u32),
@@ -324,6 +325,7 @@ pub(super) async fn unmap<D: BlockDevice>(
                 .with_transfer(length as u32);
         }
     }
+    let _ordered = unit.shared.write_order.read().await;
     for (lba, blocks) in descriptors {
         if let Err(error) = zero_range(
             &unit.device,
@@ -370,6 +372,7 @@ pub(super) async fn write_same<D: BlockDevice>(
         return ScsiResult::check(Sense::INVALID_FIELD_IN_CDB).with_transfer(wanted);
     }
     let unmap = flags & 0x08 != 0;
+    let _ordered = unit.shared.write_order.read().await;
     let zeros = ndob || data[..BLOCK_BYTES as usize].iter().all(|&b| b == 0);
     let result = if zeros {
         zero_range(&unit.device, bytes_of(lba), bytes_of(blocks), unmap).await
@@ -402,8 +405,8 @@ pub(super) async fn write_same<D: BlockDevice>(
     }
 }
 
-/// COMPARE AND WRITE: atomic with respect to other COMPARE AND WRITEs of the unit (VMware
-/// ATS); a mismatch reports MISCOMPARE with the offset of the first differing byte.
+/// COMPARE AND WRITE: atomic with respect to every write of the unit (VMware ATS): no WRITE,
+/// WRITE SAME, UNMAP or other COMPARE AND WRITE runs between its read and its write; a mismatch reports MISCOMPARE with the offset of the first differing byte.
 pub(super) async fn compare_and_write<D: BlockDevice>(
     unit: &LogicalUnit<D>,
     cdb: &[u8; 16],
@@ -428,7 +431,8 @@ pub(super) async fn compare_and_write<D: BlockDevice>(
     if blocks == 0 {
         return ScsiResult::good();
     }
-    let _serialised = unit.shared.compare_and_write.lock().await;
+    // No write of the unit may land between the compare and the write.
+    let _alone = unit.shared.write_order.write().await;
     let offset = bytes_of(lba);
     let current = match unit.device.read(offset, length as u32).await {
         Ok(current) if current.len() as u64 == length => current,

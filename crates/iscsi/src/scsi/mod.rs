@@ -5,6 +5,7 @@
 //!
 //! Logical blocks are 512 bytes (8 per 4 KiB physical block).
 
+pub mod attention;
 mod block;
 mod inquiry;
 mod mode;
@@ -157,6 +158,12 @@ pub async fn execute<D: BlockDevice>(
     let Some(unit) = ctx.unit else {
         return ScsiResult::check(Sense::LUN_NOT_SUPPORTED);
     };
+    // A unit attention fails the command that finds it (SAM-5 5.14, UA_INTLCK_CTRL=00),
+    // ahead of any reservation conflict.
+    unit.shared.observe_capacity(unit.device.size_bytes());
+    if let Some(sense) = unit.shared.take_attention(&ctx.nexus.initiator_port) {
+        return ScsiResult::check(sense);
+    }
     if !unit
         .shared
         .allows(&ctx.nexus.initiator_port, access_of(cdb))
@@ -188,16 +195,11 @@ pub async fn execute<D: BlockDevice>(
         0xa3 if cdb[1] & 0x1f == 0x0c => opcodes::report_supported(cdb),
         0x5e => {
             let allocation = be16(&cdb[7..9]) as usize;
-            let outcome = unit
-                .shared
-                .update(|state| reservation::reserve_in(state, nexus, cdb));
-            pr_result(outcome, allocation)
+            pr_result(unit.shared.reserve_in(cdb), allocation)
         }
         0x5f => {
             let length = be32(&cdb[5..9]);
-            let outcome = unit
-                .shared
-                .update(|state| reservation::reserve_out(state, nexus, cdb, &data_out));
+            let outcome = unit.shared.reserve_out(nexus, cdb, &data_out).await;
             pr_result(outcome, 0).with_transfer(length)
         }
         0x16 => pr_result(
@@ -222,14 +224,19 @@ fn pr_result(outcome: PrOutcome, allocation: usize) -> ScsiResult {
     }
 }
 
-/// REQUEST SENSE: sense is reported with each command (autosense), so nothing is pending;
-/// a LUN the target lacks reports LOGICAL UNIT NOT SUPPORTED.
-fn request_sense<D>(ctx: &Context<'_, D>, cdb: &[u8; 16]) -> ScsiResult {
+/// REQUEST SENSE: sense is reported with each command (autosense), so only a unit attention
+/// can be pending (returned and cleared, SPC-4 5.12.2); otherwise NO SENSE, or LOGICAL UNIT
+/// NOT SUPPORTED for a LUN the target lacks.
+fn request_sense<D: BlockDevice>(ctx: &Context<'_, D>, cdb: &[u8; 16]) -> ScsiResult {
     let allocation = usize::from(cdb[4]);
-    let sense = if ctx.unit.is_some() {
-        Sense::NO_SENSE
-    } else {
-        Sense::LUN_NOT_SUPPORTED
+    let sense = match ctx.unit {
+        Some(unit) => {
+            unit.shared.observe_capacity(unit.device.size_bytes());
+            unit.shared
+                .take_attention(&ctx.nexus.initiator_port)
+                .unwrap_or(Sense::NO_SENSE)
+        }
+        None => Sense::LUN_NOT_SUPPORTED,
     };
     let data = if cdb[1] & 0x01 != 0 {
         sense.descriptor().to_vec()

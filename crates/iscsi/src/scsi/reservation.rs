@@ -2,15 +2,19 @@
 //! OUT, every type) and SPC-2 RESERVE/RELEASE(6). The rules are pure functions over
 //! [`PrState`]; [`LunReservations`] holds the state of one unit behind a mutex shared by every
 //! session of the unit (on any reactor), with an atomic fast path so I/O to a unit nobody
-//! reserved never takes the lock.
+//! reserved never takes the lock. It also holds the unit's pending unit attentions.
 //!
-//! Where the state lives is behind [`ReservationStore`]. On one node it is memory
-//! ([`MemoryReservations`]): registrations survive sessions coming and going but not a node
-//! restart (so APTPL is refused). A cluster keeps it in the metadata store (issue 8).
-
+//! Where the state lives is behind [`ReservationStore`]. [`MemoryReservations`] keeps it in
+//! memory only: registrations survive sessions coming and going but not a node restart (so
+//! APTPL is refused). A store with a [`ReservationBackend`] saves every change before
+//! answering (the node's metadata store), so registrations survive restarts and APTPL is
+//! accepted.
+use super::attention::{self, Attentions};
 use super::sense::{status, Sense};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Registrations one unit keeps; one more is refused with INSUFFICIENT REGISTRATION
@@ -63,7 +67,9 @@ pub struct PrState {
     pub generation: u32,
     pub registrations: Vec<Registration>,
     pub reservation: Option<Reservation>,
-    /// RESERVE(6) holder.
+    /// The last valid APTPL bit of a REGISTER (SPC-4 5.14.5; reported as PTPL_A).
+    pub aptpl: bool,
+    /// RESERVE(6) holder: lives only as long as its I_T nexus, never saved.
     pub legacy: Option<String>,
 }
 
@@ -81,6 +87,14 @@ impl PrState {
             Some(r) => r.holder == nexus,
             None => false,
         }
+    }
+
+    /// Takes the saved part (everything but RESERVE(6)) from `saved`.
+    fn adopt_saved(&mut self, saved: PrState) {
+        self.generation = saved.generation;
+        self.registrations = saved.registrations;
+        self.reservation = saved.reservation;
+        self.aptpl = saved.aptpl;
     }
 
     fn is_empty(&self) -> bool {
@@ -144,8 +158,15 @@ impl PrOutcome {
     }
 }
 
-/// PERSISTENT RESERVE OUT with its parameter list.
-pub fn reserve_out(state: &mut PrState, nexus: &str, cdb: &[u8], params: &[u8]) -> PrOutcome {
+/// PERSISTENT RESERVE OUT with its parameter list. `ptpl_capable`: the state is saved so it
+/// survives the node (APTPL may be set).
+pub fn reserve_out(
+    state: &mut PrState,
+    nexus: &str,
+    cdb: &[u8],
+    params: &[u8],
+    ptpl_capable: bool,
+) -> PrOutcome {
     let action = cdb[1] & 0x1f;
     let scope = cdb[2] >> 4;
     let rtype = cdb[2] & 0x0f;
@@ -167,8 +188,9 @@ pub fn reserve_out(state: &mut PrState, nexus: &str, cdb: &[u8], params: &[u8]) 
         // SPEC_I_PT: not supported (REPORT CAPABILITIES says so).
         return PrOutcome::Check(Sense::INVALID_FIELD_IN_PARAMETER_LIST);
     }
-    if flags & 0x01 != 0 {
-        // APTPL: registrations do not survive a restart of this node.
+    let aptpl = flags & 0x01 != 0;
+    if aptpl && !ptpl_capable {
+        // Held in memory only: registrations would not survive a restart of this node.
         return PrOutcome::Check(Sense::INVALID_FIELD_IN_PARAMETER_LIST);
     }
     if state.legacy.as_deref().is_some_and(|h| h != nexus) {
@@ -206,6 +228,8 @@ pub fn reserve_out(state: &mut PrState, nexus: &str, cdb: &[u8], params: &[u8]) 
                     }
                 }
             }
+            // SPC-4 5.14.5: APTPL counts from a REGISTER; other actions ignore the bit.
+            state.aptpl = aptpl;
             state.generation = state.generation.wrapping_add(1);
             PrOutcome::Good(Vec::new())
         }
@@ -311,9 +335,8 @@ fn preempt(state: &mut PrState, nexus: &str, scope: u8, rtype: u8, sa_key: u64) 
     PrOutcome::Good(Vec::new())
 }
 
-/// PERSISTENT RESERVE IN.
-pub fn reserve_in(state: &PrState, nexus: &str, cdb: &[u8]) -> PrOutcome {
-    let _ = nexus;
+/// PERSISTENT RESERVE IN; `ptpl_capable` as for [`reserve_out`].
+pub fn reserve_in(state: &PrState, cdb: &[u8], ptpl_capable: bool) -> PrOutcome {
     let action = cdb[1] & 0x1f;
     let mut out = Vec::new();
     out.extend_from_slice(&state.generation.to_be_bytes());
@@ -340,8 +363,11 @@ pub fn reserve_in(state: &PrState, nexus: &str, cdb: &[u8]) -> PrOutcome {
         },
         2 => {
             out.clear();
-            // Length 8; CRH; ATP_C/SIP_C/PTPL_C not supported; TMV with every type.
-            out.extend_from_slice(&[0, 8, 0x10, 0x80, 0xea, 0x01, 0, 0]);
+            // Length 8; CRH; ATP_C/SIP_C not supported; PTPL_C when saved; TMV with every
+            // type; PTPL_A is the last APTPL registered.
+            let ptpl_c = u8::from(ptpl_capable);
+            let ptpl_a = u8::from(state.aptpl);
+            out.extend_from_slice(&[0, 8, 0x10 | ptpl_c, 0x80 | ptpl_a, 0xea, 0x01, 0, 0]);
         }
         3 => {
             let mut descriptors = Vec::new();
@@ -411,17 +437,98 @@ pub fn release6(state: &mut PrState, nexus: &str) -> PrOutcome {
     PrOutcome::Good(Vec::new())
 }
 
-/// The reservation state of one unit, shared by all its sessions.
-#[derive(Debug, Default)]
+/// Why the saved reservation state could not be read or changed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReservationError {
+    #[error("reservation store: {0}")]
+    Store(String),
+    #[error("corrupt reservation record of unit {unit_id}: {reason}")]
+    Corrupt { unit_id: u64, reason: String },
+}
+
+/// A future of a [`ReservationBackend`]; it runs on the reactor of the session that asked.
+pub type BackendFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, ReservationError>> + 'a>>;
+
+/// Where the persistent part of a unit's reservation state is saved (everything but
+/// RESERVE(6), which ends with its I_T nexus).
+pub trait ReservationBackend: Send + Sync + 'static {
+    /// Applies `change` to the saved state of `unit_id` atomically: reads it, runs `change`,
+    /// and saves the result if `change` returns true, running `change` again on the newer
+    /// state if the record changed meanwhile (compare-and-swap). Returns the state as saved,
+    /// or as read when `change` returned false.
+    fn update<'a>(
+        &'a self,
+        unit_id: u64,
+        change: &'a mut dyn FnMut(&mut PrState) -> bool,
+    ) -> BackendFuture<'a, PrState>;
+}
+
+/// A unit's saved state: where, and under which number.
+struct Saved {
+    unit_id: u64,
+    backend: Arc<dyn ReservationBackend>,
+}
+
+impl std::fmt::Debug for Saved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Saved")
+            .field("unit_id", &self.unit_id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Capacity not observed yet.
+const CAPACITY_UNKNOWN: u64 = u64::MAX;
+
+/// The reservation state of one unit, shared by all its sessions, with its pending unit
+/// attentions.
+#[derive(Debug)]
 pub struct LunReservations {
     /// True while the state is not empty: I/O checks the mutex only then.
     active: AtomicBool,
     state: Mutex<PrState>,
-    /// Serialises COMPARE AND WRITE on the unit (atomic with respect to each other).
-    pub(crate) compare_and_write: tokio::sync::Mutex<()>,
+    /// True while some nexus has a unit attention pending: commands check the mutex only
+    /// then.
+    attention_pending: AtomicBool,
+    attentions: Mutex<Attentions>,
+    /// The capacity last reported, to tell every nexus when it changes (`vdisk resize`).
+    capacity_bytes: AtomicU64,
+    /// One PERSISTENT RESERVE OUT at a time per unit on this node, so the saved state and
+    /// the copy here change in the same order.
+    changes: tokio::sync::Mutex<()>,
+    /// Orders COMPARE AND WRITE against every write of the unit: writes share it, COMPARE
+    /// AND WRITE holds it alone from its read to its write (SBC-3 5.2: atomic).
+    pub(crate) write_order: tokio::sync::RwLock<()>,
+    saved: Option<Saved>,
+}
+
+impl Default for LunReservations {
+    fn default() -> Self {
+        LunReservations {
+            active: AtomicBool::new(false),
+            state: Mutex::new(PrState::default()),
+            attention_pending: AtomicBool::new(false),
+            attentions: Mutex::new(Attentions::default()),
+            capacity_bytes: AtomicU64::new(CAPACITY_UNKNOWN),
+            changes: tokio::sync::Mutex::new(()),
+            write_order: tokio::sync::RwLock::new(()),
+            saved: None,
+        }
+    }
 }
 
 impl LunReservations {
+    /// A unit whose persistent state is saved by `backend`, starting from `state` (as loaded).
+    pub fn saved(unit_id: u64, state: PrState, backend: Arc<dyn ReservationBackend>) -> Self {
+        assert!(state.legacy.is_none(), "RESERVE(6) is never saved");
+        let unit = LunReservations {
+            saved: Some(Saved { unit_id, backend }),
+            ..LunReservations::default()
+        };
+        unit.update(|s| *s = state);
+        unit
+    }
+
     /// Whether `nexus` may run a command of class `access` now.
     pub fn allows(&self, nexus: &str, access: Access) -> bool {
         if access == Access::Always || !self.active.load(Ordering::Acquire) {
@@ -430,7 +537,8 @@ impl LunReservations {
         self.lock().allows(nexus, access)
     }
 
-    /// Runs `f` on the state; keeps the fast-path flag in step.
+    /// Runs `f` on the state in memory only (RESERVE/RELEASE(6)); keeps the fast-path flag
+    /// in step.
     pub fn update<T>(&self, f: impl FnOnce(&mut PrState) -> T) -> T {
         let mut state = self.lock();
         let result = f(&mut state);
@@ -443,24 +551,132 @@ impl LunReservations {
         self.lock().clone()
     }
 
-    /// Drops what an I_T nexus held only for its lifetime (RESERVE(6)); persistent
-    /// registrations stay.
+    /// PERSISTENT RESERVE IN.
+    pub fn reserve_in(&self, cdb: &[u8]) -> PrOutcome {
+        reserve_in(&self.lock(), cdb, self.saved.is_some())
+    }
+
+    /// PERSISTENT RESERVE OUT: saved (when the unit has a backend) before it takes effect
+    /// here; the nexuses it affects get their unit attentions.
+    pub async fn reserve_out(&self, nexus: &str, cdb: &[u8], params: &[u8]) -> PrOutcome {
+        let _serial = self.changes.lock().await;
+        let action = cdb[1] & 0x1f;
+        let current = self.snapshot();
+        let mut outcome = None;
+        let mut before = current.clone();
+        let mut change = |state: &mut PrState| {
+            state.legacy = current.legacy.clone();
+            before = state.clone();
+            let result = reserve_out(state, nexus, cdb, params, self.saved.is_some());
+            let good = matches!(result, PrOutcome::Good(_));
+            outcome = Some(result);
+            good && *state != before
+        };
+        let after = match &self.saved {
+            None => {
+                let mut state = current.clone();
+                change(&mut state);
+                state
+            }
+            Some(saved) => match saved.backend.update(saved.unit_id, &mut change).await {
+                Ok(state) => state,
+                Err(error) => {
+                    tracing::error!(unit = saved.unit_id, %error,
+                        "cannot save persistent reservation state; command failed");
+                    return PrOutcome::Check(Sense::INTERNAL_TARGET_FAILURE);
+                }
+            },
+        };
+        let outcome = outcome.expect("the change ran at least once");
+        let told = if matches!(outcome, PrOutcome::Good(_)) {
+            attention::after_reserve_out(&before, &after, action, nexus)
+        } else {
+            Vec::new()
+        };
+        // Whatever the outcome, the copy here follows what the store holds.
+        self.update(|state| state.adopt_saved(after));
+        self.post(told);
+        outcome
+    }
+
+    /// An I_T nexus opened a session to the unit.
+    pub fn nexus_joined(&self, nexus: &str) {
+        self.attentions().joined(nexus);
+    }
+
+    /// A session of an I_T nexus ended: what the nexus held only for its lifetime
+    /// (RESERVE(6)) is dropped; persistent registrations stay.
     pub fn nexus_lost(&self, nexus: &str) {
-        self.update(|state| {
+        let registered = self.update(|state| {
             if state.legacy.as_deref() == Some(nexus) {
                 state.legacy = None;
             }
+            state.key_of(nexus).is_some()
         });
+        let mut attentions = self.attentions();
+        attentions.left(nexus, registered);
+        self.attention_pending
+            .store(!attentions.is_empty(), Ordering::Release);
     }
 
-    /// A LOGICAL UNIT RESET releases RESERVE(6) reservations.
-    pub fn reset(&self) {
+    /// A LOGICAL UNIT RESET (`sense` BUS DEVICE RESET FUNCTION OCCURRED) or a target reset:
+    /// releases RESERVE(6) reservations and tells every connected nexus.
+    pub fn reset(&self, sense: Sense) {
         self.update(|state| state.legacy = None);
+        let mut attentions = self.attentions();
+        attentions.post_connected(sense);
+        self.attention_pending
+            .store(!attentions.is_empty(), Ordering::Release);
+    }
+
+    /// Notes the capacity a command sees; a change (a resize) is told to every connected
+    /// nexus (SBC-3 4.5: CAPACITY DATA HAS CHANGED).
+    pub fn observe_capacity(&self, bytes: u64) {
+        let last = self.capacity_bytes.load(Ordering::Relaxed);
+        if last == bytes {
+            return;
+        }
+        let swapped =
+            self.capacity_bytes
+                .compare_exchange(last, bytes, Ordering::AcqRel, Ordering::Relaxed);
+        if swapped.is_ok() && last != CAPACITY_UNKNOWN {
+            let mut attentions = self.attentions();
+            attentions.post_connected(Sense::CAPACITY_DATA_CHANGED);
+            self.attention_pending
+                .store(!attentions.is_empty(), Ordering::Release);
+        }
+    }
+
+    /// Takes the oldest unit attention pending for `nexus`.
+    pub fn take_attention(&self, nexus: &str) -> Option<Sense> {
+        if !self.attention_pending.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut attentions = self.attentions();
+        let sense = attentions.take(nexus);
+        self.attention_pending
+            .store(!attentions.is_empty(), Ordering::Release);
+        sense
+    }
+
+    fn post(&self, told: Vec<(String, Sense)>) {
+        if told.is_empty() {
+            return;
+        }
+        let mut attentions = self.attentions();
+        for (nexus, sense) in told {
+            attentions.post(&nexus, sense);
+        }
+        self.attention_pending.store(true, Ordering::Release);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, PrState> {
         // A panic while holding the lock leaves a consistent state (updates are whole).
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn attentions(&self) -> std::sync::MutexGuard<'_, Attentions> {
+        self.attentions.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -506,6 +722,10 @@ mod tests {
         p
     }
 
+    fn out(s: &mut PrState, nexus: &str, cdb: &[u8], params: &[u8]) -> PrOutcome {
+        reserve_out(s, nexus, cdb, params, false)
+    }
+
     const A: &str = "iqn.a,i,0x000000000001";
     const B: &str = "iqn.b,i,0x000000000002";
 
@@ -513,17 +733,17 @@ mod tests {
     fn register_reserve_conflict_release() {
         let mut s = PrState::default();
         assert_eq!(
-            reserve_out(&mut s, A, &out_cdb(0, 0), &params(0, 0xa)),
+            out(&mut s, A, &out_cdb(0, 0), &params(0, 0xa)),
             PrOutcome::Good(vec![])
         );
         assert_eq!(s.generation, 1);
         // Reserving needs the right key.
         assert_eq!(
-            reserve_out(&mut s, A, &out_cdb(1, 1), &params(0xb, 0)),
+            out(&mut s, A, &out_cdb(1, 1), &params(0xb, 0)),
             PrOutcome::Conflict
         );
         assert_eq!(
-            reserve_out(
+            out(
                 &mut s,
                 A,
                 &out_cdb(1, kind::WRITE_EXCLUSIVE),
@@ -536,7 +756,7 @@ mod tests {
         assert!(s.allows(A, Access::Write));
         // Release with the wrong type.
         assert_eq!(
-            reserve_out(
+            out(
                 &mut s,
                 A,
                 &out_cdb(2, kind::EXCLUSIVE_ACCESS),
@@ -545,7 +765,7 @@ mod tests {
             PrOutcome::Check(Sense::INVALID_RELEASE_OF_PR)
         );
         assert_eq!(
-            reserve_out(
+            out(
                 &mut s,
                 A,
                 &out_cdb(2, kind::WRITE_EXCLUSIVE),
@@ -559,9 +779,9 @@ mod tests {
     #[test]
     fn registrants_only_and_preempt() {
         let mut s = PrState::default();
-        reserve_out(&mut s, A, &out_cdb(0, 0), &params(0, 0xa));
-        reserve_out(&mut s, B, &out_cdb(0, 0), &params(0, 0xb));
-        reserve_out(
+        out(&mut s, A, &out_cdb(0, 0), &params(0, 0xa));
+        out(&mut s, B, &out_cdb(0, 0), &params(0, 0xb));
+        out(
             &mut s,
             A,
             &out_cdb(1, kind::EXCLUSIVE_ACCESS_REGISTRANTS_ONLY),
@@ -571,7 +791,7 @@ mod tests {
         assert!(!s.allows("iqn.c,i,0x0", Access::Read));
         // B preempts A's reservation and registration.
         assert_eq!(
-            reserve_out(
+            out(
                 &mut s,
                 B,
                 &out_cdb(4, kind::EXCLUSIVE_ACCESS),
@@ -583,7 +803,8 @@ mod tests {
         assert_eq!(s.reservation.as_ref().unwrap().holder, B);
         assert!(!s.allows(A, Access::Read));
         // READ KEYS shows B only.
-        let PrOutcome::Good(keys) = reserve_in(&s, A, &[0x5e, 0, 0, 0, 0, 0, 0, 0, 64, 0]) else {
+        let PrOutcome::Good(keys) = reserve_in(&s, &[0x5e, 0, 0, 0, 0, 0, 0, 0, 64, 0], false)
+        else {
             panic!()
         };
         assert_eq!(&keys[4..8], &[0, 0, 0, 8]);
@@ -593,18 +814,18 @@ mod tests {
     #[test]
     fn all_registrants_survive_until_the_last_unregisters() {
         let mut s = PrState::default();
-        reserve_out(&mut s, A, &out_cdb(0, 0), &params(0, 1));
-        reserve_out(&mut s, B, &out_cdb(0, 0), &params(0, 2));
-        reserve_out(
+        out(&mut s, A, &out_cdb(0, 0), &params(0, 1));
+        out(&mut s, B, &out_cdb(0, 0), &params(0, 2));
+        out(
             &mut s,
             A,
             &out_cdb(1, kind::WRITE_EXCLUSIVE_ALL_REGISTRANTS),
             &params(1, 0),
         );
         assert!(s.allows(B, Access::Write));
-        reserve_out(&mut s, A, &out_cdb(0, 0), &params(1, 0));
+        out(&mut s, A, &out_cdb(0, 0), &params(1, 0));
         assert!(s.reservation.is_some());
-        reserve_out(&mut s, B, &out_cdb(0, 0), &params(2, 0));
+        out(&mut s, B, &out_cdb(0, 0), &params(2, 0));
         assert!(s.reservation.is_none());
     }
 

@@ -63,6 +63,13 @@ impl Sense {
     pub const NO_SENSE: Sense = Sense::new(key::NO_SENSE, 0, 0);
     /// Write data that does not continue the transfer (wrong DataSN, offset or length).
     pub const DATA_PHASE_ERROR: Sense = Sense::new(key::ABORTED_COMMAND, 0x4b, 0x00);
+    /// Unit attentions (SPC-4 annex D).
+    pub const RESET_OCCURRED: Sense = Sense::new(key::UNIT_ATTENTION, 0x29, 0x00);
+    pub const BUS_DEVICE_RESET_OCCURRED: Sense = Sense::new(key::UNIT_ATTENTION, 0x29, 0x03);
+    pub const RESERVATIONS_PREEMPTED: Sense = Sense::new(key::UNIT_ATTENTION, 0x2a, 0x03);
+    pub const RESERVATIONS_RELEASED: Sense = Sense::new(key::UNIT_ATTENTION, 0x2a, 0x04);
+    pub const REGISTRATIONS_PREEMPTED: Sense = Sense::new(key::UNIT_ATTENTION, 0x2a, 0x05);
+    pub const CAPACITY_DATA_CHANGED: Sense = Sense::new(key::UNIT_ATTENTION, 0x2a, 0x09);
 
     pub fn with_information(mut self, information: u32) -> Self {
         self.information = Some(information);
