@@ -11,11 +11,13 @@
 # Writes bench/results/<date>-<host>/ (RESULTS.md, ratios.md, raw data).
 #
 # Knobs (environment):
-#   STAGES="raw nbdkit dsync ashlar uncached durable pagecache shard"   which parts run:
+#   STAGES="raw nbdkit dsync ashlar iscsi uncached durable pagecache shard"   which parts run:
 #     raw       raw-ext4, raw-tmpfs: fio io_uring direct=1 (../shared/bench/peers/raw.sh)
 #     nbdkit    nbdkit-memory, nbdkit-file through fio's nbd engine (peers/nbdkit.sh)
 #     dsync     raw-ext4-dsync: io_uring direct=1 sync=dsync (raw-dsync.sh)
 #     ashlar    ashlar, ashlar-uncached, ashlar-2shards: the peers' matrix (ashlar.sh)
+#     iscsi     tgt-iscsi, ashlar-iscsi, ashlar-iscsi-nbd: fio libiscsi against tgt and Ashlar,
+#               and fio nbd on the same Ashlar vdisk, 4k rand QD1/QD32, 1M seq QD8 (iscsi.sh)
 #     uncached  raw-cold vs ashlar-cold: 4k randread QD32/QD1, 1M seqread/seqwrite QD8 with the
 #               page cache dropped before each job, on UNCACHED_SIZE data (cold.sh)
 #     durable   4k randwrite QD1/QD32: ashlar-cold vs raw-cold-dsync and nbdkit-memory-cold
@@ -34,7 +36,7 @@ set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 PEERS=$(cd "$HERE/../../shared/bench/peers" && pwd)
 export RUNTIME=${RUNTIME:-15} SIZE=${SIZE:-2G}
-ALL_STAGES="raw nbdkit dsync ashlar uncached durable pagecache shard"
+ALL_STAGES="raw nbdkit dsync ashlar iscsi uncached durable pagecache shard"
 STAGES=${STAGES:-$ALL_STAGES}
 UNCACHED_SIZE=${UNCACHED_SIZE:-4G} PAGECACHE_READ=${PAGECACHE_READ:-4G}
 has_stage() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
@@ -44,9 +46,10 @@ for st in $STAGES; do
         raw|nbdkit) only="$only $st" ;;
         dsync) extra="$extra $HERE/raw-dsync.sh" ;;
         ashlar) extra="$extra $HERE/ashlar.sh" ;;
+        iscsi) extra="$extra $HERE/iscsi.sh" ;;
         uncached|durable|pagecache) cold="$cold $st" ;;
         shard) ;;
-        *) echo "unknown stage $st (known: raw nbdkit dsync ashlar uncached durable pagecache shard)" >&2; exit 2 ;;
+        *) echo "unknown stage $st (known: raw nbdkit dsync ashlar iscsi uncached durable pagecache shard)" >&2; exit 2 ;;
     esac
 done
 [ -n "$cold" ] && extra="$extra $HERE/cold.sh"
