@@ -16,6 +16,8 @@ COLUMNS = ["system", "workload", "qd", "iops", "mibs", "mean_us", "p99_us", "srv
            "fio_usr", "fio_sys", "fio_cpu_s", "client_cpu_s", "host_busy_s", "elapsed_s", "status"]
 
 
+ISCSI_SYSTEMS = ["tgt-iscsi", "ashlar-iscsi", "ashlar-iscsi-nbd"]
+ISCSI_ORDER = {w: i for i, w in enumerate(["randread4k", "randwrite4k", "seqread1m", "seqwrite1m"])}
 COLD_SYSTEMS = ["ashlar-cold", "raw-cold", "raw-cold-dsync", "nbdkit-memory-cold", "nbdkit-file-fua-cold"]
 
 
@@ -181,6 +183,19 @@ def main():
             target(f"(control, --direct-io {q['direct_io']}) page cache growth (meminfo Cached), MiB vs MiB read",
                    mib(num(q["cached_growth"])), mib(num(q["bytes_read"])), None, higher_is_better=False)
 
+    # iscsi.sh (issue 8): Ashlar over iSCSI vs tgt, and vs Ashlar over NBD on the same vdisk.
+    iscsi_jobs = sorted({(w, q) for s_, w, q in rows if s_ in ISCSI_SYSTEMS},
+                        key=lambda k: (ISCSI_ORDER.get(k[0], 9), k[0], int(k[1])))
+    for w, q in iscsi_jobs:
+        a, t = get("ashlar-iscsi", w, q), get("tgt-iscsi", w, q)
+        target(f"iSCSI {w} QD{q}: IOPS per server CPU-s vs tgt", a and iops_per_cpu(a), t and iops_per_cpu(t), 2.0)
+    a, t = get("ashlar-iscsi", "randread4k", "1"), get("tgt-iscsi", "randread4k", "1")
+    target("iSCSI 4k randread QD1: p50 latency (µs) vs tgt", p50(a), p50(t), 0.7, higher_is_better=False)
+    for w, q in iscsi_jobs:
+        a, n = get("ashlar-iscsi", w, q), get("ashlar-iscsi-nbd", w, q)
+        target(f"iSCSI {w} QD{q}: Ashlar iSCSI IOPS vs Ashlar NBD (same vdisk)", field(a, "iops"), field(n, "iops"),
+               0.85)
+
     two = get("ashlar-2shards", "randread4k", "32")
     m = get("nbdkit-memory", "randread4k", "32")
     if two and m and iops_per_cpu(two):
@@ -193,7 +208,7 @@ def main():
                 + (f"; its QD1 p50 is {qd1_p50:.1f} µs." if qd1_p50 else ".")]
 
     systems = sorted({s for s, _, _ in rows if not s.startswith("ashlar") and not s.endswith("-cold")
-                      and not s.endswith("-cold-dsync")})
+                      and not s.endswith("-cold-dsync") and s not in ISCSI_SYSTEMS})
     if any(s_ == "ashlar" for s_, _, _ in rows):   # the matrix ran (STAGES with ashlar)
         out += ["", "## Ashlar IOPS as a ratio of each reference, per job", "",
                 "| workload | QD | Ashlar IOPS | IOPS/srv-CPU-s | " + " | ".join(systems) + " |",
@@ -220,6 +235,24 @@ def main():
             out.append(f"| {s_} | {w} | {q} | {num(row['iops']):,.0f} | {num(row['mibs']):,.1f} | "
                        f"{f'{p:,.1f}' if p is not None else '-'} | {row['p99_us']} | {row['srv_cpu_s']} | "
                        f"{f'{ipc:,.0f}' if ipc else '-'} |")
+    if iscsi_jobs:
+        out += ["", "## iSCSI stage per job (iscsi.sh: tgt and Ashlar through fio's libiscsi engine, Ashlar "
+                "also through fio's nbd engine on the same vdisk)", "",
+                "| workload | QD | system | IOPS | MiB/s | p50 µs | p99 µs | srv CPU s | IO/srv-CPU-s | other s |",
+                "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for w, q in iscsi_jobs:
+            for s_ in ISCSI_SYSTEMS:
+                row = get(s_, w, q)
+                if not row:
+                    out.append(f"| {w} | {q} | {s_} | not measured | | | | | | |")
+                    continue
+                p = p50_us(results_dir, row)
+                ipc = iops_per_cpu(row)
+                hb, sc, cc = num(row["host_busy_s"]), num(row["srv_cpu_s"]), num(row["client_cpu_s"])
+                other = f"{max(0.0, hb - (sc or 0) - cc):.2f}" if hb is not None and cc is not None else "-"
+                out.append(f"| {w} | {q} | {s_} | {num(row['iops']):,.0f} | {num(row['mibs']):,.1f} | "
+                           f"{f'{p:,.1f}' if p is not None else '-'} | {row['p99_us']} | {row['srv_cpu_s']} | "
+                           f"{f'{ipc:,.0f}' if ipc else '-'} | {other} |")
     pagecache = load_pagecache(results_dir)
     if pagecache:
         out += ["", "## Page cache growth while reading through the node (cold.sh)", "",
