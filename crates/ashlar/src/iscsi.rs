@@ -10,10 +10,11 @@ use crate::registry::NodeEngine;
 use crate::volume_groups::VolumeGroups;
 use anyhow::{anyhow, bail, Result};
 use ashlar_core::parse_size;
+use ashlar_engine::reactor::ReactorId;
 use ashlar_engine::VdiskHandle;
 use ashlar_iscsi::{
-    serve_connection, Access, ChapCredentials, DataBudget, IscsiLimits, LogicalUnit, NopSettings,
-    Refusal, ReservationStore, TargetRegistry,
+    resume, serve_or_hand_over, Access, ChapCredentials, DataBudget, Handover, IscsiLimits,
+    LogicalUnit, NopSettings, Refusal, ReservationStore, TargetRegistry,
 };
 use reservations::MetaReservations;
 use std::rc::Rc;
@@ -156,8 +157,46 @@ impl TargetRegistry for IscsiRegistry {
     }
 }
 
+/// An iSCSI session on its way to the reactor that runs its target's shards.
+struct MovingSession {
+    handover: Handover,
+    ticket: ConnectionTicket,
+    engine: Arc<NodeEngine>,
+    groups: NodeVolumeGroups,
+    reservations: Arc<MetaReservations<crate::cluster::NodeMeta>>,
+    shutdown: watch::Receiver<bool>,
+}
+
+fn move_session(moving: MovingSession, target: ReactorId) {
+    let reactor = moving.engine.reactors().get(target).clone();
+    let moved = reactor.spawn_detached(move || async move {
+        let MovingSession {
+            handover,
+            ticket,
+            engine,
+            groups,
+            reservations,
+            shutdown,
+        } = moving;
+        let _ticket = ticket;
+        let registry = Rc::new(IscsiRegistry {
+            engine,
+            groups,
+            reservations,
+        });
+        if let Err(error) = resume(handover, registry, shutdown).await {
+            tracing::info!(%error, "iSCSI connection ended with an error");
+        }
+    });
+    match moved {
+        Ok(()) => tracing::info!(reactor = target.0, "iSCSI session moved next to its shards"),
+        Err(_) => tracing::warn!("reactor queue full; iSCSI connection dropped"),
+    }
+}
+
 /// Accepts iSCSI connections and serves each on a reactor, round-robin (one session per
-/// connection: MaxConnections=1). With `max_sessions` live, a new connection is closed at
+/// connection: MaxConnections=1); once logged in, a session whose first LUN's shards run on
+/// another reactor moves there. With `max_sessions` live, a new connection is closed at
 /// once.
 pub async fn accept_loop(
     listener: TcpListener,
@@ -207,7 +246,6 @@ pub async fn accept_loop(
         let limits = limits.clone();
         let shutdown = shutdown.clone();
         let spawned = reactor.spawn_detached(move || async move {
-            let _ticket = ticket;
             let stream = match tokio::net::TcpStream::from_std(std_stream) {
                 Ok(stream) => stream,
                 Err(error) => {
@@ -216,12 +254,34 @@ pub async fn accept_loop(
                 }
             };
             let registry = Rc::new(IscsiRegistry {
-                engine: registry_engine,
-                groups,
-                reservations,
+                engine: registry_engine.clone(),
+                groups: groups.clone(),
+                reservations: reservations.clone(),
             });
-            if let Err(error) = serve_connection(stream, registry, limits, shutdown).await {
-                tracing::info!(%peer, %error, "iSCSI connection ended with an error");
+            // A session whose first LUN's shards run on another reactor moves there after
+            // its login: served here, every command would cross reactors.
+            let mut better = None;
+            let stay = |device: &VdiskHandle| {
+                better = device.better_reactor();
+                better.is_none()
+            };
+            let served = serve_or_hand_over(stream, registry, limits, shutdown.clone(), stay).await;
+            match (served, better) {
+                (Ok(Some(handover)), Some(target)) => {
+                    let moving = MovingSession {
+                        handover,
+                        ticket,
+                        engine: registry_engine,
+                        groups,
+                        reservations,
+                        shutdown,
+                    };
+                    move_session(moving, target);
+                }
+                (Ok(_), _) => {}
+                (Err(error), _) => {
+                    tracing::info!(%peer, %error, "iSCSI connection ended with an error")
+                }
             }
         });
         if spawned.is_err() {

@@ -270,6 +270,51 @@ fn qemu_img_converts_to_and_from_iscsi() {
     compare.assert_ok("qemu-img compare file iscsi");
 }
 
+/// A vdisk of one shard runs on one reactor; sessions are accepted round-robin over the
+/// node's two, so some log in on the other one and must move next to the shard after their
+/// login (served where they landed, every command would cross reactors). Every session,
+/// moved or not, reads and writes correctly.
+#[test]
+fn sessions_move_next_to_their_shards_and_keep_working() {
+    let node = Node::start_with(&["--default-shards", "1"]);
+    node.create_vdisk("one", "8M");
+    node.cli(&["vg", "create", "moving"]).assert_ok("vg create");
+    node.cli(&["vg", "add-disk", "moving", "one"])
+        .assert_ok("vg add-disk");
+    node.cli(&["vg", "attach", "moving", "--initiator", QEMU_INITIATOR])
+        .assert_ok("vg attach");
+    let dir = tempfile::tempdir().unwrap();
+    let target = url(&node, "moving", 0);
+    let mut rng = Rng::new(21);
+    for round in 0..4 {
+        let source = dir.path().join(format!("source{round}.raw"));
+        let mut image = vec![0u8; 8 << 20];
+        rng.fill(&mut image);
+        std::fs::write(&source, &image).unwrap();
+        let source = source.to_str().unwrap();
+        tool(
+            "qemu-img",
+            &["convert", "-n", "-f", "raw", "-O", "raw", source, &target],
+            120,
+        )
+        .assert_ok(&format!("round {round}: qemu-img convert file -> iscsi"));
+        tool(
+            "qemu-img",
+            &["compare", "-f", "raw", "-F", "raw", source, &target],
+            120,
+        )
+        .assert_ok(&format!("round {round}: qemu-img compare file iscsi"));
+    }
+    let moved = node
+        .log()
+        .matches("iSCSI session moved next to its shards")
+        .count();
+    assert!(
+        moved >= 2,
+        "of 8 sessions alternating over 2 reactors, {moved} moved to the shard's reactor"
+    );
+}
+
 #[test]
 fn login_refusals_have_the_right_status() {
     let node = node_with_group("secure", &[("s", "16M")]);

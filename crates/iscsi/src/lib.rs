@@ -39,7 +39,7 @@ pub use scsi::reservation::{
     BackendFuture, LunReservations, MemoryReservations, PrState, Registration, Reservation,
     ReservationBackend, ReservationError, ReservationStore,
 };
-pub use session::serve_connection;
+pub use session::{resume, serve_connection, serve_or_hand_over, Handover};
 
 /// The portal group tag of every portal of a node.
 pub const PORTAL_GROUP_TAG: u16 = 1;

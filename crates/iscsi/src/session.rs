@@ -54,6 +54,34 @@ pub async fn serve_connection<R: TargetRegistry>(
     limits: IscsiLimits,
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), IscsiError> {
+    serve_or_hand_over(stream, registry, limits, shutdown, |_| true)
+        .await
+        .map(|_| ())
+}
+
+/// A connection whose login finished, handed over to be served on another thread: the one
+/// its target's I/O runs on, so no command crosses threads (see [`serve_or_hand_over`]).
+pub struct Handover {
+    stream: std::net::TcpStream,
+    /// What the initiator sent after its last login PDU, already read from the socket.
+    buffered: Vec<u8>,
+    logged_in: login::LoggedIn,
+    sequence: Sequence,
+    log: ViolationLog,
+    limits: Effective,
+    local: Option<std::net::SocketAddr>,
+}
+
+/// Like [`serve_connection`], but once a normal session's login is done, `stay` is asked
+/// about the target's first logical unit; if it says no, nothing more is read or written and
+/// the connection is returned, to be served with [`resume`] where the caller wants.
+pub async fn serve_or_hand_over<R: TargetRegistry>(
+    stream: TcpStream,
+    registry: Rc<R>,
+    limits: IscsiLimits,
+    shutdown: watch::Receiver<bool>,
+    mut stay: impl FnMut(&R::Device) -> bool,
+) -> Result<Option<Handover>, IscsiError> {
     let peer = stream
         .peer_addr()
         .map(|a| a.to_string())
@@ -79,13 +107,93 @@ pub async fn serve_connection<R: TargetRegistry>(
     .await;
     let logged_in = match login {
         Ok(Ok(Some(logged_in))) => logged_in,
-        Ok(Ok(None)) => return Ok(()),
+        Ok(Ok(None)) => return Ok(None),
         Ok(Err(error)) => return Err(error),
         Err(_) => {
             log.report(Violation::LoginOrder, &"login did not finish in time");
             return Err(IscsiError::LoginTimeout(limits.login_timeout));
         }
     };
+    if let SessionKind::Normal { target } = &logged_in.kind {
+        let moves = match registry.open_luns(target) {
+            Ok(luns) => luns.first().is_some_and(|unit| !stay(&unit.device)),
+            Err(_) => false, // served here, where the same error ends it
+        };
+        if moves {
+            let buffered = reader.buffer().to_vec();
+            let stream = reader
+                .into_inner()
+                .reunite(write_half)
+                .map_err(|e| IscsiError::Io(std::io::Error::other(e.to_string())))?
+                .into_std()?;
+            return Ok(Some(Handover {
+                stream,
+                buffered,
+                logged_in,
+                sequence,
+                log,
+                limits,
+                local,
+            }));
+        }
+    }
+    let started = Started {
+        logged_in,
+        sequence,
+        log,
+        limits,
+        local,
+    };
+    serve_session(reader, write_half, started, registry, shutdown)
+        .await
+        .map(|()| None)
+}
+
+/// Serves a connection [`serve_or_hand_over`] handed over, on the calling thread.
+pub async fn resume<R: TargetRegistry>(
+    handover: Handover,
+    registry: Rc<R>,
+    shutdown: watch::Receiver<bool>,
+) -> Result<(), IscsiError> {
+    let stream = TcpStream::from_std(handover.stream)?;
+    let (read_half, write_half) = stream.into_split();
+    let reader = BufReader::with_capacity(
+        READ_BUFFER_BYTES,
+        std::io::Cursor::new(handover.buffered).chain(read_half),
+    );
+    let started = Started {
+        logged_in: handover.logged_in,
+        sequence: handover.sequence,
+        log: handover.log,
+        limits: handover.limits,
+        local: handover.local,
+    };
+    serve_session(reader, write_half, started, registry, shutdown).await
+}
+
+/// What a session starts its full feature phase with.
+struct Started {
+    logged_in: login::LoggedIn,
+    sequence: Sequence,
+    log: ViolationLog,
+    limits: Effective,
+    local: Option<std::net::SocketAddr>,
+}
+
+async fn serve_session<R: TargetRegistry, Rd: AsyncBufRead + Unpin>(
+    mut reader: Rd,
+    write_half: tokio::net::tcp::OwnedWriteHalf,
+    started: Started,
+    registry: Rc<R>,
+    shutdown: watch::Receiver<bool>,
+) -> Result<(), IscsiError> {
+    let Started {
+        logged_in,
+        sequence,
+        mut log,
+        limits,
+        local,
+    } = started;
     // A normal session replaces a live one of the same initiator, ISID and target.
     let registration = match &logged_in.kind {
         SessionKind::Normal { target } => Some(limits.sessions.register(
