@@ -314,3 +314,26 @@ fn a_lab_is_removed_and_its_processes_killed_even_when_the_test_panics() {
         "the lab's process still runs: {stat}"
     );
 }
+
+#[test]
+fn a_new_lab_removes_what_labs_of_dead_test_processes_left() {
+    // Names as a lab of a process with pid 50,000,000 (above any pid_max, so surely dead)
+    // would have made them, as if that test binary had been SIGKILLed.
+    let tag = format!("{}zz", common::cluster::netns::base36(50_000_000, 5));
+    let prefix = format!("{}{tag}", common::cluster::netns::PREFIX);
+    let netns = format!("{prefix}h0");
+    let bridge = format!("{prefix}b");
+    let ip = |args: &[&str]| CmdOut::from_output(run_bounded("ip", args, 20));
+    ip(&["netns", "add", &netns]).assert_ok("ip netns add");
+    ip(&["link", "add", &bridge, "type", "bridge"]).assert_ok("ip link add");
+    let (left_ns, left_links) = names_with_prefix(&prefix);
+    assert_eq!((left_ns.len(), left_links.len()), (1, 1));
+    let lab = NetLab::new(1);
+    assert_no_leftovers(&prefix);
+    // The live lab itself is untouched by its own sweep.
+    let (ours, links) = names_with_prefix(&lab.name_prefix());
+    assert_eq!((ours.len(), links.len()), (1, 2), "{ours:?} {links:?}");
+    let prefix = lab.name_prefix();
+    drop(lab);
+    assert_no_leftovers(&prefix);
+}

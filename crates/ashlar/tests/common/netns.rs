@@ -79,7 +79,7 @@ fn ip_ok(args: &[&str]) {
 }
 
 /// Base 36, zero-padded to `width` digits (names must fit in 15 bytes).
-fn base36(mut n: u64, width: usize) -> String {
+pub fn base36(mut n: u64, width: usize) -> String {
     let digits = b"0123456789abcdefghijklmnopqrstuvwxyz";
     let mut out = vec![b'0'; width];
     for slot in out.iter_mut().rev() {
