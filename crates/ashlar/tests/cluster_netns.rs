@@ -9,8 +9,10 @@
 
 mod common;
 
+use common::cluster::acked::AckedWriter;
 use common::cluster::netns::{names_with_prefix, NetLab};
 use common::cluster::{Cluster, ClusterOptions, NBD_PORT};
+use common::nbd::NbdConn;
 use common::{fio_args, run_bounded, run_fio, CmdOut};
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -336,4 +338,55 @@ fn a_new_lab_removes_what_labs_of_dead_test_processes_left() {
     let prefix = lab.name_prefix();
     drop(lab);
     assert_no_leftovers(&prefix);
+}
+
+#[test]
+fn a_verifying_writer_records_acknowledged_writes_across_kill9_and_restart_of_its_node() {
+    let mut cluster = Cluster::start(3);
+    cluster.create_vdisk(0, "vd", "256M");
+    let region = 16 << 20;
+    let writer = AckedWriter::start(cluster.nbd_addr(0), "vd", region, 4);
+    writer.wait_for_acks(300, Duration::from_secs(60));
+    // Mid-write: four workers have a request in flight nearly all the time.
+    cluster.kill9(0);
+    let before_restart = writer.acked_writes();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        writer.acked_writes(),
+        before_restart,
+        "writes acknowledged by a killed node"
+    );
+    assert!(
+        writer.uncertain_writes() >= 1,
+        "no write was cut off by the kill"
+    );
+    cluster.restart(0);
+    // The workers reconnect by themselves and go on.
+    writer.wait_for_acks(300, Duration::from_secs(60));
+    let log = writer.finish();
+    eprintln!(
+        "{} writes acknowledged, {} cut off, {} reconnects",
+        log.acked_writes, log.uncertain_writes, log.reconnects
+    );
+    assert!(
+        log.reconnects >= 4,
+        "every worker reconnected: {}",
+        log.reconnects
+    );
+    log.verify(cluster.nbd_addr(0), "vd");
+    // The check is not vacuous: a block overwritten behind the writer's back is found.
+    let written = log.blocks.iter().position(|b| b.acked.is_some()).unwrap();
+    let mut conn = NbdConn::connect(cluster.nbd_addr(0), "vd").unwrap();
+    conn.write_ok(written as u64 * 4096, &[0xa5; 4096]);
+    let addr = cluster.nbd_addr(0);
+    eprintln!("(a panic message of verify follows: expected)");
+    let caught = std::panic::catch_unwind(|| log.verify(addr, "vd"));
+    let message = caught.expect_err("verify accepted a foreign block");
+    let message = message.downcast_ref::<String>().unwrap();
+    assert!(
+        message.contains("1 of 4096 blocks")
+            && message.contains(&format!("block at {}", written * 4096)),
+        "{message}"
+    );
+    drop_and_check_cleanup(cluster);
 }

@@ -10,8 +10,10 @@
 //! when a test panics the tail of every log is printed. Dropping the cluster kills everything
 //! and removes the temporary directory; the lab then removes namespaces, veths and bridge.
 
-// The lab lives beside this file (common/netns.rs); it is a submodule so that common/mod.rs
-// needs one line for both.
+// The lab and the verifying writer live beside this file (common/netns.rs, common/acked.rs);
+// they are submodules so that common/mod.rs needs one line for all three.
+#[path = "acked.rs"]
+pub mod acked;
 #[path = "netns.rs"]
 pub mod netns;
 
