@@ -390,3 +390,55 @@ fn a_verifying_writer_records_acknowledged_writes_across_kill9_and_restart_of_it
     );
     drop_and_check_cleanup(cluster);
 }
+
+#[test]
+fn an_isolated_node_is_listed_down_yet_still_serves_the_test_process_until_healed() {
+    let mut cluster = Cluster::start(3);
+    cluster.create_vdisk(2, "vd", "64M");
+    let size = (64u64 << 20).to_string();
+    let nbdinfo_from_node0 = |cluster: &Cluster| {
+        cluster.lab().output_in(
+            cluster.host_of(0),
+            "nbdinfo",
+            &["--size", &cluster.nbd_uri(2, "vd")],
+            5,
+        )
+    };
+    nbdinfo_from_node0(&cluster).assert_ok("nbdinfo from node 0 to node 2");
+
+    // Cut from etcd and the other nodes, not from the test process: a split brain's old side.
+    cluster.isolate(2);
+    let took = cluster.wait_down(2);
+    eprintln!("isolated node 2 listed down after {took:?}");
+    assert!(cluster.is_running(2));
+    let (status, body) = common::cluster::http_get_url(&format!("{}/healthz", cluster.http(2)), 5)
+        .expect("the test process still reaches the isolated node");
+    assert_eq!((status, body.trim()), (200, "ok"));
+    let info = CmdOut::from_output(run_bounded(
+        "nbdinfo",
+        &["--size", &cluster.nbd_uri(2, "vd")],
+        30,
+    ));
+    info.assert_ok("nbdinfo from the test process to the isolated node");
+    assert_eq!(info.stdout.trim(), size);
+    let across = nbdinfo_from_node0(&cluster);
+    assert!(
+        !across.status.success(),
+        "node 0 reached the isolated node 2: {across:?}"
+    );
+
+    cluster.heal(2);
+    cluster.wait_up(2);
+    let across = nbdinfo_from_node0(&cluster);
+    across.assert_ok("nbdinfo from node 0 to node 2 after the heal");
+    assert_eq!(across.stdout.trim(), size);
+    for host in 0..4 {
+        let routes = cluster.lab().output_in(host, "ip", &["route"], 10);
+        assert!(
+            !routes.stdout.contains("blackhole"),
+            "host {host}: {}",
+            routes.stdout
+        );
+    }
+    drop_and_check_cleanup(cluster);
+}

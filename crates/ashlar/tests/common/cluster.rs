@@ -439,10 +439,17 @@ impl Cluster {
         nodes.iter().find(|n| n["node_id"] == id.as_str())
     }
 
-    /// A node other than `except` that runs and is not cut off, to ask about the others.
+    /// A node other than `except` that runs and is neither cut off nor blocked from etcd, to
+    /// ask about the others.
     pub fn witness(&mut self, except: usize) -> usize {
         (0..self.nodes.len())
-            .find(|&j| j != except && self.is_running(j) && self.lab.is_up(self.nodes[j].host))
+            .find(|&j| {
+                let host = self.nodes[j].host;
+                j != except
+                    && self.is_running(j)
+                    && self.lab.is_up(host)
+                    && !self.lab.blocked_from(host).contains(&0)
+            })
             .unwrap_or_else(|| panic!("no running, connected node besides node {except}"))
     }
 
@@ -508,8 +515,33 @@ impl Cluster {
         self.lab.cut(self.nodes[i].host);
     }
 
+    /// Cuts node `i` off from etcd and from every other node, but not from the test process:
+    /// clients in the test process still reach it (the old owner of a split brain).
+    pub fn isolate(&self, i: usize) {
+        let host = self.nodes[i].host;
+        self.lab.block(host, 0);
+        for other in &self.nodes {
+            if other.host != host {
+                self.lab.block(host, other.host);
+            }
+        }
+    }
+
+    /// Cuts node `i` off from etcd only.
+    pub fn cut_from_etcd(&self, i: usize) {
+        self.lab.block(self.nodes[i].host, 0);
+    }
+
+    /// Cuts nodes `i` and `j` off from each other only.
+    pub fn cut_between(&self, i: usize, j: usize) {
+        self.lab.block(self.nodes[i].host, self.nodes[j].host);
+    }
+
+    /// Undoes `partition`, `isolate`, `cut_from_etcd` and `cut_between` for node `i`.
     pub fn heal(&self, i: usize) {
-        self.lab.heal(self.nodes[i].host);
+        let host = self.nodes[i].host;
+        self.lab.heal(host);
+        self.lab.unblock_all(host);
     }
 
     pub fn kill9_etcd(&mut self) {

@@ -20,12 +20,14 @@
 //! these tests never skip.
 
 use crate::common::{find_in_path, require_tool, run_bounded, CmdOut};
+use std::collections::BTreeSet;
 use std::fs::File;
 use std::net::Ipv4Addr;
 use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Mutex;
 
 /// Every namespace and interface name of a lab starts with this.
 pub const PREFIX: &str = "ashl";
@@ -53,6 +55,8 @@ pub struct NetLab {
     /// The first three octets of the lab's /24.
     subnet: [u8; 3],
     hosts: Vec<Host>,
+    /// Host pairs (lower index first) cut from each other by `block`.
+    blocked: Mutex<BTreeSet<(usize, usize)>>,
     /// Held (flock) while the lab lives: the subnet is ours.
     _subnet_lock: File,
 }
@@ -205,6 +209,7 @@ impl NetLab {
             tag,
             subnet,
             hosts: Vec::new(),
+            blocked: Mutex::default(),
             _subnet_lock: lock,
         };
         // From here on, a panic drops the lab, which removes what was created so far.
@@ -327,6 +332,54 @@ impl NetLab {
         let h = &self.hosts[host];
         ip_ok(&["-n", &h.netns, "link", "set", &h.veth_inside, state]);
         ip_ok(&["link", "set", &h.veth_outside, state]);
+    }
+
+    /// Cuts hosts `a` and `b` off from each other only, both ways, with a blackhole route to
+    /// the other's address in each namespace (no iptables here): their packets to each other
+    /// are dropped, everything else (the bridge, the test process, other hosts) still works.
+    pub fn block(&self, a: usize, b: usize) {
+        assert_ne!(a, b, "a host cannot be cut from itself");
+        if self.blocked.lock().unwrap().insert((a.min(b), a.max(b))) {
+            self.blackhole(a, b, "add");
+            self.blackhole(b, a, "add");
+        }
+    }
+
+    /// Undoes `block(a, b)`.
+    pub fn unblock(&self, a: usize, b: usize) {
+        if self.blocked.lock().unwrap().remove(&(a.min(b), a.max(b))) {
+            self.blackhole(a, b, "delete");
+            self.blackhole(b, a, "delete");
+        }
+    }
+
+    /// Undoes every `block` involving `host`.
+    pub fn unblock_all(&self, host: usize) {
+        let pairs: Vec<_> = self.blocked.lock().unwrap().iter().copied().collect();
+        for (a, b) in pairs.into_iter().filter(|&(a, b)| a == host || b == host) {
+            self.unblock(a, b);
+        }
+    }
+
+    /// The hosts `host` is blocked from.
+    pub fn blocked_from(&self, host: usize) -> Vec<usize> {
+        let blocked = self.blocked.lock().unwrap();
+        blocked
+            .iter()
+            .filter_map(|&(a, b)| (a == host).then_some(b).or((b == host).then_some(a)))
+            .collect()
+    }
+
+    fn blackhole(&self, from: usize, to: usize, action: &str) {
+        let target = format!("{}/32", self.hosts[to].ip);
+        ip_ok(&[
+            "-n",
+            &self.hosts[from].netns,
+            "route",
+            action,
+            "blackhole",
+            &target,
+        ]);
     }
 
     /// True when the host's link (inside end) is up.
