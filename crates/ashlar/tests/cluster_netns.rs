@@ -442,3 +442,47 @@ fn an_isolated_node_is_listed_down_yet_still_serves_the_test_process_until_heale
     }
     drop_and_check_cleanup(cluster);
 }
+
+#[test]
+fn five_nodes_are_listed_up_again_after_etcd_is_killed_and_restarted() {
+    let mut cluster = Cluster::start(5);
+    let all_up = |cluster: &Cluster| {
+        cluster.try_nodes(0).is_ok_and(|nodes| {
+            nodes.len() == 5
+                && (0..5).all(|i| {
+                    cluster
+                        .entry_of(&nodes, i)
+                        .is_some_and(|e| e["state"] == "up")
+                })
+        })
+    };
+    assert!(all_up(&cluster), "{:#?}", cluster.try_nodes(0));
+    cluster.kill9_etcd();
+    let answer = cluster.try_nodes(0);
+    assert!(
+        answer.as_ref().is_err_and(|e| e.contains("503")),
+        "a node lists nodes without etcd: {answer:?}"
+    );
+    cluster.restart_etcd();
+    let back = Instant::now();
+    while !all_up(&cluster) {
+        assert!(
+            back.elapsed() < Duration::from_secs(30),
+            "not all five up 30 s after etcd came back: {:#?}",
+            cluster.try_nodes(0)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!(
+        "all five listed up {:?} after etcd came back",
+        back.elapsed()
+    );
+    for i in 0..5 {
+        assert!(
+            cluster.is_running(i),
+            "node {i} died with etcd:\n{}",
+            cluster.log(i)
+        );
+    }
+    drop_and_check_cleanup(cluster);
+}
