@@ -293,9 +293,10 @@ fn data_written_through_nbd_reads_back_after_kill9_and_restart() {
 
 #[test]
 fn a_lab_is_removed_and_its_processes_killed_even_when_the_test_panics() {
+    let lab = NetLab::new(2);
     let (tx, rx) = std::sync::mpsc::channel();
-    let outcome = std::panic::catch_unwind(move || {
-        let lab = NetLab::new(2);
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+        let lab = lab;
         let mut sleeper = Command::new("sleep");
         sleeper.arg("600").stdin(Stdio::null());
         let child = lab.run_in(1, sleeper);
@@ -305,7 +306,7 @@ fn a_lab_is_removed_and_its_processes_killed_even_when_the_test_panics() {
         tx.send((lab.name_prefix(), child.id())).unwrap();
         std::mem::forget(child);
         panic!("a test failing while its lab runs");
-    });
+    }));
     assert!(outcome.is_err());
     let (prefix, pid) = rx.recv().unwrap();
     assert_no_leftovers(&prefix);
@@ -321,6 +322,7 @@ fn a_lab_is_removed_and_its_processes_killed_even_when_the_test_panics() {
 fn a_new_lab_removes_what_labs_of_dead_test_processes_left() {
     // Names as a lab of a process with pid 50,000,000 (above any pid_max, so surely dead)
     // would have made them, as if that test binary had been SIGKILLed.
+    common::cluster::netns::require_root_and_ip();
     let tag = format!("{}zz", common::cluster::netns::base36(50_000_000, 5));
     let prefix = format!("{}{tag}", common::cluster::netns::PREFIX);
     let netns = format!("{prefix}h0");

@@ -157,7 +157,7 @@ fn sweep_dead_labs() {
 }
 
 /// Panics with a clear message unless this process can build a lab.
-fn require_root_and_ip() {
+pub fn require_root_and_ip() {
     if find_in_path("ip").is_none() {
         panic!(
             "`ip` is not installed: the multi-host tests build network namespaces with \
