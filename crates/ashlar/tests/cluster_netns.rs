@@ -171,15 +171,12 @@ fn a_partitioned_node_is_listed_down_after_its_lease_ttl_and_up_again_when_heale
     let cut_at = Instant::now();
     cluster.partition(2);
     assert!(!cluster.lab().is_up(cluster.host_of(2)));
-    let took = cluster.wait_down(2);
+    // Within the lease TTL + 10 s (wait_down's limit), and not before its lease could expire.
+    cluster.wait_down(2);
     let since_cut = cut_at.elapsed();
     assert!(
         since_cut >= Duration::from_millis(1000),
         "listed down {since_cut:?} after the cut: sooner than its lease could expire"
-    );
-    assert!(
-        took <= Duration::from_millis(3000) + Duration::from_secs(8),
-        "down only {took:?} after the cut"
     );
     // Cut off, not dead: the process runs, and the test process cannot reach it.
     assert!(cluster.is_running(2), "{}", cluster.log(2));
@@ -320,18 +317,18 @@ fn a_lab_is_removed_and_its_processes_killed_even_when_the_test_panics() {
 
 #[test]
 fn a_new_lab_removes_what_labs_of_dead_test_processes_left() {
-    // Names as a lab of a process with pid 50,000,000 (above any pid_max, so surely dead)
-    // would have made them, as if that test binary had been SIGKILLed.
-    common::cluster::netns::require_root_and_ip();
-    let tag = format!("{}zz", common::cluster::netns::base36(50_000_000, 5));
+    // Names as a lab of a process with pid 50,000,000 + ours (above any pid_max, so surely
+    // dead; distinct for every test process) would have made them, as if that test binary
+    // had been SIGKILLed.
+    let dead_pid = 50_000_000 + std::process::id() as u64;
+    let tag = format!("{}zz", common::cluster::netns::base36(dead_pid, 5));
     let prefix = format!("{}{tag}", common::cluster::netns::PREFIX);
     let netns = format!("{prefix}h0");
     let bridge = format!("{prefix}b");
     let ip = |args: &[&str]| CmdOut::from_output(run_bounded("ip", args, 20));
     ip(&["netns", "add", &netns]).assert_ok("ip netns add");
     ip(&["link", "add", &bridge, "type", "bridge"]).assert_ok("ip link add");
-    let (left_ns, left_links) = names_with_prefix(&prefix);
-    assert_eq!((left_ns.len(), left_links.len()), (1, 1));
+    // (A lab created meanwhile by another test process may already have swept them.)
     let lab = NetLab::new(1);
     assert_no_leftovers(&prefix);
     // The live lab itself is untouched by its own sweep.

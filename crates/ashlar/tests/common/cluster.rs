@@ -175,8 +175,11 @@ pub struct Cluster {
     etcd: Service,
     nodes: Vec<Service>,
     options: ClusterOptions,
-    /// Logs and data directories; removed on drop.
+    /// Logs and the nodes' data directories; removed on drop.
     root: tempfile::TempDir,
+    /// etcd's data directory, on tmpfs when there is one: etcd syncs every write, and a busy
+    /// shared disk would otherwise stall it (and lease expiry) for many seconds.
+    _etcd_dir: tempfile::TempDir,
     /// Declared last: dropped after the processes above are killed.
     lab: NetLab,
 }
@@ -216,6 +219,15 @@ impl Cluster {
             .prefix("ashlar-cluster-")
             .tempdir()
             .expect("creating a temporary directory");
+        let etcd_dir = tempfile::Builder::new()
+            .prefix("ashlar-cluster-etcd-")
+            .tempdir_in("/dev/shm")
+            .or_else(|_| {
+                tempfile::Builder::new()
+                    .prefix("ashlar-cluster-etcd-")
+                    .tempdir()
+            })
+            .expect("creating etcd's data directory");
         let etcd_ip = lab.ip(0);
         let client = format!("http://{etcd_ip}:{ETCD_PORT}");
         let peer = format!("http://{etcd_ip}:2380");
@@ -228,7 +240,7 @@ impl Cluster {
             program: etcd_program,
             args: vec![
                 "--name=m0".into(),
-                format!("--data-dir={}", root.path().join("etcd").display()),
+                format!("--data-dir={}", etcd_dir.path().join("data").display()),
                 format!("--listen-client-urls={client}"),
                 format!("--advertise-client-urls={client}"),
                 format!("--listen-peer-urls={peer}"),
@@ -301,6 +313,7 @@ impl Cluster {
             nodes,
             options,
             root,
+            _etcd_dir: etcd_dir,
             lab,
         };
         cluster.start_etcd();
@@ -576,6 +589,14 @@ impl Drop for Cluster {
         self.etcd.kill9();
         if std::thread::panicking() {
             self.dump_logs(60);
+        }
+        // ASHLAR_TEST_KEEP_CLUSTER_LOGS=DIR keeps every log in DIR/<lab name prefix>/.
+        if let Ok(dir) = std::env::var("ASHLAR_TEST_KEEP_CLUSTER_LOGS") {
+            let to = Path::new(&dir).join(self.lab.name_prefix());
+            let _ = std::fs::create_dir_all(&to);
+            for service in std::iter::once(&self.etcd).chain(&self.nodes) {
+                let _ = std::fs::copy(&service.log, to.join(format!("{}.log", service.name)));
+            }
         }
     }
 }
