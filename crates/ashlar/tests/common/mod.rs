@@ -11,6 +11,7 @@
 
 #![allow(dead_code)]
 
+pub mod cluster;
 pub mod iscsi;
 pub mod nbd;
 pub mod writes;
