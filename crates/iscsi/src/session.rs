@@ -18,6 +18,7 @@ use crate::lun::Lun;
 use crate::params::SessionParams;
 use crate::pdu::{self, op, reject, Bhs, Digests, Pdu, BHS_LEN, NO_TAG};
 use crate::registry::{LogicalUnit, TargetRegistry};
+use crate::scsi::reservation::LunReservations;
 use crate::scsi::sense::{status, Sense};
 use crate::scsi::{self, Context, Nexus, ScsiResult};
 use crate::text::TextPairs;
@@ -25,6 +26,7 @@ use bytes::{Bytes, BytesMut};
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap};
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncBufRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::TcpStream;
@@ -65,11 +67,7 @@ pub struct Handover {
     stream: std::net::TcpStream,
     /// What the initiator sent after its last login PDU, already read from the socket.
     buffered: Vec<u8>,
-    logged_in: login::LoggedIn,
-    sequence: Sequence,
-    log: ViolationLog,
-    limits: Effective,
-    local: Option<std::net::SocketAddr>,
+    started: Started,
 }
 
 /// Like [`serve_connection`], but once a normal session's login is done, `stay` is asked
@@ -93,6 +91,10 @@ pub async fn serve_or_hand_over<R: TargetRegistry>(
     let (read_half, mut write_half) = stream.into_split();
     let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, read_half);
     let mut sequence = Sequence::default();
+    // The I_T nexus exists for the logical units (unit attentions, reservations) before the
+    // initiator learns it is logged in: a reset another initiator sends at once must reach it.
+    let mut joined: Option<Joined> = None;
+    let mut moves = false;
     let login = tokio::time::timeout(
         limits.login_timeout,
         login_phase(
@@ -102,6 +104,15 @@ pub async fn serve_or_hand_over<R: TargetRegistry>(
             &limits,
             &mut sequence,
             &mut log,
+            |logged_in| {
+                let SessionKind::Normal { target } = &logged_in.kind else {
+                    return;
+                };
+                if let Ok(luns) = registry.open_luns(target) {
+                    moves = luns.first().is_some_and(|unit| !stay(&unit.device));
+                    joined = Some(Joined::new(logged_in, &luns));
+                }
+            },
         ),
     )
     .await;
@@ -114,36 +125,27 @@ pub async fn serve_or_hand_over<R: TargetRegistry>(
             return Err(IscsiError::LoginTimeout(limits.login_timeout));
         }
     };
-    if let SessionKind::Normal { target } = &logged_in.kind {
-        let moves = match registry.open_luns(target) {
-            Ok(luns) => luns.first().is_some_and(|unit| !stay(&unit.device)),
-            Err(_) => false, // served here, where the same error ends it
-        };
-        if moves {
-            let buffered = reader.buffer().to_vec();
-            let stream = reader
-                .into_inner()
-                .reunite(write_half)
-                .map_err(|e| IscsiError::Io(std::io::Error::other(e.to_string())))?
-                .into_std()?;
-            return Ok(Some(Handover {
-                stream,
-                buffered,
-                logged_in,
-                sequence,
-                log,
-                limits,
-                local,
-            }));
-        }
-    }
     let started = Started {
         logged_in,
         sequence,
         log,
         limits,
         local,
+        joined,
     };
+    if moves {
+        let buffered = reader.buffer().to_vec();
+        let stream = reader
+            .into_inner()
+            .reunite(write_half)
+            .map_err(|e| IscsiError::Io(std::io::Error::other(e.to_string())))?
+            .into_std()?;
+        return Ok(Some(Handover {
+            stream,
+            buffered,
+            started,
+        }));
+    }
     serve_session(reader, write_half, started, registry, shutdown)
         .await
         .map(|()| None)
@@ -161,14 +163,7 @@ pub async fn resume<R: TargetRegistry>(
         READ_BUFFER_BYTES,
         std::io::Cursor::new(handover.buffered).chain(read_half),
     );
-    let started = Started {
-        logged_in: handover.logged_in,
-        sequence: handover.sequence,
-        log: handover.log,
-        limits: handover.limits,
-        local: handover.local,
-    };
-    serve_session(reader, write_half, started, registry, shutdown).await
+    serve_session(reader, write_half, handover.started, registry, shutdown).await
 }
 
 /// What a session starts its full feature phase with.
@@ -178,6 +173,36 @@ struct Started {
     log: ViolationLog,
     limits: Effective,
     local: Option<std::net::SocketAddr>,
+    joined: Option<Joined>,
+}
+
+/// The session's I_T nexus as its logical units know it, from just before the initiator is
+/// told it is logged in until the session ends (dropping it tells the units the nexus left).
+struct Joined {
+    initiator_port: String,
+    units: Vec<Arc<LunReservations>>,
+}
+
+impl Joined {
+    fn new<D>(logged_in: &login::LoggedIn, luns: &[LogicalUnit<D>]) -> Joined {
+        let initiator_port = Nexus::new(&logged_in.initiator, logged_in.isid).initiator_port;
+        let units: Vec<_> = luns.iter().map(|unit| unit.shared.clone()).collect();
+        for unit in &units {
+            unit.nexus_joined(&initiator_port);
+        }
+        Joined {
+            initiator_port,
+            units,
+        }
+    }
+}
+
+impl Drop for Joined {
+    fn drop(&mut self) {
+        for unit in &self.units {
+            unit.nexus_lost(&self.initiator_port);
+        }
+    }
 }
 
 async fn serve_session<R: TargetRegistry, Rd: AsyncBufRead + Unpin>(
@@ -193,6 +218,7 @@ async fn serve_session<R: TargetRegistry, Rd: AsyncBufRead + Unpin>(
         mut log,
         limits,
         local,
+        joined,
     } = started;
     // A normal session replaces a live one of the same initiator, ISID and target.
     let registration = match &logged_in.kind {
@@ -233,9 +259,6 @@ async fn serve_session<R: TargetRegistry, Rd: AsyncBufRead + Unpin>(
         SessionKind::Discovery => String::new(),
     };
     let nexus = Nexus::new(&logged_in.initiator, logged_in.isid);
-    for unit in &luns {
-        unit.shared.nexus_joined(&nexus.initiator_port);
-    }
     let session = Rc::new(Session {
         nexus,
         initiator: logged_in.initiator.clone(),
@@ -277,9 +300,7 @@ async fn serve_session<R: TargetRegistry, Rd: AsyncBufRead + Unpin>(
         |task| !matches!(task.state, TaskState::Running(_)),
     );
     let drained = tokio::time::timeout(DRAIN_GRACE, session.wait_idle()).await;
-    for unit in &session.luns {
-        unit.shared.nexus_lost(&session.nexus.initiator_port);
-    }
+    drop(joined);
     drop(feature);
     drop(session);
     drop(registration);
@@ -417,6 +438,7 @@ async fn login_phase<Rd, Wr, R>(
     limits: &Effective,
     sequence: &mut Sequence,
     log: &mut ViolationLog,
+    mut before_final_reply: impl FnMut(&login::LoggedIn),
 ) -> Result<Option<login::LoggedIn>, IscsiError>
 where
     Rd: AsyncBufRead + Unpin,
@@ -477,6 +499,9 @@ where
                 return Err(IscsiError::LoginRefused { status });
             }
         };
+        if let Some(logged_in) = &done {
+            before_final_reply(logged_in);
+        }
         send_login_reply(writer, &bhs, &reply, sequence, done.is_some()).await?;
         if let Some(logged_in) = done {
             return Ok(Some(*logged_in));
