@@ -7,6 +7,8 @@
 //! I/O makes no etcd requests.
 
 mod common;
+// Shared with other test binaries, each of which uses a part of it.
+#[allow(dead_code)]
 #[path = "../../meta/tests/common/etcd_server.rs"]
 mod etcd_server;
 
