@@ -2,6 +2,7 @@
 
 use crate::cluster::NodeMeta;
 use crate::metrics::render_metrics;
+use crate::ownership::NodeOwnership;
 use crate::registry::NodeEngine;
 use ashlar_cluster::{NodeId, NodeStatus};
 use ashlar_engine::{EngineError, VdiskInfo};
@@ -21,6 +22,8 @@ pub struct ApiState {
     /// The node's metadata store, where the cluster's nodes are listed.
     pub meta: NodeMeta,
     pub node_id: NodeId,
+    /// In a cluster: who owns each vdisk, released on delete.
+    pub ownership: NodeOwnership,
 }
 
 pub fn router(state: ApiState) -> Router {
@@ -77,14 +80,27 @@ fn with_uri(state: &ApiState, info: VdiskInfo) -> Value {
     value
 }
 
-async fn list_vdisks(State(state): State<ApiState>) -> Json<Value> {
-    let vdisks: Vec<Value> = state
-        .engine
-        .list_vdisks()
-        .into_iter()
-        .map(|v| with_uri(&state, v))
-        .collect();
-    Json(Value::Array(vdisks))
+/// A vdisk as the API shows it: its NBD URI, and in a cluster its ownership.
+async fn vdisk_json(state: &ApiState, info: VdiskInfo) -> Result<Value, ApiError> {
+    let id = info.id;
+    let mut value = with_uri(state, info);
+    let view = state
+        .ownership
+        .view(id)
+        .await
+        .map_err(|e| ApiError(StatusCode::SERVICE_UNAVAILABLE, e))?;
+    if let Some(view) = view {
+        value["ownership"] = serde_json::to_value(view).unwrap_or(Value::Null);
+    }
+    Ok(value)
+}
+
+async fn list_vdisks(State(state): State<ApiState>) -> Result<Json<Value>, ApiError> {
+    let mut vdisks = Vec::new();
+    for info in state.engine.list_vdisks() {
+        vdisks.push(vdisk_json(&state, info).await?);
+    }
+    Ok(Json(Value::Array(vdisks)))
 }
 
 #[derive(Deserialize)]
@@ -111,7 +127,8 @@ async fn show_vdisk(
     State(state): State<ApiState>,
     Path(name): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    Ok(Json(with_uri(&state, state.engine.vdisk(&name)?)))
+    let info = state.engine.vdisk(&name)?;
+    Ok(Json(vdisk_json(&state, info).await?))
 }
 
 #[derive(Deserialize)]
@@ -153,7 +170,14 @@ async fn delete_vdisk(
     Path(name): Path<String>,
     Query(query): Query<DeleteQuery>,
 ) -> Result<Json<Value>, ApiError> {
+    let id = state.engine.vdisk(&name)?.id;
+    state
+        .ownership
+        .check_delete(&name, id)
+        .await
+        .map_err(|e| ApiError(StatusCode::CONFLICT, e))?;
     state.engine.delete_vdisk(&name, query.force).await?;
+    state.ownership.released(id).await;
     Ok(Json(json!({ "deleted": name })))
 }
 
@@ -175,6 +199,9 @@ async fn node_info(State(state): State<ApiState>) -> Json<Value> {
         "buffered_fallback_opens": ashlar_storage::fs::uring::buffered_fallback_opens(),
         // Data startup found that no vdisk accounts for, moved aside rather than deleted.
         "quarantined": state.engine.quarantined().iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
+        // Requests this node sent to etcd, by kind (none on a single node): client I/O
+        // never adds to them.
+        "etcd_requests": etcd_requests(&state.meta),
     }))
 }
 
@@ -218,6 +245,21 @@ fn node_json(status: NodeStatus, local: bool, vdisks_owned: usize) -> Value {
         "software_version": record.software_version,
         "started_at_unix_ms": record.started_at_unix_ms,
     })
+}
+
+fn etcd_requests(meta: &NodeMeta) -> Value {
+    match meta {
+        NodeMeta::Etcd(store) => {
+            let c = store.request_counts();
+            json!({
+                "total": c.total(), "range": c.range, "put": c.put,
+                "delete_range": c.delete_range, "txn": c.txn, "watch": c.watch,
+                "lease_grant": c.lease_grant, "lease_revoke": c.lease_revoke,
+                "lease_keep_alive": c.lease_keep_alive,
+            })
+        }
+        NodeMeta::Embedded(_) => Value::Null,
+    }
 }
 
 async fn vdisk_stats(State(state): State<ApiState>) -> Json<Value> {

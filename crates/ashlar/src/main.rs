@@ -10,6 +10,7 @@ mod http_vg;
 mod iscsi;
 mod metrics;
 mod node;
+mod ownership;
 mod registry;
 mod volume_groups;
 

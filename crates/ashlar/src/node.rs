@@ -2,6 +2,7 @@
 
 use crate::args::NodeArgs;
 use crate::http::{router, ApiState};
+use crate::ownership::NodeOwnership;
 use crate::registry::{EngineRegistry, NodeEngine};
 use anyhow::{anyhow, bail, Context, Result};
 use ashlar_core::{format_size, parse_size};
@@ -229,6 +230,19 @@ async fn serve(args: NodeArgs) -> Result<()> {
     ensure_vdisks(&engine, &args.ensure_vdisks).await?;
     let record_source = crate::cluster::RecordSource::new(&args, node_id, &engine.config().disks)?;
     let registration = crate::cluster::register(&meta, &record_source, &args).await?;
+    // In a cluster, no vdisk serves I/O before this node claims it (gates close here,
+    // before any listener accepts).
+    let ownership = if meta.is_clustered() {
+        crate::ownership::NodeOwnership::clustered(
+            &engine,
+            meta.clone(),
+            node_id,
+            args.storage_only,
+            registration.subscribe_lease(),
+        )
+    } else {
+        crate::ownership::NodeOwnership::default()
+    };
     print_banner(&args, &engine, &limits, started.elapsed());
     println!(
         "Node {node_id} registered{}",
@@ -255,6 +269,7 @@ async fn serve(args: NodeArgs) -> Result<()> {
         nbd_listen: args.nbd_listen,
         meta,
         node_id,
+        ownership: ownership.clone(),
     })
     .merge(crate::http_vg::router(crate::http_vg::VgState {
         engine: engine.clone(),
@@ -273,6 +288,7 @@ async fn serve(args: NodeArgs) -> Result<()> {
     let accept = accept_loop(
         nbd_listener,
         engine.clone(),
+        ownership,
         limits,
         shutdown_rx.clone(),
         connections.clone(),
@@ -450,6 +466,7 @@ fn move_connection(
     handover: Handover,
     moving: Moving,
     engine: Arc<NodeEngine>,
+    ownership: NodeOwnership,
     limits: NbdLimits,
     shutdown: watch::Receiver<bool>,
 ) {
@@ -462,7 +479,7 @@ fn move_connection(
     let reactor = engine.reactors().get(target).clone();
     let moved = reactor.spawn_detached(move || async move {
         let _ticket = ticket;
-        let registry = Rc::new(EngineRegistry::for_moved(engine, counted));
+        let registry = Rc::new(EngineRegistry::for_moved(engine, ownership, counted));
         if let Err(error) = resume_connection(handover, registry, limits, shutdown).await {
             tracing::info!(%error, "NBD connection ended with an error");
         }
@@ -482,6 +499,7 @@ fn move_connection(
 async fn accept_loop(
     listener: TcpListener,
     engine: Arc<NodeEngine>,
+    ownership: NodeOwnership,
     limits: NbdLimits,
     shutdown: watch::Receiver<bool>,
     connections: Arc<ConnectionCount>,
@@ -519,6 +537,7 @@ async fn accept_loop(
         connections.live.fetch_add(1, Ordering::SeqCst);
         let ticket = ConnectionTicket(connections.clone());
         let registry_engine = engine.clone();
+        let ownership = ownership.clone();
         let limits = limits.clone();
         let shutdown = shutdown.clone();
         let spawned = reactor.spawn_detached(move || async move {
@@ -529,7 +548,10 @@ async fn accept_loop(
                     return;
                 }
             };
-            let registry = Rc::new(EngineRegistry::new(registry_engine.clone()));
+            let registry = Rc::new(EngineRegistry::new(
+                registry_engine.clone(),
+                ownership.clone(),
+            ));
             tracing::debug!(%peer, "NBD client connected");
             let mut target = None;
             let stay = |device: &VdiskHandle| {
@@ -549,6 +571,7 @@ async fn accept_loop(
                         ticket,
                     },
                     registry_engine,
+                    ownership,
                     limits,
                     shutdown,
                 ),

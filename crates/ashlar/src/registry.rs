@@ -1,5 +1,6 @@
 //! Connects the NBD front-end to the engine: export names are vdisk names.
 
+use crate::ownership::NodeOwnership;
 use ashlar_engine::vdisk::ConnectionGuard;
 use ashlar_engine::{Engine, VdiskHandle};
 use ashlar_nbd::{ExportInfo, ExportRegistry};
@@ -10,23 +11,31 @@ pub type NodeEngine = Engine<crate::cluster::NodeMeta>;
 
 pub struct EngineRegistry {
     pub engine: Arc<NodeEngine>,
+    /// In a cluster, an export is served only once this node holds its ownership claim.
+    pub ownership: NodeOwnership,
     /// A connection that moved here from another reactor: its count, handed to the first
     /// open of its vdisk, so the connection is never uncounted on the way.
     pub moved: RefCell<Option<ConnectionGuard>>,
 }
 
 impl EngineRegistry {
-    pub fn new(engine: Arc<NodeEngine>) -> Self {
+    pub fn new(engine: Arc<NodeEngine>, ownership: NodeOwnership) -> Self {
         EngineRegistry {
             engine,
+            ownership,
             moved: RefCell::new(None),
         }
     }
 
     /// The registry a moved connection resumes with on its new reactor.
-    pub fn for_moved(engine: Arc<NodeEngine>, guard: ConnectionGuard) -> Self {
+    pub fn for_moved(
+        engine: Arc<NodeEngine>,
+        ownership: NodeOwnership,
+        guard: ConnectionGuard,
+    ) -> Self {
         EngineRegistry {
             engine,
+            ownership,
             moved: RefCell::new(Some(guard)),
         }
     }
@@ -50,23 +59,30 @@ impl ExportRegistry for EngineRegistry {
     }
 
     /// The empty name (the NBD default export) means the only vdisk, when there is one.
-    fn open_export(&self, name: &str) -> Result<VdiskHandle, String> {
+    /// In a cluster the vdisk is claimed first (or the open refused, naming its owner).
+    async fn open_export(&self, name: &str) -> Result<VdiskHandle, String> {
         if let Some(guard) = self.moved.borrow_mut().take() {
+            // The connection was served on another reactor of this node a moment ago.
             if guard.is_closing() {
                 return Err(format!("vdisk {name} is being deleted"));
             }
             return Ok(VdiskHandle::from_moved(guard));
         }
-        if name.is_empty() {
+        let name = if name.is_empty() {
             let vdisks = self.engine.list_vdisks();
-            return match vdisks.as_slice() {
-                [only] => self.engine.open(&only.name).map_err(|e| e.to_string()),
-                _ => Err(format!(
-                    "no default export: name one of the {} vdisks (nbdinfo --list)",
-                    vdisks.len()
-                )),
-            };
-        }
-        self.engine.open(name).map_err(|e| e.to_string())
+            match vdisks.as_slice() {
+                [only] => only.name.clone(),
+                _ => {
+                    return Err(format!(
+                        "no default export: name one of the {} vdisks (nbdinfo --list)",
+                        vdisks.len()
+                    ))
+                }
+            }
+        } else {
+            name.to_string()
+        };
+        self.ownership.ensure_serving(&self.engine, &name).await?;
+        self.engine.open(&name).map_err(|e| e.to_string())
     }
 }

@@ -7,6 +7,7 @@ use ashlar_meta::{LeaseId, MetaError};
 
 use crate::node_id::NodeId;
 use crate::ownership::OwnershipEpoch;
+use crate::serving::ServeRefusal;
 
 /// The node id file could not be read or written.
 #[derive(Debug, thiserror::Error)]
@@ -88,5 +89,42 @@ pub enum ReleaseError {
 impl From<MetaError> for ReleaseError {
     fn from(error: MetaError) -> Self {
         ReleaseError::Cluster(ClusterError::Meta(error))
+    }
+}
+
+/// Why a node may not (or could not) claim a vdisk to serve it.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("vdisk {vdisk}: {}", refusal_text(refusal))]
+    Refused {
+        vdisk: VdiskId,
+        refusal: ServeRefusal,
+    },
+    /// The claim itself failed (lease ended, contention, store errors).
+    #[error(transparent)]
+    Claim(#[from] ClaimError),
+}
+
+fn refusal_text(refusal: &ServeRefusal) -> String {
+    match refusal {
+        ServeRefusal::StorageOnly => "this node is storage-only; it never serves vdisks".into(),
+        ServeRefusal::OwnedElsewhere { owner, epoch } => {
+            format!("owned by node {owner} (epoch {epoch})")
+        }
+        ServeRefusal::DataOnDownNode { node } => format!(
+            "its data is on node {node}, which is down; without replication no other node holds it"
+        ),
+    }
+}
+
+impl From<MetaError> for ServeError {
+    fn from(error: MetaError) -> Self {
+        ServeError::Claim(error.into())
+    }
+}
+
+impl From<ClusterError> for ServeError {
+    fn from(error: ClusterError) -> Self {
+        ServeError::Claim(error.into())
     }
 }

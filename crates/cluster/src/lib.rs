@@ -11,8 +11,9 @@ pub mod membership;
 mod node_id;
 pub mod ownership;
 pub mod record;
+pub mod serving;
 
-pub use error::{ClaimError, ClusterError, NodeIdError, ReleaseError};
+pub use error::{ClaimError, ClusterError, NodeIdError, ReleaseError, ServeError};
 pub use membership::{
     keep_registered, list_nodes, register, remove_member, KeepAliveOutcome, KeepAliveState,
     KeepAliveStep, LeaseStatus, MembershipConfig, NodeState, NodeStatus, Registration, Removal,
@@ -20,7 +21,9 @@ pub use membership::{
 };
 pub use node_id::{load_or_create_node_id, NodeId, NODE_ID_FILE};
 pub use ownership::{
-    all_owners, claim, current_epoch, current_owner, release, watch_ownership, Owner,
-    OwnershipChange, OwnershipClaim, OwnershipEpoch, OwnershipWatch,
+    all_owners, claim, claim_to_serve, current_epoch, current_owner, read_ownership, release,
+    watch_ownership, Owner, OwnershipChange, OwnershipClaim, OwnershipEpoch, OwnershipState,
+    OwnershipWatch,
 };
 pub use record::{AdvertisedAddresses, DiskRecord, NodeRecord, NODE_RECORD_VERSION};
+pub use serving::{decide_serve, gate_step, GateStep, ServeRefusal};

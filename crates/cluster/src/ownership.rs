@@ -12,14 +12,15 @@ use std::fmt;
 use ashlar_core::VdiskId;
 use ashlar_meta::{
     Compare, EventKind, KeyRange, KeyValue, LeaseId, MetaError, MetaStore, Revision, Txn, TxnOp,
-    TxnOpResult, Watch,
+    TxnOpResult, TxnResponse, Watch,
 };
 use serde::{Deserialize, Serialize};
 
-use crate::error::{ClaimError, ClusterError, ReleaseError};
+use crate::error::{ClaimError, ClusterError, ReleaseError, ServeError};
 use crate::keys;
 use crate::node_id::NodeId;
 use crate::record::{self, EpochRecord, OwnerRecord, OWNERSHIP_RECORD_VERSION};
+use crate::serving::decide_serve;
 
 /// Claim transactions tried in a row when other claims keep moving the epoch.
 pub const CLAIM_ATTEMPTS: u32 = 8;
@@ -80,35 +81,18 @@ pub async fn claim<M: MetaStore>(
     for _ in 0..CLAIM_ATTEMPTS {
         let read = read_epoch(store, vdisk).await?;
         let epoch = next_epoch(&epoch_key, read.epoch)?;
-        let owner = OwnerRecord {
-            version: OWNERSHIP_RECORD_VERSION,
-            node_id: node,
+        let txn = claim_txn(
+            vdisk,
+            node,
+            lease,
             epoch,
-        };
-        let granted = EpochRecord {
-            version: OWNERSHIP_RECORD_VERSION,
-            epoch,
-            node_id: node,
-        };
-        let txn = Txn::new()
-            .when([
-                Compare::absent(owner_key.clone()),
-                Compare::mod_revision_equals(epoch_key.clone(), read.mod_revision),
-            ])
-            .and_then([
-                TxnOp::put(owner_key.clone(), record::encode(&owner), Some(lease)),
-                TxnOp::put(epoch_key.clone(), record::encode(&granted), None),
-            ])
-            .or_else([TxnOp::get(KeyRange::key(owner_key.clone()))]);
+            Compare::absent(owner_key.clone()),
+            read.mod_revision,
+        )
+        .or_else([TxnOp::get(KeyRange::key(owner_key.clone()))]);
         let response = store.txn(txn).await?;
         if response.succeeded {
-            return Ok(OwnershipClaim {
-                vdisk,
-                node,
-                epoch,
-                lease,
-                revision: response.revision,
-            });
+            return Ok(granted(vdisk, node, lease, epoch, &response));
         }
         if let Some(kv) = first_get(&response.results) {
             let current: OwnerRecord = record::decode(&kv.key, &kv.value)?;
@@ -133,6 +117,166 @@ fn next_epoch(epoch_key: &[u8], current: OwnershipEpoch) -> Result<OwnershipEpoc
         .checked_add(1)
         .map(OwnershipEpoch)
         .ok_or_else(|| ClusterError::corrupt(epoch_key, "epoch is at its maximum"))
+}
+
+/// The claim a successful claim transaction granted.
+fn granted(
+    vdisk: VdiskId,
+    node: NodeId,
+    lease: LeaseId,
+    epoch: OwnershipEpoch,
+    response: &TxnResponse,
+) -> OwnershipClaim {
+    assert!(
+        response.succeeded,
+        "only a committed claim grants ownership"
+    );
+    OwnershipClaim {
+        vdisk,
+        node,
+        epoch,
+        lease,
+        revision: response.revision,
+    }
+}
+
+/// The claim transaction: if `owner_guard` holds and the epoch key is unchanged since it was
+/// read at `epoch_mod_revision`, write the owner key on `lease` and the raised epoch, in one
+/// transaction (the epoch is recorded before the new owner's first write).
+fn claim_txn(
+    vdisk: VdiskId,
+    node: NodeId,
+    lease: LeaseId,
+    epoch: OwnershipEpoch,
+    owner_guard: Compare,
+    epoch_mod_revision: Revision,
+) -> Txn {
+    let owner = OwnerRecord {
+        version: OWNERSHIP_RECORD_VERSION,
+        node_id: node,
+        epoch,
+    };
+    let granted = EpochRecord {
+        version: OWNERSHIP_RECORD_VERSION,
+        epoch,
+        node_id: node,
+    };
+    Txn::new()
+        .when([
+            owner_guard,
+            Compare::mod_revision_equals(keys::epoch_key(vdisk), epoch_mod_revision),
+        ])
+        .and_then([
+            TxnOp::put(keys::owner_key(vdisk), record::encode(&owner), Some(lease)),
+            TxnOp::put(keys::epoch_key(vdisk), record::encode(&granted), None),
+        ])
+}
+
+/// Claims `vdisk` so that `node` may serve its I/O, by the rules of
+/// [`decide_serve`](crate::serving::decide_serve): nobody else owns it, and its last owner
+/// (the node its highest epoch went to) is this node or nobody. An owner record of this
+/// same node (an earlier run, or a claim whose lease lapsed) is taken over. Like [`claim`],
+/// one transaction writes the owner key on `lease` and raises the epoch; it is guarded on
+/// both keys being exactly as read, so the rules hold at the revision it commits at.
+pub async fn claim_to_serve<M: MetaStore>(
+    store: &M,
+    vdisk: VdiskId,
+    node: NodeId,
+    lease: LeaseId,
+    storage_only: bool,
+) -> Result<OwnershipClaim, ServeError> {
+    let owner_key = keys::owner_key(vdisk);
+    for _ in 0..CLAIM_ATTEMPTS {
+        let state = read_ownership(store, vdisk).await?;
+        let owner = state.owner.as_ref().map(|(owner, _)| owner);
+        decide_serve(node, storage_only, owner, state.last_owner)
+            .map_err(|refusal| ServeError::Refused { vdisk, refusal })?;
+        let owner_guard = match &state.owner {
+            None => Compare::absent(owner_key.clone()),
+            Some((_, mod_revision)) => {
+                Compare::mod_revision_equals(owner_key.clone(), *mod_revision)
+            }
+        };
+        let epoch = next_epoch(&keys::epoch_key(vdisk), state.epoch.epoch)?;
+        let txn = claim_txn(
+            vdisk,
+            node,
+            lease,
+            epoch,
+            owner_guard,
+            state.epoch.mod_revision,
+        );
+        let response = store.txn(txn).await?;
+        if response.succeeded {
+            return Ok(granted(vdisk, node, lease, epoch, &response));
+        }
+        // Someone claimed or released in between: decide again on what is there now.
+    }
+    Err(ServeError::Claim(ClaimError::Contended {
+        vdisk,
+        attempts: CLAIM_ATTEMPTS,
+    }))
+}
+
+/// A vdisk's ownership as one revision saw it.
+pub struct OwnershipState {
+    /// The owner record and its `mod_revision`, if anyone owns the vdisk.
+    pub owner: Option<(Owner, Revision)>,
+    /// The node the highest epoch went to (the last owner), if it was ever claimed.
+    pub last_owner: Option<NodeId>,
+    epoch: EpochRead,
+}
+
+impl OwnershipState {
+    /// The highest epoch ever granted (0 if never claimed).
+    pub fn epoch(&self) -> OwnershipEpoch {
+        self.epoch.epoch
+    }
+}
+
+/// Reads a vdisk's owner and epoch records in one transaction (one revision).
+pub async fn read_ownership<M: MetaStore>(
+    store: &M,
+    vdisk: VdiskId,
+) -> Result<OwnershipState, ClusterError> {
+    let response = store
+        .txn(Txn::new().and_then([
+            TxnOp::get(KeyRange::key(keys::owner_key(vdisk))),
+            TxnOp::get(KeyRange::key(keys::epoch_key(vdisk))),
+        ]))
+        .await?;
+    let mut gets = response.results.iter().filter_map(|r| match r {
+        TxnOpResult::Get { kvs } => Some(kvs.first()),
+        _ => None,
+    });
+    let (owner_kv, epoch_kv) = (gets.next().flatten(), gets.next().flatten());
+    let owner = owner_kv
+        .map(|kv| owner_of(kv).map(|owner| (owner, kv.mod_revision)))
+        .transpose()?;
+    let (epoch, last_owner) = match epoch_kv {
+        None => (
+            EpochRead {
+                mod_revision: Revision(0),
+                epoch: OwnershipEpoch(0),
+            },
+            None,
+        ),
+        Some(kv) => {
+            let record: EpochRecord = record::decode(&kv.key, &kv.value)?;
+            (
+                EpochRead {
+                    mod_revision: kv.mod_revision,
+                    epoch: record.epoch,
+                },
+                Some(record.node_id),
+            )
+        }
+    };
+    Ok(OwnershipState {
+        owner,
+        last_owner,
+        epoch,
+    })
 }
 
 fn first_get(results: &[TxnOpResult]) -> Option<&KeyValue> {

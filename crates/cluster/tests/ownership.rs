@@ -7,8 +7,8 @@ mod support;
 use std::time::Duration;
 
 use ashlar_cluster::{
-    claim, current_epoch, current_owner, release, watch_ownership, ClaimError, OwnershipEpoch,
-    ReleaseError,
+    claim, claim_to_serve, current_epoch, current_owner, release, watch_ownership, ClaimError,
+    OwnershipEpoch, ReleaseError, ServeError, ServeRefusal,
 };
 use ashlar_core::VdiskId;
 use ashlar_meta::MetaStore;
@@ -221,7 +221,66 @@ async fn watch_reports_claims_releases_and_expiry<B: Backend>() {
     assert_eq!((expired.vdisk, expired.owner), (VdiskId(9), None));
 }
 
+async fn serving_claims_follow_the_last_owner<B: Backend>() {
+    let (_guard, store) = B::open(Settings::default()).await;
+    let long = Duration::from_secs(30);
+    let (a, b) = (node_id(1), node_id(3));
+    let lease_a = store.grant_lease(B::TTL).await.expect("grant");
+    let lease_b = store.grant_lease(long).await.expect("grant");
+    let first = claim_to_serve(&store, VDISK, a, lease_a, false)
+        .await
+        .expect("nobody ever owned it");
+    assert_eq!(first.epoch, OwnershipEpoch(1));
+    // A's earlier claim (a previous run of A) is taken over, with a higher epoch.
+    let lease_a2 = store.grant_lease(long).await.expect("grant");
+    let again = claim_to_serve(&store, VDISK, a, lease_a2, false)
+        .await
+        .expect("own claim taken over");
+    assert_eq!((again.epoch, again.lease), (OwnershipEpoch(2), lease_a2));
+    let refused = claim_to_serve(&store, VDISK, b, lease_b, false)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, ServeError::Refused { refusal: ServeRefusal::OwnedElsewhere { owner, epoch }, .. }
+            if *owner == a && *epoch == OwnershipEpoch(2)),
+        "{refused}"
+    );
+    store.revoke_lease(lease_a2).await.expect("revoke");
+    let refused = claim_to_serve(&store, VDISK, b, lease_b, false)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, ServeError::Refused { refusal: ServeRefusal::DataOnDownNode { node }, .. } if *node == a),
+        "{refused}"
+    );
+    assert!(refused.to_string().contains("which is down"), "{refused}");
+    let storage_only = claim_to_serve(&store, VdiskId(8), b, lease_b, true)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &storage_only,
+            ServeError::Refused {
+                refusal: ServeRefusal::StorageOnly,
+                ..
+            }
+        ),
+        "{storage_only}"
+    );
+    assert_eq!(current_owner(&store, VdiskId(8)).await.expect("read"), None);
+    // The last owner comes back: it claims again, at the next epoch; B saw nothing change.
+    let back = claim_to_serve(&store, VDISK, a, lease_b, false)
+        .await
+        .expect("last owner claims");
+    assert_eq!(back.epoch, OwnershipEpoch(3));
+    assert_eq!(
+        current_epoch(&store, VDISK).await.expect("read"),
+        OwnershipEpoch(3)
+    );
+}
+
 conformance!(
+    serving_claims_follow_the_last_owner,
     racing_claims_have_exactly_one_winner,
     expired_owner_is_replaced_with_a_greater_epoch,
     epochs_never_go_back,

@@ -5,6 +5,7 @@
 use crate::cache::{BlockCache, CacheCounters};
 use crate::catalog::{self, CatalogError, VdiskRecord};
 use crate::config::{EngineConfig, MAX_SHARDS, MIN_OPLOG_BYTES_PER_SHARD};
+use crate::gate::ServeGate;
 use crate::reactor::{ReactorId, ReactorPool};
 use crate::shard::{
     drain_all, oplog_id, remove_oplog_dir, start_shard, ShardControl, ShardLink, ShardSpec,
@@ -22,7 +23,7 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::{oneshot, watch};
@@ -186,6 +187,9 @@ pub struct Engine<M: MetaStore> {
     rate_samples: Mutex<HashMap<VdiskId, RateSample>>,
     started_at: Instant,
     quarantined: Mutex<Vec<PathBuf>>,
+    /// In a cluster: every vdisk's serving gate starts closed, and only the node's
+    /// ownership layer opens it (after claiming the vdisk). See [`Engine::require_ownership`].
+    ownership_required: AtomicBool,
 }
 
 thread_local! {
@@ -247,6 +251,7 @@ impl<M: MetaStore> Engine<M> {
             rate_samples: Mutex::new(HashMap::new()),
             started_at: Instant::now(),
             quarantined: Mutex::new(Vec::new()),
+            ownership_required: AtomicBool::new(false),
         });
         let records = catalog::list(&engine.meta).await?;
         engine.account_for_data(&records).await?;
@@ -443,6 +448,9 @@ impl<M: MetaStore> Engine<M> {
             record.size_bytes,
             map,
         ));
+        if self.ownership_required.load(Ordering::Acquire) {
+            shared.gate.close();
+        }
         let _ = gate.send(true);
         Ok(shared)
     }
@@ -751,6 +759,22 @@ impl<M: MetaStore> Engine<M> {
 
     /// Fails further I/O on every vdisk. Acknowledged writes are already durable; oplogs are
     /// replayed at the next start.
+    /// Cluster mode: from now on no vdisk serves I/O until the node's ownership layer opens
+    /// its gate ([`Engine::serve_gate`]). Closes the gates of the vdisks started so far and
+    /// makes later ones (created while the node runs) start closed. Call before serving.
+    pub fn require_ownership(&self) {
+        self.ownership_required.store(true, Ordering::Release);
+        for entry in lock(&self.vdisks).values() {
+            entry.shared.gate.close();
+        }
+    }
+
+    /// The id and serving gate of an online vdisk, for the node's ownership layer.
+    pub fn serve_gate(&self, name: &str) -> Result<(VdiskId, Arc<ServeGate>), EngineError> {
+        let (record, shared) = self.shared(name)?;
+        Ok((record.id, shared.gate.clone()))
+    }
+
     pub fn begin_shutdown(&self) {
         for entry in lock(&self.vdisks).values() {
             entry.shared.closing.store(true, Ordering::Relaxed);

@@ -5,12 +5,14 @@
 //! - [`vdisk`]: the shard map and the per-connection handle that splits and joins I/O.
 //! - [`engine`]: the control plane: catalog, recovery, create/resize/re-shard/delete.
 //! - [`startup`]: what startup does with data the catalog does not name (sets it aside).
+//! - [`gate`]: the per-vdisk serving gate (cluster ownership) every request passes.
 //! - [`cache`]: the per-reactor read cache (single-touch and multi-touch LRU pools).
 
 pub mod cache;
 pub mod catalog;
 pub mod config;
 pub mod engine;
+pub mod gate;
 mod lru;
 mod outbox;
 pub mod reactor;
@@ -21,4 +23,5 @@ pub mod vdisk;
 
 pub use config::EngineConfig;
 pub use engine::{CacheStats, Engine, EngineError, VdiskInfo, VdiskState, VdiskStats};
+pub use gate::ServeGate;
 pub use vdisk::VdiskHandle;

@@ -5,6 +5,7 @@
 //! pieces to the shard controllers and joins the replies. The control half (shard map changes,
 //! resize, delete) lives in [`crate::engine`].
 
+use crate::gate::ServeGate;
 use crate::reactor::ReactorId;
 use crate::shard::{ShardError, ShardLink, ShardOp, ShardReply, ShardRequest};
 use crate::stats::{OpKind, VdiskCounters};
@@ -47,6 +48,9 @@ pub struct VdiskShared {
     pub closing: AtomicBool,
     /// Ranges the last startup's oplog replay found lost to corruption.
     pub oplog_lost_ranges: AtomicU64,
+    /// Whether this node may serve the vdisk now (cluster ownership; always open on a
+    /// single node). Shared with the node's ownership layer, which opens and closes it.
+    pub gate: Arc<ServeGate>,
 }
 
 impl VdiskShared {
@@ -60,6 +64,7 @@ impl VdiskShared {
             connections: AtomicUsize::new(0),
             closing: AtomicBool::new(false),
             oplog_lost_ranges: AtomicU64::new(0),
+            gate: Arc::new(ServeGate::open_forever()),
         }
     }
 
@@ -281,6 +286,7 @@ impl VdiskHandle {
         if self.shared.closing.load(Ordering::Relaxed) {
             return Err(IoError::ShuttingDown);
         }
+        self.shared.gate.admit(&self.shared.name)?;
         check_range(offset, length, self.size_bytes())
     }
 
@@ -402,7 +408,8 @@ impl BlockDevice for VdiskHandle {
         if self.shared.closing.load(Ordering::Relaxed) {
             return Err(IoError::ShuttingDown);
         }
-        Ok(())
+        // A flush acknowledges earlier writes as durable: only an owner may say so.
+        self.shared.gate.admit(&self.shared.name)
     }
 
     async fn trim(&self, offset: u64, length: u32) -> IoResult<()> {

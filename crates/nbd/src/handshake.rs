@@ -63,7 +63,7 @@ where
         let step = if *shutdown.borrow() {
             negotiate::answer_during_shutdown(option, &mut out)
         } else {
-            negotiate::answer(option, &data, &mut state, registry, limits, &mut out, log)
+            negotiate::answer(option, &data, &mut state, registry, limits, &mut out, log).await
         };
         if !out.is_empty() {
             stream.write_all(&out).await?;

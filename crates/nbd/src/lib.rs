@@ -54,9 +54,13 @@ pub trait ExportRegistry: 'static {
     type Device: BlockDevice + Clone + 'static;
     fn list_exports(&self) -> Vec<ExportInfo>;
     /// Opens an export for one connection (also called to answer NBD_OPT_INFO and the
-    /// meta-context options). `Err(reason)` for an unknown export; the reason is sent to
-    /// the client.
-    fn open_export(&self, name: &str) -> Result<Self::Device, String>;
+    /// meta-context options). `Err(reason)` for an unknown export or one this server may
+    /// not serve now; the reason is sent to the client. Asynchronous so that a server may
+    /// consult its cluster (claim the export's ownership) before answering.
+    fn open_export(
+        &self,
+        name: &str,
+    ) -> impl std::future::Future<Output = Result<Self::Device, String>>;
 }
 
 /// Serves one client connection until it disconnects, breaks the protocol, or `shutdown`
@@ -159,7 +163,7 @@ pub async fn resume_connection<R: ExportRegistry>(
     let stream = TcpStream::from_std(handover.stream)?;
     let mut log = ViolationLog::new(peer_name(&stream));
     let limits = Effective::from(&limits);
-    let device = match registry.open_export(&handover.export) {
+    let device = match registry.open_export(&handover.export).await {
         Ok(device) => device,
         Err(reason) => {
             tracing::warn!(peer = log.peer(), export = %handover.export, %reason,

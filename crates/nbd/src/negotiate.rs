@@ -91,7 +91,7 @@ pub(crate) fn answer_during_shutdown<D>(option: u32, out: &mut Vec<u8>) -> Step<
 }
 
 /// Answers one option.
-pub(crate) fn answer<R: ExportRegistry>(
+pub(crate) async fn answer<R: ExportRegistry>(
     option: u32,
     data: &[u8],
     state: &mut Negotiation,
@@ -101,16 +101,16 @@ pub(crate) fn answer<R: ExportRegistry>(
     log: &mut ViolationLog,
 ) -> Step<R::Device> {
     match option {
-        OPT_EXPORT_NAME => export_name(data, state, registry, out),
+        OPT_EXPORT_NAME => export_name(data, state, registry, out).await,
         OPT_ABORT => {
             put_option_reply(out, option, REP_ACK, &[]);
             Step::Close
         }
         OPT_LIST => list(data, registry, out, log),
-        OPT_INFO | OPT_GO => info_or_go(option, data, state, registry, limits, out, log),
+        OPT_INFO | OPT_GO => info_or_go(option, data, state, registry, limits, out, log).await,
         OPT_STRUCTURED_REPLY => structured_reply(data, state, out, log),
         OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
-            meta_context(option, data, state, registry, out, log)
+            meta_context(option, data, state, registry, out, log).await
         }
         _ => {
             // Not a violation: clients probe for options (STARTTLS, extended headers, ...).
@@ -136,7 +136,7 @@ fn invalid<D>(
     Step::Continue
 }
 
-fn export_name<R: ExportRegistry>(
+async fn export_name<R: ExportRegistry>(
     data: &[u8],
     state: &Negotiation,
     registry: &R,
@@ -153,7 +153,7 @@ fn export_name<R: ExportRegistry>(
             });
         }
     };
-    let device = match registry.open_export(&name) {
+    let device = match registry.open_export(&name).await {
         Ok(device) => device,
         Err(reason) => return Step::Fail(NbdError::UnknownExport { name, reason }),
     };
@@ -206,7 +206,7 @@ fn structured_reply<D>(
     Step::Continue
 }
 
-fn info_or_go<R: ExportRegistry>(
+async fn info_or_go<R: ExportRegistry>(
     option: u32,
     data: &[u8],
     state: &Negotiation,
@@ -219,7 +219,7 @@ fn info_or_go<R: ExportRegistry>(
         Ok(request) => request,
         Err(error) => return invalid(option, &error, out, log),
     };
-    let device = match registry.open_export(&request.name) {
+    let device = match registry.open_export(&request.name).await {
         Ok(device) => device,
         Err(reason) => {
             put_option_reply(out, option, REP_ERR_UNKNOWN, clamp_str(&reason).as_bytes());
@@ -271,7 +271,7 @@ fn info_or_go<R: ExportRegistry>(
     })
 }
 
-fn meta_context<R: ExportRegistry>(
+async fn meta_context<R: ExportRegistry>(
     option: u32,
     data: &[u8],
     state: &mut Negotiation,
@@ -296,7 +296,7 @@ fn meta_context<R: ExportRegistry>(
         Ok(request) => request,
         Err(error) => return invalid(option, &error, out, log),
     };
-    if let Err(reason) = registry.open_export(&request.export) {
+    if let Err(reason) = registry.open_export(&request.export).await {
         put_option_reply(out, option, REP_ERR_UNKNOWN, clamp_str(&reason).as_bytes());
         return Step::Continue;
     }

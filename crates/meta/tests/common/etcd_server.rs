@@ -96,6 +96,12 @@ fn spawn_member(bin: &Path, name: &str, client: String, peer: &str, cluster: &st
 }
 
 impl EtcdServer {
+    /// The etcd process id (tests freeze it with SIGSTOP to cut every node off at once).
+    #[allow(dead_code)]
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Start a one-member etcd and return once it serves clients.
     pub fn start() -> Self {
         Self::start_cluster(1).pop().expect("one member")

@@ -207,7 +207,15 @@ impl MemoryRegistry {
     }
 
     pub fn device(&self, name: &str) -> MemoryDevice {
-        self.open_export(name).expect("test export exists")
+        self.find(name).expect("test export exists")
+    }
+
+    fn find(&self, name: &str) -> Result<MemoryDevice, String> {
+        self.exports
+            .iter()
+            .find(|(info, _)| info.name == name)
+            .map(|(_, device)| device.clone())
+            .ok_or_else(|| format!("no export named {name:?}"))
     }
 }
 
@@ -218,11 +226,7 @@ impl ExportRegistry for MemoryRegistry {
         self.exports.iter().map(|(info, _)| info.clone()).collect()
     }
 
-    fn open_export(&self, name: &str) -> Result<MemoryDevice, String> {
-        self.exports
-            .iter()
-            .find(|(info, _)| info.name == name)
-            .map(|(_, device)| device.clone())
-            .ok_or_else(|| format!("no export named {name:?}"))
+    async fn open_export(&self, name: &str) -> Result<MemoryDevice, String> {
+        self.find(name)
     }
 }
