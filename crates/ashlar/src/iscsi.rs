@@ -157,6 +157,35 @@ impl TargetRegistry for IscsiRegistry {
     }
 }
 
+/// The persistent reservations, loaded before any session is served (a session must not run
+/// without them). While the metadata store cannot answer (etcd down), says so once and
+/// retries: the node stays up and serves NBD meanwhile; iSCSI logins wait in the backlog.
+async fn load_reservations(
+    groups: &NodeVolumeGroups,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<MetaReservations<crate::cluster::NodeMeta>> {
+    let mut warned = false;
+    loop {
+        match MetaReservations::load(groups.meta().clone()).await {
+            Ok(reservations) => {
+                if warned {
+                    tracing::info!("iSCSI persistent reservations loaded; the portal serves");
+                }
+                return Ok(reservations);
+            }
+            Err(error) if !warned => {
+                tracing::warn!(%error, "cannot load iSCSI persistent reservations; the portal waits and retries every 2 s");
+                warned = true;
+            }
+            Err(_) => {}
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+            _ = shutdown.changed() => bail!("stopped while loading iSCSI persistent reservations"),
+        }
+    }
+}
+
 /// An iSCSI session on its way to the reactor that runs its target's shards.
 struct MovingSession {
     handover: Handover,
@@ -207,11 +236,7 @@ pub async fn accept_loop(
     sessions: Arc<ConnectionCount>,
     max_sessions: usize,
 ) -> Result<()> {
-    let reservations = Arc::new(
-        MetaReservations::load(groups.meta().clone())
-            .await
-            .map_err(|e| anyhow!("loading iSCSI persistent reservations: {e}"))?,
-    );
+    let reservations = Arc::new(load_reservations(&groups, shutdown.clone()).await?);
     let mut next_reactor = 0usize;
     let mut refusals = Refusals::new("iSCSI session", "--iscsi-max-sessions");
     loop {

@@ -391,7 +391,7 @@ fn a_verifying_writer_records_acknowledged_writes_across_kill9_and_restart_of_it
 }
 
 #[test]
-fn an_isolated_node_is_listed_down_yet_still_serves_the_test_process_until_healed() {
+fn an_isolated_node_is_listed_down_and_fenced_until_healed() {
     let mut cluster = Cluster::start(3);
     cluster.create_vdisk(2, "vd", "64M");
     let size = (64u64 << 20).to_string();
@@ -403,6 +403,14 @@ fn an_isolated_node_is_listed_down_yet_still_serves_the_test_process_until_heale
             5,
         )
     };
+    // Reading the whole vdisk from the test process, which the isolation does not cut.
+    let read_from_test_process = |cluster: &Cluster| {
+        CmdOut::from_output(run_bounded(
+            "nbdcopy",
+            &[&cluster.nbd_uri(2, "vd"), "null:"],
+            30,
+        ))
+    };
     nbdinfo_from_node0(&cluster).assert_ok("nbdinfo from node 0 to node 2");
 
     // Cut from etcd and the other nodes, not from the test process: a split brain's old side.
@@ -413,13 +421,13 @@ fn an_isolated_node_is_listed_down_yet_still_serves_the_test_process_until_heale
     let (status, body) = common::cluster::http_get_url(&format!("{}/healthz", cluster.http(2)), 5)
         .expect("the test process still reaches the isolated node");
     assert_eq!((status, body.trim()), (200, "ok"));
-    let info = CmdOut::from_output(run_bounded(
-        "nbdinfo",
-        &["--size", &cluster.nbd_uri(2, "vd")],
-        30,
-    ));
-    info.assert_ok("nbdinfo from the test process to the isolated node");
-    assert_eq!(info.stdout.trim(), size);
+    // Its lease has ended: it can no longer prove it owns the vdisk, so it serves nothing
+    // (the open is refused or the I/O fails), even to a client that still reaches it.
+    let read = read_from_test_process(&cluster);
+    assert!(
+        !read.status.success(),
+        "the isolated node served its vdisk after its lease ended: {read:?}"
+    );
     let across = nbdinfo_from_node0(&cluster);
     assert!(
         !across.status.success(),
@@ -431,6 +439,7 @@ fn an_isolated_node_is_listed_down_yet_still_serves_the_test_process_until_heale
     let across = nbdinfo_from_node0(&cluster);
     across.assert_ok("nbdinfo from node 0 to node 2 after the heal");
     assert_eq!(across.stdout.trim(), size);
+    read_from_test_process(&cluster).assert_ok("reading from node 2 after the heal");
     for host in 0..4 {
         let routes = cluster.lab().output_in(host, "ip", &["route"], 10);
         assert!(
