@@ -7,32 +7,10 @@ mod common;
 #[path = "../../meta/tests/common/etcd_server.rs"]
 mod etcd_server;
 
-use common::{ashlar, free_port, Node};
+use common::{ashlar, cluster_node, free_port, node_id, Node, CLUSTER_LEASE_TTL_MS};
 use etcd_server::EtcdServer;
 use serde_json::Value;
 use std::time::{Duration, Instant};
-
-/// The lease TTL the cluster nodes run with: short, so a killed node is down soon.
-const LEASE_TTL_MS: u64 = 2000;
-
-fn cluster_node(etcd_url: &str, extra: &[&str]) -> Node {
-    let ttl = LEASE_TTL_MS.to_string();
-    let mut args = vec![
-        "--etcd",
-        etcd_url,
-        "--advertise",
-        "127.0.0.1",
-        "--node-lease-ttl-ms",
-        ttl.as_str(),
-    ];
-    args.extend_from_slice(extra);
-    Node::start_with(&args)
-}
-
-fn node_id(node: &Node) -> String {
-    let text = std::fs::read_to_string(node.data_dir.join("node-id")).expect("node-id file");
-    text.trim_end().to_string()
-}
 
 /// `ashlar node list --json` as the node `asked` sees it.
 fn list(asked: &Node) -> Vec<Value> {
@@ -124,7 +102,7 @@ fn nodes_register_in_etcd_and_go_down_after_kill9_or_stop() {
     nodes[2].kill9();
     let took = wait_for_state(&nodes[0], &ids[2], "down", Duration::from_secs(20));
     assert!(
-        took <= Duration::from_millis(LEASE_TTL_MS) + Duration::from_secs(8),
+        took <= Duration::from_millis(CLUSTER_LEASE_TTL_MS) + Duration::from_secs(8),
         "down only after {took:?}"
     );
     let listed = list(&nodes[1]);

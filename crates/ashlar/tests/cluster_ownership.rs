@@ -12,30 +12,14 @@ mod common;
 #[path = "../../meta/tests/common/etcd_server.rs"]
 mod etcd_server;
 
-use common::{run_bounded, run_bounded_env, run_fio, Node};
+use common::{
+    cluster_node, node_id, run_bounded, run_bounded_env, run_fio, Node, CLUSTER_LEASE_TTL_MS,
+};
 use etcd_server::EtcdServer;
 use serde_json::Value;
 use std::time::{Duration, Instant};
 
-const LEASE_TTL_MS: u64 = 2000;
 const VDISK: &str = "shared";
-
-fn cluster_node(etcd_url: &str) -> Node {
-    let ttl = LEASE_TTL_MS.to_string();
-    Node::start_with(&[
-        "--etcd",
-        etcd_url,
-        "--advertise",
-        "127.0.0.1",
-        "--node-lease-ttl-ms",
-        ttl.as_str(),
-    ])
-}
-
-fn node_id(node: &Node) -> String {
-    let text = std::fs::read_to_string(node.data_dir.join("node-id")).expect("node-id file");
-    text.trim_end().to_string()
-}
 
 fn ownership(node: &Node) -> Value {
     node.show(VDISK)["ownership"].clone()
@@ -95,10 +79,10 @@ fn pattern_file(dir: &std::path::Path) -> std::path::PathBuf {
 #[test]
 fn the_first_opener_owns_a_vdisk_and_others_refuse_it() {
     let etcd = EtcdServer::start();
-    let mut a = cluster_node(&etcd.url);
+    let mut a = cluster_node(&etcd.url, &[]);
     // Created before B starts: a node loads the shared catalog when it starts.
     a.create_vdisk(VDISK, "4M");
-    let b = cluster_node(&etcd.url);
+    let b = cluster_node(&etcd.url, &[]);
     let (id_a, id_b) = (node_id(&a), node_id(&b));
     // Listed everywhere (shared catalog), owned by nobody before any client opens it.
     assert!(ownership(&b)["owner"].is_null(), "{}", ownership(&b));
@@ -164,7 +148,7 @@ fn the_first_opener_owns_a_vdisk_and_others_refuse_it() {
 #[test]
 fn an_owner_cut_off_from_etcd_stops_serving_and_claims_again_later() {
     let etcd = EtcdServer::start();
-    let a = cluster_node(&etcd.url);
+    let a = cluster_node(&etcd.url, &[]);
     a.create_vdisk(VDISK, "4M");
     let pattern = pattern_file(a.root.path());
     let (ok, err) = nbdcopy(pattern.to_str().unwrap(), &a.uri(VDISK));
@@ -177,7 +161,7 @@ fn an_owner_cut_off_from_etcd_stops_serving_and_claims_again_later() {
     assert!(run_bounded("kill", &["-STOP", pid.as_str()], 5)
         .status
         .success());
-    std::thread::sleep(Duration::from_millis(LEASE_TTL_MS + 1500));
+    std::thread::sleep(Duration::from_millis(CLUSTER_LEASE_TTL_MS + 1500));
     let (ok, err) = nbdcopy(pattern.to_str().unwrap(), &a.uri(VDISK));
     assert!(!ok, "a cut-off owner acknowledged writes: {err}");
     // A new connection is refused at open (the lapsed gate needs a claim, which needs
@@ -215,7 +199,7 @@ fn etcd_requests(node: &Node) -> u64 {
 #[test]
 fn steady_client_io_makes_no_etcd_requests() {
     let etcd = EtcdServer::start();
-    let a = cluster_node(&etcd.url);
+    let a = cluster_node(&etcd.url, &[]);
     a.create_vdisk(VDISK, "64M");
     let (ok, text) = nbdinfo(&a);
     assert!(ok, "{text}");

@@ -798,3 +798,28 @@ impl Drop for StatsWatcher {
         }
     }
 }
+
+/// The lease TTL of nodes started by [`cluster_node`]: short, so a killed node is down soon.
+pub const CLUSTER_LEASE_TTL_MS: u64 = 2000;
+
+/// A node on loopback that keeps its metadata in the etcd at `etcd_url` and joins the
+/// cluster there, with a short lease TTL.
+pub fn cluster_node(etcd_url: &str, extra: &[&str]) -> Node {
+    let ttl = CLUSTER_LEASE_TTL_MS.to_string();
+    let mut args = vec![
+        "--etcd",
+        etcd_url,
+        "--advertise",
+        "127.0.0.1",
+        "--node-lease-ttl-ms",
+        ttl.as_str(),
+    ];
+    args.extend_from_slice(extra);
+    Node::start_with(&args)
+}
+
+/// The node's persistent id (its data directory's `node-id` file).
+pub fn node_id(node: &Node) -> String {
+    let text = std::fs::read_to_string(node.data_dir.join("node-id")).expect("node-id file");
+    text.trim_end().to_string()
+}
