@@ -256,13 +256,14 @@ fn table_bits(entries: &[(usize, Entry)]) -> u8 {
 
 type IoFuture<'f> = Pin<Box<dyn Future<Output = Result<(), ExtentError>> + 'f>>;
 
-/// Issues every data run, hole punch and checksum-block write of a phase concurrently.
+/// Issues every data run, hole punch and run of checksum blocks of a phase concurrently.
 async fn write_all<D: DiskFile>(
     egroup: &Egroup<D>,
     data: &[(usize, Content<'_>)],
     punch: &[usize],
     tables: u8,
 ) -> Result<(), ExtentError> {
+    let table_runs = egroup.table_runs(tables);
     let mut ios: Vec<IoFuture<'_>> = Vec::new();
     for (first, bytes) in data_runs(data) {
         ios.push(Box::pin(
@@ -272,8 +273,8 @@ async fn write_all<D: DiskFile>(
     for (first, count) in block_runs(punch) {
         ios.push(Box::pin(egroup.punch(first, count)));
     }
-    for extent in (0..EXTENTS).filter(|e| tables & (1 << e) != 0) {
-        ios.push(Box::pin(egroup.write_table(extent)));
+    for (first, bytes) in &table_runs {
+        ios.push(Box::pin(egroup.write_table_run(*first, bytes)));
     }
     try_join_all(ios).await.map(|_| ())
 }
