@@ -8,6 +8,9 @@ pub const DEFAULT_NBD_LISTEN: &str = "127.0.0.1:10809";
 pub const DEFAULT_HTTP_LISTEN: &str = "127.0.0.1:10810";
 pub const DEFAULT_ISCSI_LISTEN: &str = "127.0.0.1:3260";
 pub const DEFAULT_SERVER: &str = "http://127.0.0.1:10810";
+/// The node's data directory unless --data-dir says otherwise; the CLI looks there for the
+/// API token a local node generated.
+pub const DEFAULT_DATA_DIR: &str = "./ashlar-data";
 
 #[derive(Parser, Debug)]
 #[command(
@@ -21,6 +24,20 @@ pub struct Cli {
     /// HTTP address of the node the vdisk commands talk to.
     #[arg(long, global = true, env = "ASHLAR_SERVER", default_value = DEFAULT_SERVER, value_name = "URL")]
     pub server: String,
+    /// File holding the HTTP API's bearer token (mode 0600; a file other users may read is
+    /// refused). The CLI sends it with every request; `ashlar node` then requires it of every
+    /// request but GET /healthz, also on loopback. Instead of a file, the token itself may be
+    /// in ASHLAR_API_TOKEN (the file wins). Without either, a node whose --http-listen is not
+    /// a loopback address requires the token in DATA_DIR/api-token, which it generates
+    /// (mode 0600) at its first start, and the CLI sends ./ashlar-data/api-token when it can
+    /// read it. A node on loopback without a token serves its API to anyone on the machine.
+    #[arg(
+        long,
+        global = true,
+        env = "ASHLAR_API_TOKEN_FILE",
+        value_name = "PATH"
+    )]
+    pub api_token_file: Option<PathBuf>,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -64,7 +81,7 @@ pub enum NodeAction {
 #[derive(Args, Debug)]
 pub struct NodeArgs {
     /// Directory for the node's metadata (and its data when no --disk is given).
-    #[arg(long, default_value = "./ashlar-data", value_name = "DIR")]
+    #[arg(long, default_value = DEFAULT_DATA_DIR, value_name = "DIR")]
     pub data_dir: PathBuf,
     /// A directory on a local filesystem to store data in, with its tier (default fast).
     /// Repeat for several disks. The oplog lives on the first fast disk. Without --disk, data
@@ -74,7 +91,9 @@ pub struct NodeArgs {
     /// Address to serve NBD on (export names are vdisk names).
     #[arg(long, default_value = DEFAULT_NBD_LISTEN, value_name = "ADDR")]
     pub nbd_listen: SocketAddr,
-    /// Address to serve the HTTP API, /stats and /metrics on.
+    /// Address to serve the HTTP API, /stats and /metrics on. On an address that is not
+    /// loopback (0.0.0.0 included) every request but GET /healthz needs the API token
+    /// (`Authorization: Bearer <token>`; see --api-token-file).
     #[arg(long, default_value = DEFAULT_HTTP_LISTEN, value_name = "ADDR")]
     pub http_listen: SocketAddr,
     /// Reactor threads (one per core). Default: one per CPU.

@@ -1,43 +1,87 @@
 //! The CLI side of `ashlar vdisk ...`: one HTTP request to the node, one line of output or a
 //! table, one clear line on error.
 
-use crate::args::{NodeAction, VdiskCommand};
+use crate::api_token::{client_token, TokenSource, TOKEN_ENV, TOKEN_FILE_NAME};
+use crate::args::{NodeAction, VdiskCommand, DEFAULT_DATA_DIR};
 use anyhow::{anyhow, bail, Context, Result};
 use ashlar_core::{format_size, parse_size};
 use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+/// Which node the CLI talks to, and the API token file it was given (if any).
+pub struct ApiTarget {
+    pub server: String,
+    pub token_file: Option<PathBuf>,
+}
 
 pub(crate) struct Client {
     agent: ureq::Agent,
     base: String,
+    /// The `Authorization` header value, and where its token came from (for a 401's message).
+    authorization: Option<(String, TokenSource)>,
 }
 
 impl Client {
-    pub(crate) fn new(server: &str) -> Self {
+    pub(crate) fn new(target: &ApiTarget) -> Result<Self> {
         let agent: ureq::Agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .timeout_global(Some(Duration::from_secs(120)))
             .build()
             .into();
-        Client {
+        let env_token = std::env::var(TOKEN_ENV).ok();
+        let token = client_token(
+            target.token_file.as_deref(),
+            env_token.as_deref(),
+            Path::new(DEFAULT_DATA_DIR),
+        )?;
+        Ok(Client {
             agent,
-            base: server.trim_end_matches('/').to_string(),
+            base: target.server.trim_end_matches('/').to_string(),
+            authorization: token
+                .map(|(token, source)| (format!("Bearer {}", token.as_str()), source)),
+        })
+    }
+
+    fn with_token<B>(&self, request: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
+        match &self.authorization {
+            Some((value, _)) => request.header("Authorization", value),
+            None => request,
+        }
+    }
+
+    /// The one line a 401 gets: how to pass the token, or which one was refused.
+    fn unauthorized(&self) -> anyhow::Error {
+        match &self.authorization {
+            None => anyhow!(
+                "the node at {} requires an API token: pass --api-token-file PATH (e.g. the \
+                 node's DATA_DIR/{TOKEN_FILE_NAME}) or set {TOKEN_ENV}",
+                self.base
+            ),
+            Some((_, source)) => anyhow!(
+                "the node at {} refused the API token from {source}: pass the node's token \
+                 with --api-token-file PATH or {TOKEN_ENV}",
+                self.base
+            ),
         }
     }
 
     pub(crate) fn request(&self, method: &str, path: &str, body: Option<Value>) -> Result<Value> {
         let url = format!("{}{}", self.base, path);
         let result = match (method, body) {
-            ("GET", _) => self.agent.get(&url).call(),
-            ("DELETE", _) => self.agent.delete(&url).call(),
-            ("POST", Some(body)) => self.agent.post(&url).send_json(&body),
-            ("PATCH", Some(body)) => self.agent.patch(&url).send_json(&body),
+            ("GET", _) => self.with_token(self.agent.get(&url)).call(),
+            ("DELETE", _) => self.with_token(self.agent.delete(&url)).call(),
+            ("POST", Some(body)) => self.with_token(self.agent.post(&url)).send_json(&body),
+            ("PATCH", Some(body)) => self.with_token(self.agent.patch(&url)).send_json(&body),
             _ => bail!("internal error: bad request {method} {path}"),
         };
         let mut response = result.map_err(|e| {
             anyhow!("cannot reach the Ashlar node at {} ({e}); is `ashlar node` running? (set --server or ASHLAR_SERVER)", self.base)
         })?;
         let status = response.status();
+        if status == ureq::http::StatusCode::UNAUTHORIZED {
+            return Err(self.unauthorized());
+        }
         let text = response
             .body_mut()
             .read_to_string()
@@ -60,8 +104,8 @@ fn parse_size_arg(text: &str) -> Result<u64> {
     parse_size(text).map_err(|e| anyhow!("--size: {e}"))
 }
 
-pub fn run(server: &str, command: VdiskCommand) -> Result<()> {
-    let client = Client::new(server);
+pub fn run(target: &ApiTarget, command: VdiskCommand) -> Result<()> {
+    let client = Client::new(target)?;
     match command {
         VdiskCommand::Create { name, size, shards } => {
             let size_bytes = parse_size_arg(&size)?;
@@ -128,9 +172,9 @@ fn print_json_or(value: &Value, json: bool, print_text: fn(&Value)) -> Result<()
     Ok(())
 }
 
-/// `ashlar node list`: the cluster's nodes as the node at `server` sees them.
-pub fn run_node(server: &str, action: NodeAction) -> Result<()> {
-    let client = Client::new(server);
+/// `ashlar node list`: the cluster's nodes as the node at `--server` sees them.
+pub fn run_node(target: &ApiTarget, action: NodeAction) -> Result<()> {
+    let client = Client::new(target)?;
     match action {
         NodeAction::List { json } => {
             let nodes = client.request("GET", "/api/v1/nodes", None)?;

@@ -1,7 +1,7 @@
 //! The CLI side of `ashlar vg ...`: one HTTP request to the node per command.
 
 use crate::args_vg::VgCommand;
-use crate::client::Client;
+use crate::client::{ApiTarget, Client};
 use anyhow::{anyhow, Result};
 use serde_json::{json, Value};
 
@@ -25,8 +25,8 @@ fn segment(text: &str) -> String {
         .collect()
 }
 
-pub fn run(server: &str, command: VgCommand) -> Result<()> {
-    let client = Client::new(server);
+pub fn run(target: &ApiTarget, command: VgCommand) -> Result<()> {
+    let client = Client::new(target)?;
     let base = "/api/v1/volume-groups";
     match command {
         VgCommand::Create { name } => {

@@ -49,7 +49,8 @@ pub fn router(state: ApiState) -> Router {
         .with_state(state)
 }
 
-struct ApiError(StatusCode, String);
+/// The API's error: a status and `{"error": "one clear line"}`.
+pub(crate) struct ApiError(pub(crate) StatusCode, pub(crate) String);
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {

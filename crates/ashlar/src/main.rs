@@ -1,5 +1,6 @@
 //! `ashlar`: the node daemon and the command-line client, one binary.
 
+mod api_token;
 mod args;
 mod args_vg;
 mod client;
@@ -18,13 +19,17 @@ use clap::Parser;
 
 fn main() {
     let cli = args::Cli::parse();
+    let api = client::ApiTarget {
+        server: cli.server,
+        token_file: cli.api_token_file,
+    };
     let result = match cli.command {
         args::Command::Node(node) => match node.action {
-            None => node::run(node.run),
-            Some(action) => client::run_node(&cli.server, action),
+            None => node::run(node.run, api.token_file),
+            Some(action) => client::run_node(&api, action),
         },
-        args::Command::Vdisk(command) => client::run(&cli.server, command),
-        args::Command::Vg(command) => client_vg::run(&cli.server, command),
+        args::Command::Vdisk(command) => client::run(&api, command),
+        args::Command::Vg(command) => client_vg::run(&api, command),
     };
     if let Err(error) = result {
         // One line a user can act on; the chain gives the cause.

@@ -1,5 +1,6 @@
 //! `ashlar node`: start the engine, serve NBD and HTTP, stop cleanly on SIGTERM/SIGINT.
 
+use crate::api_token::{node_token, require_token, ApiAuth, TokenSource, TOKEN_ENV};
 use crate::args::NodeArgs;
 use crate::http::{router, ApiState};
 use crate::ownership::NodeOwnership;
@@ -12,7 +13,7 @@ use ashlar_engine::{Engine, EngineConfig, EngineError, VdiskHandle};
 use ashlar_nbd::{resume_connection, serve_or_hand_over, Handover, NbdLimits, RequestBudget};
 use ashlar_storage::disk::{Disk, Tier};
 use ashlar_storage::fs::{NodeFs, UringConfig};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -26,14 +27,15 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// At most one warning per this interval about connections refused at `--max-connections`.
 const REFUSAL_WARNING_INTERVAL: Duration = Duration::from_secs(10);
 
-pub fn run(args: NodeArgs) -> Result<()> {
+/// Runs a node; `api_token_file` is `--api-token-file`, the token its API requires.
+pub fn run(args: NodeArgs, api_token_file: Option<PathBuf>) -> Result<()> {
     init_logging();
     raise_open_file_limit();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("starting the control runtime")?;
-    runtime.block_on(serve(args))
+    runtime.block_on(serve(args, api_token_file))
 }
 
 /// Each shard keeps up to `--max-open-egroups` files open, and every client holds a socket:
@@ -184,9 +186,35 @@ async fn ensure_vdisks(engine: &NodeEngine, specs: &[String]) -> Result<()> {
     Ok(())
 }
 
-async fn serve(args: NodeArgs) -> Result<()> {
+/// The gate of the node's API, from `--api-token-file`, `ASHLAR_API_TOKEN` or (beyond
+/// loopback) `DATA_DIR/api-token`; says where the token is, never what it is.
+fn api_auth(args: &NodeArgs, token_file: Option<&Path>) -> Result<ApiAuth> {
+    let env_token = std::env::var(TOKEN_ENV).ok();
+    let chosen = node_token(
+        &args.http_listen,
+        token_file,
+        env_token.as_deref(),
+        &args.data_dir,
+    )?;
+    let listen = args.http_listen;
+    match &chosen {
+        None => tracing::info!(%listen, "the HTTP API is on loopback and needs no token; \
+            --api-token-file or {TOKEN_ENV} make it require one"),
+        Some((_, TokenSource::DataDir { path, generated })) => tracing::info!(%listen,
+            token_file = %path.display(), generated,
+            "the HTTP API is not on loopback, so every request needs the bearer token kept in \
+             token_file; give that file to the CLI with --api-token-file"),
+        Some((_, source)) => {
+            tracing::info!(%listen, "the HTTP API requires the bearer token from {source}")
+        }
+    }
+    Ok(ApiAuth::new(chosen.map(|(token, _)| token)))
+}
+
+async fn serve(args: NodeArgs, api_token_file: Option<PathBuf>) -> Result<()> {
     std::fs::create_dir_all(&args.data_dir)
         .with_context(|| format!("creating data directory {}", args.data_dir.display()))?;
+    let auth = api_auth(&args, api_token_file.as_deref())?;
     let config = engine_config(&args)?;
     let limits = nbd_limits(&args)?;
     if args.max_connections == 0 {
@@ -243,7 +271,7 @@ async fn serve(args: NodeArgs) -> Result<()> {
     } else {
         crate::ownership::NodeOwnership::default()
     };
-    print_banner(&args, &engine, &limits, started.elapsed());
+    print_banner(&args, &engine, &limits, &auth, started.elapsed());
     println!(
         "Node {node_id} registered{}",
         match &args.etcd {
@@ -275,7 +303,12 @@ async fn serve(args: NodeArgs) -> Result<()> {
         engine: engine.clone(),
         groups: groups.clone(),
         iscsi_listen: args.iscsi_listen,
-    }));
+    }))
+    // Outermost, so every route (and the fallback) is behind it.
+    .layer(axum::middleware::from_fn_with_state(
+        auth.clone(),
+        require_token,
+    ));
     let mut http_shutdown = shutdown_rx.clone();
     let http = tokio::spawn(async move {
         let graceful = async move {
@@ -330,7 +363,13 @@ async fn serve(args: NodeArgs) -> Result<()> {
     Ok(())
 }
 
-fn print_banner(args: &NodeArgs, engine: &NodeEngine, limits: &NbdLimits, startup: Duration) {
+fn print_banner(
+    args: &NodeArgs,
+    engine: &NodeEngine,
+    limits: &NbdLimits,
+    auth: &ApiAuth,
+    startup: Duration,
+) {
     let config = engine.config();
     tracing::info!(reactors = config.reactors, cache = %format_size(config.cache_bytes),
         nbd_request_budget = %format_size(limits.request_budget.capacity_bytes()),
@@ -338,8 +377,15 @@ fn print_banner(args: &NodeArgs, engine: &NodeEngine, limits: &NbdLimits, startu
         direct_io = %args.direct_io,
         startup_ms = startup.as_millis() as u64, "node ready");
     println!(
-        "Ashlar node ready: NBD on {}, iSCSI on {}, HTTP API on http://{}",
-        args.nbd_listen, args.iscsi_listen, args.http_listen
+        "Ashlar node ready: NBD on {}, iSCSI on {}, HTTP API on http://{}{}",
+        args.nbd_listen,
+        args.iscsi_listen,
+        args.http_listen,
+        if auth.requires_token() {
+            " (bearer token required)"
+        } else {
+            ""
+        }
     );
     for vdisk in engine.list_vdisks() {
         let uri = format!("nbd://{}/{}", args.nbd_listen, vdisk.name);

@@ -19,12 +19,7 @@ fn list_json(node: &Node) -> Vec<Value> {
 }
 
 fn names(node: &Node) -> Vec<String> {
-    let mut names: Vec<String> = list_json(node)
-        .iter()
-        .map(|v| v["name"].as_str().unwrap().to_string())
-        .collect();
-    names.sort();
-    names
+    common::vdisk_names(&node.cli(&["vdisk", "list", "--json"]))
 }
 
 #[test]
@@ -258,6 +253,8 @@ fn help_mentions_every_flag() {
         "vdisk",
         "--server",
         "ASHLAR_SERVER",
+        "--api-token-file",
+        "ASHLAR_API_TOKEN",
         "--help",
         "--version",
     ] {
@@ -287,6 +284,7 @@ fn help_mentions_every_flag() {
                 "--nbd-request-budget",
                 "--max-connections",
                 "--ensure-vdisk",
+                "--api-token-file",
             ],
         ),
         (

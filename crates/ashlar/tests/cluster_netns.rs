@@ -104,6 +104,10 @@ fn three_nodes_in_their_own_namespaces_are_listed_up_with_their_own_addresses() 
             assert_eq!(e["local"], i == asked, "{e}");
         }
     }
+    // The nodes listen beyond loopback: without the cluster's API token, 401.
+    let url = format!("{}/api/v1/nodes", cluster.http(0));
+    let (status, body) = common::cluster::http_get_url(&url, 5).unwrap();
+    assert_eq!(status, 401, "GET {url} without a token: {body}");
 
     // The NBD port of node 0 serves at its namespace address, reached from the test process.
     cluster.create_vdisk(0, "vd", "64M");

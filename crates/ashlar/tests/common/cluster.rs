@@ -6,6 +6,9 @@
 //! address (ports 10809, 10810, 3260, the product defaults, since every host has its own
 //! address). The test process reaches all of them through the lab's bridge.
 //!
+//! The nodes listen beyond loopback, so their API requires a token: every node gets the same
+//! one (`--api-token-file <temp dir>/api-token`), which `cli` and `try_nodes` send.
+//!
 //! Each process's stdout and stderr go to `<temp dir>/<name>.log` (appended over restarts);
 //! when a test panics the tail of every log is printed. Dropping the cluster kills everything
 //! and removes the temporary directory; the lab then removes namespaces, veths and bridge.
@@ -87,6 +90,9 @@ impl Service {
             self.starts, self.name
         );
         let mut command = Command::new(&self.program);
+        for key in super::TOKEN_VARIABLES {
+            command.env_remove(key);
+        }
         command
             .args(&self.args)
             .envs(self.env.iter().map(|(k, v)| (k, v)))
@@ -184,17 +190,30 @@ pub struct Cluster {
     lab: NetLab,
 }
 
+/// The API token every node of a test cluster requires (written to `<temp dir>/api-token`).
+pub const API_TOKEN: &str = "ashlar-test-cluster-api-token-0123456789";
+
 /// GET `url` from the test process, bounded to `secs`: (status, body).
 pub fn http_get_url(url: &str, secs: u64) -> Result<(u16, String), String> {
+    http_get_url_with(url, None, secs)
+}
+
+/// GET `url` with `Authorization: Bearer <token>` when a token is given.
+pub fn http_get_url_with(
+    url: &str,
+    token: Option<&str>,
+    secs: u64,
+) -> Result<(u16, String), String> {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .http_status_as_error(false)
         .timeout_global(Some(Duration::from_secs(secs)))
         .build()
         .into();
-    let mut response = agent
-        .get(url)
-        .call()
-        .map_err(|e| format!("GET {url}: {e}"))?;
+    let mut request = agent.get(url);
+    if let Some(token) = token {
+        request = request.header("Authorization", format!("Bearer {token}"));
+    }
+    let mut response = request.call().map_err(|e| format!("GET {url}: {e}"))?;
     let status = response.status().as_u16();
     let body = response
         .body_mut()
@@ -256,6 +275,7 @@ impl Cluster {
             starts: 0,
         };
         let rust_log = std::env::var("ASHLAR_TEST_RUST_LOG").unwrap_or_else(|_| "info".into());
+        let token_file = write_api_token(root.path());
         let nodes = (0..options.nodes)
             .map(|i| {
                 let ip = lab.ip(i + 1);
@@ -276,6 +296,8 @@ impl Cluster {
                     format!("{ip}:{ISCSI_PORT}"),
                     "--node-lease-ttl-ms".into(),
                     options.lease_ttl_ms.to_string(),
+                    "--api-token-file".into(),
+                    token_file.display().to_string(),
                 ];
                 // Small, as in the single-node tests: several nodes share two cores.
                 for (flag, value) in [
@@ -417,10 +439,21 @@ impl Cluster {
         self.nodes[i].check_alive().is_ok()
     }
 
-    /// `ashlar --server <node i> args...`.
+    /// The file holding [`API_TOKEN`], which every node requires.
+    pub fn api_token_file(&self) -> PathBuf {
+        self.root.path().join(API_TOKEN_FILE)
+    }
+
+    /// `ashlar --server <node i> --api-token-file <the cluster's> args...`.
     pub fn cli(&self, i: usize, args: &[&str]) -> CmdOut {
         let server = self.http(i);
-        let mut all = vec!["--server", server.as_str()];
+        let token_file = self.api_token_file().display().to_string();
+        let mut all = vec![
+            "--server",
+            server.as_str(),
+            "--api-token-file",
+            token_file.as_str(),
+        ];
         all.extend_from_slice(args);
         ashlar(&all)
     }
@@ -433,7 +466,7 @@ impl Cluster {
     /// GET /api/v1/nodes from node `asked`.
     pub fn try_nodes(&self, asked: usize) -> Result<Vec<Value>, String> {
         let url = format!("{}/api/v1/nodes", self.http(asked));
-        match http_get_url(&url, 5)? {
+        match http_get_url_with(&url, Some(API_TOKEN), 5)? {
             (200, body) => match serde_json::from_str::<Value>(&body) {
                 Ok(Value::Array(nodes)) => Ok(nodes),
                 _ => Err(format!("GET {url}: not a JSON array: {body}")),
@@ -579,6 +612,23 @@ impl Cluster {
         }
         eprintln!("===== end of cluster logs =====");
     }
+}
+
+const API_TOKEN_FILE: &str = "api-token";
+
+/// Writes [`API_TOKEN`] to `dir/api-token` with mode 0600 (nodes refuse a file others can
+/// read) and returns its path.
+fn write_api_token(dir: &Path) -> PathBuf {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join(API_TOKEN_FILE);
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .unwrap_or_else(|e| panic!("creating {}: {e}", path.display()));
+    writeln!(file, "{API_TOKEN}").unwrap();
+    path
 }
 
 impl Drop for Cluster {

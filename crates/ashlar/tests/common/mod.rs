@@ -18,7 +18,7 @@ pub mod writes;
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
@@ -96,6 +96,21 @@ pub fn run_bounded_env<S: AsRef<std::ffi::OsStr>>(
     env: &[(&str, &str)],
     secs: u64,
 ) -> Output {
+    run_bounded_in(None, program, args, env, secs)
+}
+
+/// The variables that give the CLI an API token: removed from every command the tests run,
+/// so a developer's shell cannot change what a test sees, unless the test sets them itself.
+pub const TOKEN_VARIABLES: [&str; 2] = ["ASHLAR_API_TOKEN", "ASHLAR_API_TOKEN_FILE"];
+
+/// Like `run_bounded_env`, in the working directory `dir` (default: the test's).
+pub fn run_bounded_in<S: AsRef<std::ffi::OsStr>>(
+    dir: Option<&Path>,
+    program: &str,
+    args: &[S],
+    env: &[(&str, &str)],
+    secs: u64,
+) -> Output {
     require_tool("timeout");
     let program_path = if Path::new(program).is_absolute() {
         PathBuf::from(program)
@@ -111,6 +126,12 @@ pub fn run_bounded_env<S: AsRef<std::ffi::OsStr>>(
         .arg(program_path)
         .args(args)
         .stdin(Stdio::null());
+    if let Some(dir) = dir {
+        command.current_dir(dir);
+    }
+    for key in TOKEN_VARIABLES {
+        command.env_remove(key);
+    }
     for (key, value) in env {
         command.env(key, value);
     }
@@ -185,6 +206,22 @@ impl CmdOut {
     }
 }
 
+/// The vdisk names, sorted, in the output of `ashlar vdisk list --json`; panics unless the
+/// command succeeded.
+pub fn vdisk_names(out: &CmdOut) -> Vec<String> {
+    out.assert_ok("vdisk list --json");
+    let list: serde_json::Value = serde_json::from_str(&out.stdout)
+        .unwrap_or_else(|e| panic!("vdisk list --json ({e}): {}", out.stdout));
+    let mut names: Vec<String> = list
+        .as_array()
+        .expect("an array")
+        .iter()
+        .map(|v| v["name"].as_str().unwrap().to_string())
+        .collect();
+    names.sort();
+    names
+}
+
 /// Runs the `ashlar` binary with exactly `args` (no `--server` added), bounded to 60 s.
 pub fn ashlar(args: &[&str]) -> CmdOut {
     ashlar_env(args, &[])
@@ -192,6 +229,12 @@ pub fn ashlar(args: &[&str]) -> CmdOut {
 
 pub fn ashlar_env(args: &[&str], env: &[(&str, &str)]) -> CmdOut {
     CmdOut::from_output(run_bounded_env(BIN, args, env, 60))
+}
+
+/// `ashlar args...` in the working directory `dir` (where the CLI looks for
+/// `./ashlar-data/api-token`), bounded to 60 s.
+pub fn ashlar_in(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> CmdOut {
+    CmdOut::from_output(run_bounded_in(Some(dir), BIN, args, env, 60))
 }
 
 /// A running (or stopped) `ashlar node` with its own data directory and ports.
@@ -202,6 +245,8 @@ pub struct Node {
     pub data_dir: PathBuf,
     pub nbd_port: u16,
     pub http_port: u16,
+    /// The address `--http-listen` binds (loopback unless a test asks for another).
+    pub http_ip: IpAddr,
     pub iscsi_port: u16,
     extra_args: Vec<String>,
     /// `RUST_LOG` of the node process.
@@ -224,6 +269,12 @@ impl Node {
 
     /// A node keeping its data in `data_dir` (default: a fresh directory of its own).
     pub fn start_in(data_dir: Option<PathBuf>, extra_args: &[&str]) -> Node {
+        Node::start_http_on(IpAddr::from([127, 0, 0, 1]), data_dir, extra_args)
+    }
+
+    /// A node whose HTTP API listens on `http_ip` (on its free port). The harness still
+    /// reaches it at 127.0.0.1, so `http_ip` must cover loopback: 127.x.y.z or 0.0.0.0.
+    pub fn start_http_on(http_ip: IpAddr, data_dir: Option<PathBuf>, extra_args: &[&str]) -> Node {
         let root = tempfile::Builder::new()
             .prefix("ashlar-e2e-")
             .tempdir()
@@ -236,6 +287,7 @@ impl Node {
             data_dir,
             nbd_port: 0,
             http_port: 0,
+            http_ip,
             iscsi_port: 0,
             extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
             rust_log: std::env::var("ASHLAR_TEST_RUST_LOG").unwrap_or_else(|_| "info".to_string()),
@@ -287,7 +339,7 @@ impl Node {
             .arg("--nbd-listen")
             .arg(format!("127.0.0.1:{}", self.nbd_port))
             .arg("--http-listen")
-            .arg(format!("127.0.0.1:{}", self.http_port))
+            .arg(SocketAddr::new(self.http_ip, self.http_port).to_string())
             .arg("--iscsi-listen")
             .arg(format!("127.0.0.1:{}", self.iscsi_port))
             .args([
@@ -319,6 +371,9 @@ impl Node {
             .stdin(Stdio::null())
             .stdout(stdout)
             .stderr(stderr);
+        for key in TOKEN_VARIABLES {
+            command.env_remove(key);
+        }
         let child = command.spawn().expect("spawning ashlar node");
         self.child = Some(child);
         let deadline = Instant::now() + READY_TIMEOUT;
