@@ -124,6 +124,11 @@ pub struct NodeArgs {
     /// A read or write of an egroup that is not open first reads its checksum blocks from disk.
     #[arg(long, default_value_t = 1024, value_name = "N")]
     pub max_open_egroups: usize,
+    /// Extent groups a shard writes at once when it moves oplog data into the extent store
+    /// (1 to --max-open-egroups). More drains faster on disks with deep queues; fewer keeps
+    /// client writes from queueing behind a drain step's writes and syncs (their p99 latency).
+    #[arg(long, default_value_t = ashlar_storage::extent_store::DEFAULT_MAX_WRITING_EGROUPS, value_name = "N")]
+    pub max_writing_egroups: usize,
     /// Disk I/O with O_DIRECT (`on`, the default: data is cached once, in Ashlar's cache) or
     /// through the kernel page cache (`off`). Files on a filesystem that refuses O_DIRECT
     /// (e.g. ramfs) fall back to the page cache either way, with one warning in the log.

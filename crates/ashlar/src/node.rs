@@ -142,6 +142,9 @@ fn engine_config(args: &NodeArgs) -> Result<EngineConfig> {
         drain_batch_bytes,
         drain_idle: Duration::from_millis(500),
         max_open_egroups_per_shard: args.max_open_egroups.max(1),
+        max_writing_egroups_per_shard: args
+            .max_writing_egroups
+            .clamp(1, args.max_open_egroups.max(1)),
         default_shards: args.default_shards,
         fs: NodeFs::detect(UringConfig {
             prefer_direct: args.direct_io == "on",

@@ -117,6 +117,8 @@ fn main() {
             drain_batch_bytes: 8 << 20,
             drain_idle: Duration::from_millis(500),
             max_open_egroups_per_shard: 256,
+            max_writing_egroups_per_shard:
+                ashlar_storage::extent_store::DEFAULT_MAX_WRITING_EGROUPS,
             default_shards: 1,
             fs: ashlar_storage::fs::NodeFs::Std(ashlar_storage::fs::StdFs),
         };

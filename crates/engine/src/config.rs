@@ -29,6 +29,9 @@ pub struct EngineConfig {
     pub drain_idle: Duration,
     /// Extent groups a shard keeps open (fds and checksum blocks, 16 KiB each).
     pub max_open_egroups_per_shard: usize,
+    /// Extent groups one write batch of a shard (a drain step, a bypass write) writes at once
+    /// (see `ExtentStoreConfig::max_writing_egroups`).
+    pub max_writing_egroups_per_shard: usize,
     /// Shard count of a new vdisk when the user does not choose one.
     pub default_shards: u32,
     /// How the engine reaches its disks (io_uring, blocking calls, or a simulated disk).

@@ -360,6 +360,7 @@ impl<M: MetaStore> Engine<M> {
             .oplog_bytes_per_vdisk
             .max(MIN_OPLOG_BYTES_PER_SHARD);
         let max_open_egroups = self.config.max_open_egroups_per_shard;
+        let max_writing_egroups = self.config.max_writing_egroups_per_shard;
         let reactor = self.reactors.get(ReactorId(vdisk.0 as usize));
         let lost_ranges = reactor
             .run(move || async move {
@@ -369,6 +370,7 @@ impl<M: MetaStore> Engine<M> {
                         vdisk,
                         disks,
                         max_open_egroups,
+                        max_writing_egroups,
                     },
                 );
                 let mut lost_ranges = 0;
@@ -415,6 +417,7 @@ impl<M: MetaStore> Engine<M> {
                 oplog_capacity_bytes: self.config.oplog_bytes_per_shard(count),
                 disks: self.config.disks.clone(),
                 max_open_egroups: self.config.max_open_egroups_per_shard,
+                max_writing_egroups: self.config.max_writing_egroups_per_shard,
                 drain_batch_bytes: self.config.drain_batch_bytes,
                 drain_idle: self.config.drain_idle,
                 request_queue_limit: self.config.shard_queue_limit,

@@ -29,6 +29,7 @@ fn config(dir: &Path) -> EngineConfig {
         drain_batch_bytes: 1 << 20,
         drain_idle: Duration::from_millis(50),
         max_open_egroups_per_shard: 8,
+        max_writing_egroups_per_shard: ashlar_storage::extent_store::DEFAULT_MAX_WRITING_EGROUPS,
         default_shards: 2,
         fs: ashlar_storage::fs::NodeFs::detect(Default::default()).unwrap(),
     }

@@ -377,6 +377,8 @@ impl Node {
             drain_batch_bytes: s.drain_batch_bytes,
             drain_idle: s.drain_idle,
             max_open_egroups_per_shard: s.max_open_egroups_per_shard,
+            max_writing_egroups_per_shard:
+                ashlar_storage::extent_store::DEFAULT_MAX_WRITING_EGROUPS,
             default_shards: 1,
             fs: NodeFs::Sim(self.sim.clone()),
         }

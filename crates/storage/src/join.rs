@@ -36,3 +36,98 @@ where
 {
     join_all(futures).await.into_iter().collect()
 }
+
+/// Runs the futures in order with at most `width` (at least 1) in flight, starting the next as
+/// one finishes. After the first error no further future starts; those in flight finish, then
+/// that error is returned.
+pub(crate) async fn try_run_windowed<E, F>(
+    futures: impl IntoIterator<Item = F>,
+    width: usize,
+) -> Result<(), E>
+where
+    F: Future<Output = Result<(), E>>,
+{
+    let width = width.max(1);
+    let mut source = futures.into_iter();
+    let mut source_done = false;
+    let mut running: Vec<Pin<Box<F>>> = Vec::with_capacity(width);
+    let mut first_error: Option<E> = None;
+    std::future::poll_fn(|cx| loop {
+        while !source_done && first_error.is_none() && running.len() < width {
+            match source.next() {
+                Some(future) => running.push(Box::pin(future)),
+                None => source_done = true,
+            }
+        }
+        let before = running.len();
+        running.retain_mut(|future| match future.as_mut().poll(cx) {
+            Poll::Ready(result) => {
+                if let Err(error) = result {
+                    first_error.get_or_insert(error);
+                }
+                false
+            }
+            Poll::Pending => true,
+        });
+        if running.is_empty() && (source_done || first_error.is_some()) {
+            return Poll::Ready(());
+        }
+        if running.len() == before {
+            return Poll::Pending;
+        }
+    })
+    .await;
+    first_error.map_or(Ok(()), Err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::try_run_windowed;
+    use std::cell::Cell;
+
+    /// Each future yields once; `peak` records the most in flight at once.
+    async fn step(
+        id: u32,
+        live: &Cell<usize>,
+        peak: &Cell<usize>,
+        fail: Option<u32>,
+    ) -> Result<(), u32> {
+        live.set(live.get() + 1);
+        peak.set(peak.get().max(live.get()));
+        tokio::task::yield_now().await;
+        live.set(live.get() - 1);
+        if fail == Some(id) {
+            Err(id)
+        } else {
+            Ok(())
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn keeps_at_most_width_in_flight_and_runs_all() {
+        let (live, peak, started) = (Cell::new(0), Cell::new(0), Cell::new(0));
+        let futures = (0..10).map(|id| {
+            started.set(started.get() + 1);
+            step(id, &live, &peak, None)
+        });
+        assert_eq!(try_run_windowed(futures, 3).await, Ok(()));
+        assert_eq!(started.get(), 10);
+        assert_eq!(peak.get(), 3);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn starts_nothing_after_an_error_and_returns_it() {
+        let (live, peak, started) = (Cell::new(0), Cell::new(0), Cell::new(0));
+        let futures = (0..10).map(|id| {
+            started.set(started.get() + 1);
+            step(id, &live, &peak, Some(1))
+        });
+        assert_eq!(try_run_windowed(futures, 2).await, Err(1));
+        assert_eq!(
+            started.get(),
+            2,
+            "the window held 0 and 1; nothing started after 1 failed"
+        );
+        assert_eq!(live.get(), 0, "every started future finished");
+    }
+}

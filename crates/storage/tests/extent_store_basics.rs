@@ -25,6 +25,7 @@ fn config(dirs: &[&Path]) -> ExtentStoreConfig {
         vdisk: VdiskId(7),
         disks: dirs.iter().map(|d| disk(d)).collect(),
         max_open_egroups: 2,
+        max_writing_egroups: ashlar_storage::extent_store::DEFAULT_MAX_WRITING_EGROUPS,
     }
 }
 

@@ -24,6 +24,7 @@ fn config(dir: &Path) -> ExtentStoreConfig {
             tier: Tier::Fast,
         }],
         max_open_egroups: 2,
+        max_writing_egroups: ashlar_storage::extent_store::DEFAULT_MAX_WRITING_EGROUPS,
     }
 }
 

@@ -28,6 +28,7 @@ fn config(disks: usize, max_open_egroups: usize) -> ExtentStoreConfig {
             })
             .collect(),
         max_open_egroups,
+        max_writing_egroups: ashlar_storage::extent_store::DEFAULT_MAX_WRITING_EGROUPS,
     }
 }
 

@@ -125,6 +125,7 @@ pub struct ShardSpec {
     pub oplog_capacity_bytes: u64,
     pub disks: Vec<Disk>,
     pub max_open_egroups: usize,
+    pub max_writing_egroups: usize,
     pub drain_batch_bytes: u64,
     pub drain_idle: Duration,
     pub request_queue_limit: usize,
@@ -207,6 +208,7 @@ pub async fn start_shard(
             vdisk: spec.vdisk,
             disks: spec.disks.clone(),
             max_open_egroups: spec.max_open_egroups,
+            max_writing_egroups: spec.max_writing_egroups,
         },
     );
     let (request_tx, request_rx) = mpsc::channel(spec.request_queue_limit);

@@ -45,7 +45,14 @@ pub struct ExtentStoreConfig {
     /// Egroups kept open when idle: bounds file handles and checksum tables (about 12.3 KiB
     /// each; see [`ExtentStore`]).
     pub max_open_egroups: usize,
+    /// Egroups one write batch (a drain step, a bypass write) writes at a time (at most
+    /// `max_open_egroups`): enough to keep the disk busy, few enough that the oplog's commits
+    /// are not queued behind a whole batch's writes and syncs.
+    pub max_writing_egroups: usize,
 }
+
+/// Default of [`ExtentStoreConfig::max_writing_egroups`].
+pub const DEFAULT_MAX_WRITING_EGROUPS: usize = 2;
 
 /// What went wrong. Every variant names the file; those about data name the vdisk offset and
 /// the file offset. `Corrupt`, `Poisoned`, `Lost`, `BadHeader` and `BadChecksumBlock` persist

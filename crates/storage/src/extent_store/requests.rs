@@ -1,5 +1,5 @@
 //! The requests an `ExtentStore` serves: reads (split per extent, run concurrently), write
-//! batches (split per egroup, run concurrently up to `max_open_egroups` at a time) and
+//! batches (split per egroup, `max_writing_egroups` of them in flight at a time) and
 //! allocation maps.
 
 use super::apply::apply_plan;
@@ -8,7 +8,7 @@ use super::format::{BLOCK, BLOCK_LEN, EGROUP_SPAN_BYTES};
 use super::table::BlockState;
 use super::{ExtentError, ExtentStore};
 use crate::fs::Filesystem;
-use crate::join::{join_all, try_join_all};
+use crate::join::{try_join_all, try_run_windowed};
 use ashlar_core::{EXTENT_SIZE_BYTES, MAX_VDISK_SIZE_BYTES};
 
 /// The end of the range; ranges beyond the largest vdisk (1 PiB) are refused, which keeps
@@ -116,21 +116,22 @@ impl<F: Filesystem> ExtentStore<F> {
         }
         self.ensure_durable_listing().await?;
         let groups = batch.by_egroup(|first, last| self.known_in(first, last));
-        let width = self.config.max_open_egroups.max(1);
-        let mut groups = groups.into_iter().peekable();
-        while groups.peek().is_some() {
-            let chunk: Vec<(u64, Vec<Op<'_>>)> = groups.by_ref().take(width).collect();
-            let results = join_all(
-                chunk
-                    .into_iter()
-                    .map(|(egroup, ops)| self.apply_egroup(egroup, ops)),
-            )
-            .await;
-            let result = results.into_iter().collect::<Result<Vec<()>, _>>();
-            self.trim();
-            result?;
-        }
-        Ok(())
+        // A few egroups at a time, not all: a batch spread over hundreds of egroups would put
+        // thousands of writes and syncs ahead of the oplog's commits in the disk's and the
+        // kernel's queues, and every client write would wait out the whole batch.
+        let width = self
+            .config
+            .max_writing_egroups
+            .clamp(1, self.config.max_open_egroups.max(1));
+        try_run_windowed(
+            groups.into_iter().map(|(egroup, ops)| async move {
+                let result = self.apply_egroup(egroup, ops).await;
+                self.trim();
+                result
+            }),
+            width,
+        )
+        .await
     }
 
     async fn apply_egroup(&self, egroup: u64, ops: Vec<Op<'_>>) -> Result<(), ExtentError> {
