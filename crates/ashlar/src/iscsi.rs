@@ -1,11 +1,13 @@
 //! Connects the iSCSI front-end to the engine: one target per volume group, its vdisks as
-//! LUNs; the accept loop of the iSCSI portal; the limits from the command line;
-//! persistent reservations in the MetaStore (`reservations`).
+//! LUNs, claimed (in a cluster) as an initiator logs in; the accept loop of the iSCSI
+//! portal; the limits from the command line; persistent reservations in the MetaStore
+//! (`reservations`).
 
 pub mod reservations;
 
 use crate::args::NodeArgs;
 use crate::node::{ConnectionCount, ConnectionTicket, Refusals};
+use crate::ownership::{GroupNotServed, NodeOwnership};
 use crate::registry::NodeEngine;
 use crate::volume_groups::VolumeGroups;
 use anyhow::{anyhow, bail, Result};
@@ -14,7 +16,7 @@ use ashlar_engine::reactor::ReactorId;
 use ashlar_engine::VdiskHandle;
 use ashlar_iscsi::{
     resume, serve_or_hand_over, Access, ChapCredentials, DataBudget, Handover, IscsiLimits,
-    LogicalUnit, NopSettings, Refusal, ReservationStore, TargetRegistry,
+    LogicalUnit, NopSettings, Refusal, ReservationStore, TargetRegistry, TargetUnavailable,
 };
 use reservations::MetaReservations;
 use std::rc::Rc;
@@ -100,10 +102,13 @@ fn credentials(chap: &crate::volume_groups::Chap) -> ChapCredentials {
 }
 
 /// Targets, access and LUNs from the node's volume groups and vdisks.
+#[derive(Clone)]
 pub struct IscsiRegistry {
     pub engine: Arc<NodeEngine>,
     pub groups: NodeVolumeGroups,
     pub reservations: Arc<MetaReservations<crate::cluster::NodeMeta>>,
+    /// In a cluster, a target is served only once this node holds its vdisks' claims.
+    pub ownership: NodeOwnership,
 }
 
 impl TargetRegistry for IscsiRegistry {
@@ -132,6 +137,36 @@ impl TargetRegistry for IscsiRegistry {
         Access {
             chap: auth.chap.as_ref().map(credentials),
             mutual_chap: auth.mutual_chap.as_ref().map(credentials),
+        }
+    }
+
+    /// In a cluster: claims the group's vdisks, or redirects the login to the node that
+    /// owns them, or turns it away (logged: the initiator sees only the status).
+    async fn prepare_target(&self, target: &str) -> Result<(), TargetUnavailable> {
+        let Some(group) = self.groups.by_iqn(target) else {
+            return Ok(()); // removed since it was authorized: the session finds no target
+        };
+        let served = self
+            .ownership
+            .ensure_serving_group(&self.engine, &group.disks)
+            .await;
+        match served {
+            Ok(()) => Ok(()),
+            Err(GroupNotServed::ServedBy {
+                node,
+                addresses: Some(addresses),
+            }) => {
+                tracing::info!(%target, owner = %node, portal = %addresses.iscsi,
+                    "iSCSI login redirected to the node that owns the target's vdisks");
+                Err(TargetUnavailable::MovedTemporarily {
+                    address: addresses.iscsi,
+                })
+            }
+            Err(refused) => {
+                tracing::warn!(%target, reason = %refused,
+                    "iSCSI login refused (service unavailable): this node cannot serve the target now");
+                Err(TargetUnavailable::ServiceUnavailable)
+            }
         }
     }
 
@@ -190,30 +225,21 @@ async fn load_reservations(
 struct MovingSession {
     handover: Handover,
     ticket: ConnectionTicket,
-    engine: Arc<NodeEngine>,
-    groups: NodeVolumeGroups,
-    reservations: Arc<MetaReservations<crate::cluster::NodeMeta>>,
+    registry: IscsiRegistry,
     shutdown: watch::Receiver<bool>,
 }
 
 fn move_session(moving: MovingSession, target: ReactorId) {
-    let reactor = moving.engine.reactors().get(target).clone();
+    let reactor = moving.registry.engine.reactors().get(target).clone();
     let moved = reactor.spawn_detached(move || async move {
         let MovingSession {
             handover,
             ticket,
-            engine,
-            groups,
-            reservations,
+            registry,
             shutdown,
         } = moving;
         let _ticket = ticket;
-        let registry = Rc::new(IscsiRegistry {
-            engine,
-            groups,
-            reservations,
-        });
-        if let Err(error) = resume(handover, registry, shutdown).await {
+        if let Err(error) = resume(handover, Rc::new(registry), shutdown).await {
             tracing::info!(%error, "iSCSI connection ended with an error");
         }
     });
@@ -223,20 +249,38 @@ fn move_session(moving: MovingSession, target: ReactorId) {
     }
 }
 
+/// What the portal's targets are made of: the node's vdisks, its volume groups, and (in a
+/// cluster) the ownership layer that claims a target's vdisks at login.
+pub struct Targets {
+    pub engine: Arc<NodeEngine>,
+    pub groups: NodeVolumeGroups,
+    pub ownership: NodeOwnership,
+}
+
 /// Accepts iSCSI connections and serves each on a reactor, round-robin (one session per
 /// connection: MaxConnections=1); once logged in, a session whose first LUN's shards run on
 /// another reactor moves there. With `max_sessions` live, a new connection is closed at
 /// once.
 pub async fn accept_loop(
     listener: TcpListener,
-    engine: Arc<NodeEngine>,
-    groups: NodeVolumeGroups,
+    targets: Targets,
     limits: IscsiLimits,
     shutdown: watch::Receiver<bool>,
     sessions: Arc<ConnectionCount>,
     max_sessions: usize,
 ) -> Result<()> {
+    let Targets {
+        engine,
+        groups,
+        ownership,
+    } = targets;
     let reservations = Arc::new(load_reservations(&groups, shutdown.clone()).await?);
+    let registry = IscsiRegistry {
+        engine,
+        groups,
+        reservations,
+        ownership,
+    };
     let mut next_reactor = 0usize;
     let mut refusals = Refusals::new("iSCSI session", "--iscsi-max-sessions");
     loop {
@@ -260,14 +304,12 @@ pub async fn accept_loop(
                 continue;
             }
         };
-        let reactors = engine.reactors().handles();
+        let reactors = registry.engine.reactors().handles();
         let reactor = &reactors[next_reactor % reactors.len()];
         next_reactor += 1;
         sessions.live.fetch_add(1, Ordering::SeqCst);
         let ticket = ConnectionTicket(sessions.clone());
-        let registry_engine = engine.clone();
-        let groups = groups.clone();
-        let reservations = reservations.clone();
+        let registry = registry.clone();
         let limits = limits.clone();
         let shutdown = shutdown.clone();
         let spawned = reactor.spawn_detached(move || async move {
@@ -278,11 +320,7 @@ pub async fn accept_loop(
                     return;
                 }
             };
-            let registry = Rc::new(IscsiRegistry {
-                engine: registry_engine.clone(),
-                groups: groups.clone(),
-                reservations: reservations.clone(),
-            });
+            let serving = Rc::new(registry.clone());
             // A session whose first LUN's shards run on another reactor moves there after
             // its login: served here, every command would cross reactors.
             let mut better = None;
@@ -290,15 +328,13 @@ pub async fn accept_loop(
                 better = device.better_reactor();
                 better.is_none()
             };
-            let served = serve_or_hand_over(stream, registry, limits, shutdown.clone(), stay).await;
+            let served = serve_or_hand_over(stream, serving, limits, shutdown.clone(), stay).await;
             match (served, better) {
                 (Ok(Some(handover)), Some(target)) => {
                     let moving = MovingSession {
                         handover,
                         ticket,
-                        engine: registry_engine,
-                        groups,
-                        reservations,
+                        registry,
                         shutdown,
                     };
                     move_session(moving, target);

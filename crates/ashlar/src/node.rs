@@ -324,7 +324,7 @@ async fn serve(args: NodeArgs, api_token_file: Option<PathBuf>) -> Result<()> {
     let accept = accept_loop(
         nbd_listener,
         engine.clone(),
-        ownership,
+        ownership.clone(),
         limits,
         shutdown_rx.clone(),
         connections.clone(),
@@ -332,8 +332,11 @@ async fn serve(args: NodeArgs, api_token_file: Option<PathBuf>) -> Result<()> {
     );
     let iscsi_accept = crate::iscsi::accept_loop(
         iscsi_listener,
-        engine.clone(),
-        groups,
+        crate::iscsi::Targets {
+            engine: engine.clone(),
+            groups,
+            ownership,
+        },
         iscsi_limits,
         shutdown_rx.clone(),
         iscsi_sessions.clone(),

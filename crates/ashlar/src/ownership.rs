@@ -7,25 +7,30 @@
 //!   or nobody, epoch raised in the claim's transaction) and opens the gate until the
 //!   lease's `valid_until`; or it refuses with a message naming the owner (and its address)
 //!   or the down node that holds the data.
+//! - **Login** (an iSCSI initiator logging in to a volume group's target): the same claim
+//!   for each of the group's vdisks, in LUN order; but first, if another node owns some of
+//!   them and this node none, the group is served there and the login is redirected (a
+//!   target is served by one node: claiming the rest here would split it).
 //! - **Lease changes** (every keep-alive moves `valid_until`; a new registration changes the
 //!   lease): a follower task extends each open gate, or, when the lease changed or the gate
 //!   lapsed meanwhile, keeps it shut and claims the vdisk again at a higher epoch.
 //! - **The data path** checks the gate (one atomic and a clock read, in the engine's
-//!   `VdiskHandle`); past `valid_until` requests fail with EIO by themselves, even if this
-//!   task never runs again.
+//!   `VdiskHandle`); past `valid_until` requests fail by themselves (EIO over NBD, NOT READY
+//!   over iSCSI), even if this task never runs again.
 //!
 //! On a single node (`--etcd` not given) none of this exists: gates are open for good.
 
 use crate::cluster::NodeMeta;
 use crate::registry::NodeEngine;
 use ashlar_cluster::{
-    claim_to_serve, gate_step, read_ownership, release, GateStep, LeaseStatus, NodeId, NodeRecord,
-    OwnershipClaim, OwnershipEpoch, ServeError, ServeRefusal,
+    claim_to_serve, gate_step, read_ownership, release, AdvertisedAddresses, GateStep, LeaseStatus,
+    NodeId, NodeRecord, OwnershipClaim, OwnershipEpoch, ServeError, ServeRefusal,
 };
 use ashlar_core::VdiskId;
 use ashlar_engine::ServeGate;
 use ashlar_meta::MetaStore;
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
 
@@ -49,16 +54,88 @@ struct Clustered {
 
 /// A claim this node holds (or held, until it is claimed again) and the gate it opens.
 struct Held {
-    name: String,
+    wanted: Wanted,
     claim: OwnershipClaim,
+    /// Whose client made the claim: refusals of a claim made again name addresses for it.
+    frontend: Frontend,
+}
+
+/// A vdisk this node is asked to serve, and its serving gate.
+#[derive(Clone)]
+struct Wanted {
+    name: String,
+    vdisk: VdiskId,
     gate: Arc<ServeGate>,
 }
 
-/// Why a claim was not made: the line for the client, and whether trying again later may
-/// help (the store did not answer) or not (another node owns the vdisk or holds its data).
-struct NotClaimed {
-    message: String,
-    for_good: bool,
+impl Wanted {
+    fn of(engine: &NodeEngine, name: &str) -> Result<Wanted, NotServing> {
+        let (vdisk, gate) = engine
+            .serve_gate(name)
+            .map_err(|e| NotServing::for_now(e.to_string()))?;
+        Ok(Wanted {
+            name: name.to_string(),
+            vdisk,
+            gate,
+        })
+    }
+
+    fn admitted_now(&self) -> bool {
+        self.gate.admits(std::time::Instant::now())
+    }
+}
+
+/// The front-end a refusal is written for: it gives the other node's address for that
+/// front-end, where the client may connect instead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Frontend {
+    Nbd,
+    Iscsi,
+}
+
+impl Frontend {
+    fn address(self, addresses: &AdvertisedAddresses) -> &str {
+        match self {
+            Frontend::Nbd => &addresses.nbd,
+            Frontend::Iscsi => &addresses.iscsi,
+        }
+    }
+}
+
+/// Why this node does not serve a vdisk now: the line for the client (or the log), and the
+/// refusal behind it when another node owns the vdisk or holds its data. Without one (the
+/// store did not answer, the lease is not valid) trying again later may help.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct NotServing {
+    pub message: String,
+    pub refusal: Option<ServeRefusal>,
+}
+
+impl NotServing {
+    fn for_now(message: String) -> Self {
+        NotServing {
+            message,
+            refusal: None,
+        }
+    }
+}
+
+/// Why a volume group's vdisks (an iSCSI target's LUNs) are not all served here.
+#[derive(Debug, thiserror::Error)]
+pub enum GroupNotServed {
+    /// Another live node owns vdisks of the group and this node owns none: that node serves
+    /// the group. Its advertised addresses, unless its record could not be read.
+    #[error("the group is served by node {node}")]
+    ServedBy {
+        node: NodeId,
+        addresses: Option<AdvertisedAddresses>,
+    },
+    /// The group's vdisks are owned by more than one node: none can serve it all.
+    #[error("the group's vdisks are owned by several nodes ({}); one node must own them all to serve the target, which this version cannot arrange", .owners.join(", "))]
+    Split { owners: Vec<String> },
+    #[error(transparent)]
+    NotServing(#[from] NotServing),
 }
 
 /// What `vdisk show`/`list` say about a vdisk's ownership.
@@ -103,25 +180,48 @@ impl NodeOwnership {
         }
     }
 
-    /// Makes sure this node may serve `name` (claiming it if it must); the error is the
-    /// line the client is shown. Called from any runtime.
-    pub async fn ensure_serving(&self, engine: &NodeEngine, name: &str) -> Result<(), String> {
+    /// Makes sure this node may serve `name` (claiming it if it must) for a client of
+    /// `frontend`; the error's message is the line the client is shown. Called from any
+    /// runtime.
+    pub async fn ensure_serving(
+        &self,
+        engine: &NodeEngine,
+        name: &str,
+        frontend: Frontend,
+    ) -> Result<(), NotServing> {
         let Some(cluster) = &self.cluster else {
             return Ok(());
         };
-        let (vdisk, gate) = engine.serve_gate(name).map_err(|e| e.to_string())?;
-        if gate.admits(std::time::Instant::now()) {
+        let wanted = Wanted::of(engine, name)?;
+        if wanted.admitted_now() {
             return Ok(());
         }
-        let cluster = cluster.clone();
-        let name = name.to_string();
         cluster
-            .control
-            .clone()
-            .spawn(async move { cluster.claim(&name, vdisk, gate).await })
+            .on_control(move |cluster| async move { cluster.claim(wanted, frontend).await })
             .await
-            .map_err(|e| format!("claiming failed: {e}"))?
-            .map_err(|refused| refused.message)
+    }
+
+    /// Makes sure this node may serve every vdisk of a volume group (an iSCSI target's
+    /// LUNs, `names` in LUN order), claiming those it must, or says which node serves the
+    /// group instead. Called from any runtime.
+    pub async fn ensure_serving_group(
+        &self,
+        engine: &NodeEngine,
+        names: &[String],
+    ) -> Result<(), GroupNotServed> {
+        let Some(cluster) = &self.cluster else {
+            return Ok(());
+        };
+        let wanted = names
+            .iter()
+            .map(|name| Wanted::of(engine, name))
+            .collect::<Result<Vec<_>, _>>()?;
+        if wanted.iter().all(Wanted::admitted_now) {
+            return Ok(());
+        }
+        cluster
+            .on_control(move |cluster| async move { cluster.claim_group(wanted).await })
+            .await
     }
 
     /// Ownership as `vdisk show` and `vdisk list` show it; `None` on a single node.
@@ -153,7 +253,7 @@ impl NodeOwnership {
             Some((owner, _)) if owner.node != cluster.node => Err(format!(
                 "vdisk {name} is owned by node {}{}; delete it there",
                 owner.node,
-                cluster.address_of(owner.node).await
+                cluster.address_of(owner.node, Frontend::Nbd).await
             )),
             _ => Ok(()),
         }
@@ -166,38 +266,44 @@ impl NodeOwnership {
         };
         let held = lock(&cluster.held).remove(&vdisk);
         if let Some(held) = held {
-            held.gate.close();
+            held.wanted.gate.close();
             if let Err(error) = release(&cluster.meta, &held.claim).await {
-                tracing::info!(vdisk = %held.name, %error, "nothing to release");
+                tracing::info!(vdisk = %held.wanted.name, %error, "nothing to release");
             }
         }
     }
 }
 
 impl Clustered {
-    async fn claim(
-        &self,
-        name: &str,
-        vdisk: VdiskId,
-        gate: Arc<ServeGate>,
-    ) -> Result<(), NotClaimed> {
+    /// Runs `work` on the control runtime, where the etcd client lives, and waits for it.
+    async fn on_control<F, Fut, E>(self: &Arc<Self>, work: F) -> Result<(), E>
+    where
+        F: FnOnce(Arc<Clustered>) -> Fut,
+        Fut: Future<Output = Result<(), E>> + Send + 'static,
+        E: From<NotServing> + Send + 'static,
+    {
+        self.control
+            .spawn(work(self.clone()))
+            .await
+            .map_err(|e| NotServing::for_now(format!("claiming failed: {e}")))?
+    }
+
+    async fn claim(&self, wanted: Wanted, frontend: Frontend) -> Result<(), NotServing> {
         let _one_at_a_time = self.claiming.lock().await;
-        if gate.admits(std::time::Instant::now()) {
+        if wanted.admitted_now() {
             return Ok(()); // another open claimed it meanwhile
         }
+        let name = &wanted.name;
         let status = *self.lease.borrow();
         if tokio::time::Instant::now() >= status.valid_until {
-            return Err(NotClaimed {
-                message: format!(
-                    "vdisk {name}: this node cannot reach etcd to keep its lease, so it \
-                     serves nothing now; try again when it is back"
-                ),
-                for_good: false,
-            });
+            return Err(NotServing::for_now(format!(
+                "vdisk {name}: this node cannot reach etcd to keep its lease, so it \
+                 serves nothing now; try again when it is back"
+            )));
         }
         match claim_to_serve(
             &self.meta,
-            vdisk,
+            wanted.vdisk,
             self.node,
             status.lease,
             self.storage_only,
@@ -205,40 +311,91 @@ impl Clustered {
         .await
         {
             Ok(claim) => {
-                self.opened(name, claim, gate);
+                self.opened(wanted, claim, frontend);
                 Ok(())
             }
-            Err(error) => Err(NotClaimed {
-                for_good: matches!(error, ServeError::Refused { .. }),
-                message: self.refusal_text(name, &error).await,
+            Err(error) => Err(NotServing {
+                message: self.refusal_text(name, &error, frontend).await,
+                refusal: match error {
+                    ServeError::Refused { refusal, .. } => Some(refusal),
+                    ServeError::Claim(_) => None,
+                },
             }),
         }
     }
 
+    /// Claims a volume group's vdisks in LUN order, unless another node serves the group.
+    /// In order, and stopping at the first refusal, so two nodes that race to claim one
+    /// group never end up owning a part each: the one that wins the first LUN gets all.
+    async fn claim_group(&self, wanted: Vec<Wanted>) -> Result<(), GroupNotServed> {
+        let mut owners = Vec::with_capacity(wanted.len());
+        for lun in &wanted {
+            let state = read_ownership(&self.meta, lun.vdisk).await.map_err(|e| {
+                NotServing::for_now(format!("vdisk {}: reading ownership: {e}", lun.name))
+            })?;
+            owners.push(state.owner.map(|(owner, _)| owner.node));
+        }
+        let mut owns_some = match group_placement(self.node, &owners) {
+            Placement::Here { owns_some } => owns_some,
+            Placement::There(node) => return Err(self.served_by(node).await),
+            Placement::Split(nodes) => {
+                let owners = nodes.iter().map(|node| self.describe(*node)).collect();
+                return Err(GroupNotServed::Split { owners });
+            }
+        };
+        for lun in wanted {
+            match self.claim(lun, Frontend::Iscsi).await {
+                Ok(()) => owns_some = true,
+                // Another node claimed it since the owners were read.
+                Err(NotServing {
+                    refusal: Some(ServeRefusal::OwnedElsewhere { owner, .. }),
+                    ..
+                }) if !owns_some => return Err(self.served_by(owner).await),
+                Err(refused) => return Err(refused.into()),
+            }
+        }
+        Ok(())
+    }
+
+    async fn served_by(&self, node: NodeId) -> GroupNotServed {
+        GroupNotServed::ServedBy {
+            node,
+            addresses: self.addresses_of(node).await,
+        }
+    }
+
+    fn describe(&self, node: NodeId) -> String {
+        if node == self.node {
+            format!("this node {node}")
+        } else {
+            format!("node {node}")
+        }
+    }
+
     /// Records a fresh claim and opens its gate until its lease is surely valid.
-    fn opened(&self, name: &str, claim: OwnershipClaim, gate: Arc<ServeGate>) {
+    fn opened(&self, wanted: Wanted, claim: OwnershipClaim, frontend: Frontend) {
         let status = *self.lease.borrow();
         assert_eq!(
             claim.node, self.node,
             "a node only records claims it made itself"
         );
         if status.lease == claim.lease {
-            gate.open_until(status.valid_until.into_std());
+            wanted.gate.open_until(status.valid_until.into_std());
         }
         // Else the lease changed under the claim: the follower claims it again.
-        tracing::info!(vdisk = name, epoch = %claim.epoch, lease = %claim.lease,
+        tracing::info!(vdisk = wanted.name, epoch = %claim.epoch, lease = %claim.lease,
             "claimed vdisk ownership; serving it");
         lock(&self.held).insert(
             claim.vdisk,
             Held {
-                name: name.to_string(),
+                wanted,
                 claim,
-                gate,
+                frontend,
             },
         );
     }
 
-    async fn refusal_text(&self, name: &str, error: &ServeError) -> String {
+    async fn refusal_text(&self, name: &str, error: &ServeError, frontend: Frontend) -> String {
         match error {
             ServeError::Refused { refusal, .. } => match refusal {
                 ServeRefusal::StorageOnly => format!(
@@ -248,27 +405,33 @@ impl Clustered {
                 ServeRefusal::OwnedElsewhere { owner, epoch } => format!(
                     "vdisk {name} is owned by node {owner}{} (epoch {epoch}); connect there \
                      (this version does not forward I/O between nodes)",
-                    self.address_of(*owner).await
+                    self.address_of(*owner, frontend).await
                 ),
                 ServeRefusal::DataOnDownNode { node } => format!(
                     "vdisk {name}'s data is on node {node}{}, which is down; without \
                      replication no other node holds it. Start that node again to serve it",
-                    self.address_of(*node).await
+                    self.address_of(*node, frontend).await
                 ),
             },
             other => format!("vdisk {name}: cannot claim ownership: {other}"),
         }
     }
 
-    /// " at HOST:PORT" (the node's advertised NBD address), or nothing if unknown.
-    async fn address_of(&self, node: NodeId) -> String {
+    /// " at HOST:PORT" (the node's advertised address for `frontend`), or nothing if unknown.
+    async fn address_of(&self, node: NodeId, frontend: Frontend) -> String {
+        self.addresses_of(node)
+            .await
+            .map(|addresses| format!(" at {}", frontend.address(&addresses)))
+            .unwrap_or_default()
+    }
+
+    /// The addresses in the node's record; `None` if it cannot be read.
+    async fn addresses_of(&self, node: NodeId) -> Option<AdvertisedAddresses> {
         let key = ashlar_cluster::keys::member_key(node);
-        match self.meta.get(&key).await {
-            Ok(Some(kv)) => ashlar_cluster::record::decode::<NodeRecord>(&kv.key, &kv.value)
-                .map(|record| format!(" at {}", record.addresses.nbd))
-                .unwrap_or_default(),
-            _ => String::new(),
-        }
+        let kv = self.meta.get(&key).await.ok()??;
+        ashlar_cluster::record::decode::<NodeRecord>(&kv.key, &kv.value)
+            .ok()
+            .map(|record| record.addresses)
     }
 
     /// Applies one lease status to every held claim: extend, or shut and claim again.
@@ -276,28 +439,29 @@ impl Clustered {
         let now_std = std::time::Instant::now();
         let now = tokio::time::Instant::from_std(now_std);
         let mut again = Vec::new();
-        for (vdisk, held) in lock(&self.held).iter() {
-            let open_until = held
-                .gate
+        for held in lock(&self.held).values() {
+            let gate = &held.wanted.gate;
+            let open_until = gate
                 .open_until_at(now_std)
                 .map(tokio::time::Instant::from_std);
             let step = gate_step(held.claim.lease, open_until, &status, now);
             let extended = match step {
-                GateStep::ExtendUntil(until) => held.gate.extend(until.into_std(), now_std),
+                GateStep::ExtendUntil(until) => gate.extend(until.into_std(), now_std),
                 GateStep::Reclaim => false,
             };
             if !extended {
-                held.gate.close();
-                again.push((*vdisk, held.name.clone(), held.gate.clone()));
+                gate.close();
+                again.push((held.wanted.clone(), held.frontend));
             }
         }
-        for (vdisk, name, gate) in again {
+        for (wanted, frontend) in again {
+            let (name, vdisk) = (wanted.name.clone(), wanted.vdisk);
             tracing::warn!(vdisk = %name, lease = %status.lease,
                 "ownership claim lapsed (lease expired or changed); claiming the vdisk again at a higher epoch");
-            if let Err(refused) = self.claim(&name, vdisk, gate).await {
+            if let Err(refused) = self.claim(wanted, frontend).await {
                 tracing::warn!(vdisk = %name, reason = %refused.message,
                     "could not claim the vdisk again; its I/O keeps failing");
-                if refused.for_good {
+                if refused.refusal.is_some() {
                     // Another node owns it now: this node is done with it.
                     lock(&self.held).remove(&vdisk);
                 }
@@ -307,11 +471,66 @@ impl Clustered {
     }
 }
 
+/// Where a volume group can be served, from the owners of its vdisks (`None`: nobody).
+#[derive(Debug, PartialEq, Eq)]
+enum Placement {
+    /// Here: nobody else owns any of them (`owns_some`: this node owns some already).
+    Here { owns_some: bool },
+    /// On that node: it owns some, this node none.
+    There(NodeId),
+    /// Nowhere whole: owned by more than one node (sorted).
+    Split(Vec<NodeId>),
+}
+
+fn group_placement(me: NodeId, owners: &[Option<NodeId>]) -> Placement {
+    let mut nodes: Vec<NodeId> = owners.iter().flatten().copied().collect();
+    nodes.sort();
+    nodes.dedup();
+    match nodes.as_slice() {
+        [] => Placement::Here { owns_some: false },
+        [only] if *only == me => Placement::Here { owns_some: true },
+        [only] => Placement::There(*only),
+        _ => Placement::Split(nodes),
+    }
+}
+
 /// Follows the node's lease for as long as the node runs.
 async fn follow_lease(cluster: Arc<Clustered>) {
     let mut lease = cluster.lease.clone();
     while lease.changed().await.is_ok() {
         let status = *lease.borrow_and_update();
         cluster.apply(status).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(n: u128) -> NodeId {
+        NodeId::new(n).unwrap()
+    }
+
+    #[test]
+    fn a_group_is_served_where_its_owned_vdisks_are() {
+        let (me, a, b) = (node(1), node(2), node(3));
+        let here = |owns_some| Placement::Here { owns_some };
+        assert_eq!(group_placement(me, &[]), here(false));
+        assert_eq!(group_placement(me, &[None, None]), here(false));
+        assert_eq!(group_placement(me, &[Some(me), None]), here(true));
+        // Another node owns some and this one none: the whole group goes there.
+        assert_eq!(
+            group_placement(me, &[None, Some(a), Some(a)]),
+            Placement::There(a)
+        );
+        // Owned here and elsewhere, or by two others: no node can serve it all.
+        assert_eq!(
+            group_placement(me, &[Some(a), Some(me)]),
+            Placement::Split(vec![me, a])
+        );
+        assert_eq!(
+            group_placement(me, &[Some(b), None, Some(a)]),
+            Placement::Split(vec![a, b])
+        );
     }
 }

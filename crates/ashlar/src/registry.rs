@@ -1,6 +1,6 @@
 //! Connects the NBD front-end to the engine: export names are vdisk names.
 
-use crate::ownership::NodeOwnership;
+use crate::ownership::{Frontend, NodeOwnership};
 use ashlar_engine::vdisk::ConnectionGuard;
 use ashlar_engine::{Engine, VdiskHandle};
 use ashlar_nbd::{ExportInfo, ExportRegistry};
@@ -82,7 +82,10 @@ impl ExportRegistry for EngineRegistry {
         } else {
             name.to_string()
         };
-        self.ownership.ensure_serving(&self.engine, &name).await?;
+        self.ownership
+            .ensure_serving(&self.engine, &name, Frontend::Nbd)
+            .await
+            .map_err(|refused| refused.message)?;
         self.engine.open(&name).map_err(|e| e.to_string())
     }
 }

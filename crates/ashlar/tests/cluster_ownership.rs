@@ -13,7 +13,8 @@ mod common;
 mod etcd_server;
 
 use common::{
-    cluster_node, node_id, run_bounded, run_bounded_env, run_fio, Node, CLUSTER_LEASE_TTL_MS,
+    cluster_node, node_id, node_state, run_bounded, run_bounded_env, run_fio, Node,
+    CLUSTER_LEASE_TTL_MS,
 };
 use etcd_server::EtcdServer;
 use serde_json::Value;
@@ -22,7 +23,7 @@ use std::time::{Duration, Instant};
 const VDISK: &str = "shared";
 
 fn ownership(node: &Node) -> Value {
-    node.show(VDISK)["ownership"].clone()
+    common::ownership(node, VDISK)
 }
 
 /// `nbdinfo` on the vdisk through `node`: (succeeded, everything it printed).
@@ -45,20 +46,6 @@ fn nbdcopy(from: &str, to: &str) -> (bool, String) {
         out.status.success(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
-}
-
-fn node_state(asked: &Node, id: &str) -> String {
-    let out = asked.cli(&["node", "list", "--json"]);
-    out.assert_ok("node list");
-    let nodes: Value = serde_json::from_str(&out.stdout).expect("JSON");
-    let node = nodes
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|n| n["node_id"] == id)
-        .expect("listed")
-        .clone();
-    node["state"].as_str().unwrap().to_string()
 }
 
 fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {

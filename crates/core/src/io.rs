@@ -23,6 +23,11 @@ pub enum IoError {
     /// The vdisk is going away (deleted, or the node is shutting down).
     #[error("vdisk is shutting down")]
     ShuttingDown,
+    /// This node may not serve the vdisk now (in a cluster: it holds no surely valid
+    /// ownership claim on it). Unlike [`IoError::Io`] nothing is wrong with the data: the
+    /// request may succeed later, here once the node claims the vdisk again.
+    #[error("not serving: {0}")]
+    NotServing(String),
 }
 
 pub type IoResult<T> = Result<T, IoError>;

@@ -1,8 +1,8 @@
 //! The serving gate: one per vdisk, checked by every client request before it reaches a
 //! shard. On a single node it is open for good. In a cluster the node's ownership layer
 //! opens it until the instant the node's lease is surely valid (and moves that instant
-//! with each keep-alive); past it, or once closed, requests fail with EIO until the vdisk is
-//! claimed again. The check is one atomic load and, in a cluster, one clock read: no
+//! with each keep-alive); past it, or once closed, requests fail (`IoError::NotServing`)
+//! until the vdisk is claimed again. The check is one atomic load and, in a cluster, one clock read: no
 //! metadata request is ever made on the data path.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -104,7 +104,8 @@ impl ServeGate {
         }
     }
 
-    /// The data-path check: Ok, or EIO with the refusal logged once per shutting.
+    /// The data-path check: Ok, or [`IoError::NotServing`] (EIO to an NBD client, NOT READY
+    /// to an iSCSI initiator) with the refusal logged once per shutting.
     pub fn admit(&self, vdisk: &str) -> IoResult<()> {
         // Single node: no clock read at all.
         if self.open_until_ns.load(Ordering::Acquire) == OPEN_FOREVER_NS
@@ -120,7 +121,7 @@ impl ServeGate {
                  claims the vdisk again"
             );
         }
-        Err(IoError::Io(format!(
+        Err(IoError::NotServing(format!(
             "vdisk {vdisk}: this node's ownership claim is not surely valid; I/O refused"
         )))
     }
@@ -138,7 +139,7 @@ mod tests {
         assert!(ServeGate::open_forever().admit("v").is_ok());
         let closed = ServeGate::closed();
         assert!(!closed.admits(now));
-        assert!(matches!(closed.admit("v"), Err(IoError::Io(_))));
+        assert!(matches!(closed.admit("v"), Err(IoError::NotServing(_))));
         // An open-forever gate is never "extended" into a deadline.
         assert!(!ServeGate::open_forever().extend(now + Duration::from_secs(1), now));
     }

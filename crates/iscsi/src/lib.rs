@@ -33,7 +33,9 @@ pub use keepalive::NopSettings;
 pub use limits::{
     DataBudget, IscsiLimits, DEFAULT_DATA_BUDGET_BYTES, DEFAULT_NOP_INTERVAL, DEFAULT_NOP_TIMEOUT,
 };
-pub use registry::{Access, ChapCredentials, LogicalUnit, Refusal, TargetRegistry};
+pub use registry::{
+    Access, ChapCredentials, LogicalUnit, Refusal, TargetRegistry, TargetUnavailable,
+};
 pub use reinstate::SessionTable;
 pub use scsi::reservation::{
     BackendFuture, LunReservations, MemoryReservations, PrState, Registration, Reservation,

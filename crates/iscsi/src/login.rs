@@ -6,7 +6,7 @@
 use crate::chap;
 use crate::limits::Effective;
 use crate::params::{negotiate_key, SessionParams};
-use crate::registry::{Access, Refusal, TargetRegistry};
+use crate::registry::{Access, Refusal, TargetRegistry, TargetUnavailable};
 use crate::text::TextPairs;
 
 /// Login stages (CSG/NSG values).
@@ -17,6 +17,8 @@ pub const STAGE_FULL_FEATURE: u8 = 3;
 /// Login status class and detail (RFC 7143 11.13.5), as one `u16`.
 pub mod status {
     pub const SUCCESS: u16 = 0x0000;
+    /// Redirection: log in at the `TargetAddress` the response carries.
+    pub const TARGET_MOVED_TEMPORARILY: u16 = 0x0101;
     pub const INITIATOR_ERROR: u16 = 0x0200;
     pub const AUTHENTICATION_FAILURE: u16 = 0x0201;
     pub const AUTHORIZATION_FAILURE: u16 = 0x0202;
@@ -26,6 +28,8 @@ pub mod status {
     pub const SESSION_DOES_NOT_EXIST: u16 = 0x020a;
     pub const INVALID_DURING_LOGIN: u16 = 0x020b;
     pub const TARGET_ERROR: u16 = 0x0300;
+    /// The target is not operational at this portal now; the initiator may try again later.
+    pub const SERVICE_UNAVAILABLE: u16 = 0x0301;
     pub const OUT_OF_RESOURCES: u16 = 0x0302;
 }
 
@@ -60,6 +64,22 @@ impl LoginReply {
             next_stage: 0,
             status,
             text: TextPairs::default(),
+        }
+    }
+}
+
+/// The final login response for a target that cannot be served through this portal now
+/// (RFC 7143 11.13.5): a redirection carries the `TargetAddress` to log in at instead, with
+/// no portal group tag (RFC 7143 13.8: omitted in a redirection).
+pub fn unavailable_reply(stage: u8, unavailable: &TargetUnavailable) -> LoginReply {
+    match unavailable {
+        TargetUnavailable::MovedTemporarily { address } => {
+            let mut reply = LoginReply::failure(stage, status::TARGET_MOVED_TEMPORARILY);
+            reply.text.push("TargetAddress", address.clone());
+            reply
+        }
+        TargetUnavailable::ServiceUnavailable => {
+            LoginReply::failure(stage, status::SERVICE_UNAVAILABLE)
         }
     }
 }

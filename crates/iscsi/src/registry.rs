@@ -39,6 +39,18 @@ pub enum Refusal {
     NotAttached,
 }
 
+/// Why a target cannot be served through this portal now, found as an initiator finishes
+/// its login (after authentication): the login fails with a status that tells the
+/// initiator what to do (RFC 7143 11.13.5).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TargetUnavailable {
+    /// Another portal serves the target: "target moved temporarily" (0x0101), with the
+    /// `TargetAddress` (`host:port`, IPv6 in brackets) the initiator logs in at instead.
+    MovedTemporarily { address: String },
+    /// No portal can serve it now: "service unavailable" (0x0301). The registry logs why.
+    ServiceUnavailable,
+}
+
 /// One logical unit of a target, opened for one session.
 pub struct LogicalUnit<D> {
     pub device: D,
@@ -63,6 +75,16 @@ pub trait TargetRegistry: 'static {
     fn discovery_access(&self, initiator: &str) -> Access {
         let _ = initiator;
         Access::default()
+    }
+    /// Makes the target's logical units ready to be served here, before the initiator is
+    /// told it is logged in to it (a node of a cluster claims them). Called once per
+    /// normal-session login, after authentication; the default serves every target.
+    fn prepare_target(
+        &self,
+        target: &str,
+    ) -> impl std::future::Future<Output = Result<(), TargetUnavailable>> {
+        let _ = target;
+        std::future::ready(Ok(()))
     }
     /// Opens the target's logical units, in LUN order, for one session.
     fn open_luns(&self, target: &str) -> Result<Vec<LogicalUnit<Self::Device>>, String>;

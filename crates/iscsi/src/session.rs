@@ -483,7 +483,10 @@ where
             tsih: bhs.u16_at(14),
             text: request.data.to_vec(),
         };
-        let step = login.step(&parsed, registry);
+        let step = match login.step(&parsed, registry) {
+            Step::Done(reply, logged_in) => admitted(registry, reply, logged_in).await,
+            other => other,
+        };
         let (reply, done) = match step {
             Step::Continue(reply) => (reply, None),
             Step::Done(reply, logged_in) => (reply, Some(logged_in)),
@@ -506,6 +509,22 @@ where
         if let Some(logged_in) = done {
             return Ok(Some(*logged_in));
         }
+    }
+}
+
+/// A finished login of a normal session stands only if the registry can serve its target
+/// here now; otherwise it becomes a failure that redirects the initiator or turns it away.
+async fn admitted<R: TargetRegistry>(
+    registry: &R,
+    reply: LoginReply,
+    logged_in: Box<login::LoggedIn>,
+) -> Step {
+    let SessionKind::Normal { target } = &logged_in.kind else {
+        return Step::Done(reply, logged_in);
+    };
+    match registry.prepare_target(target).await {
+        Ok(()) => Step::Done(reply, logged_in),
+        Err(unavailable) => Step::Fail(login::unavailable_reply(reply.current_stage, &unavailable)),
     }
 }
 
@@ -1507,38 +1526,16 @@ mod fuzz {
     //! Random PDUs after a valid login: the connection ends or carries on, never panics, and
     //! the server always finishes.
     use super::*;
-    use crate::testing::{TestRegistry, INITIATOR, TARGET};
+    use crate::testing::{against_server, login_request, ServerEnd, TestRegistry};
     use proptest::prelude::*;
     use tokio::io::AsyncReadExt;
 
-    fn login_request() -> Vec<u8> {
-        let mut bhs = Bhs::new(op::LOGIN);
-        bhs.0[0] |= 0x40;
-        bhs.set_flags(0x80 | (1 << 2) | 3); // operational -> full feature
-        bhs.0[8] = 0x80;
-        let text = format!("InitiatorName={INITIATOR}\0TargetName={TARGET}\0");
-        pdu::encode(&Pdu::new(bhs, Bytes::from(text)), Digests::default()).to_vec()
-    }
-
     fn run(stream_bytes: Vec<u8>) {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let local = tokio::task::LocalSet::new();
-        local.block_on(&runtime, async move {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let address = listener.local_addr().unwrap();
-            let (_stop, shutdown) = watch::channel(false);
-            let server = tokio::task::spawn_local(async move {
-                let (stream, _) = listener.accept().await.unwrap();
-                let limits = IscsiLimits {
-                    login_timeout: Duration::from_secs(2),
-                    ..IscsiLimits::default()
-                };
-                serve_connection(stream, Rc::new(TestRegistry::open()), limits, shutdown).await
-            });
-            let mut client = TcpStream::connect(address).await.unwrap();
+        let limits = IscsiLimits {
+            login_timeout: Duration::from_secs(2),
+            ..IscsiLimits::default()
+        };
+        let ((), end) = against_server(TestRegistry::open(), limits, |mut client| async move {
             client.write_all(&login_request()).await.unwrap();
             client.write_all(&stream_bytes).await.unwrap();
             client.shutdown().await.unwrap();
@@ -1546,11 +1543,8 @@ mod fuzz {
             let mut sink = Vec::new();
             let _ =
                 tokio::time::timeout(Duration::from_secs(10), client.read_to_end(&mut sink)).await;
-            drop(client);
-            let ended = tokio::time::timeout(Duration::from_secs(40), server).await;
-            assert!(ended.is_ok(), "the server did not finish");
-            assert!(ended.unwrap().is_ok(), "the server task panicked");
         });
+        assert_eq!(end, ServerEnd::Finished);
     }
 
     /// A PDU with a random header whose lengths agree with its body, so it reaches the
@@ -1582,5 +1576,78 @@ mod fuzz {
         fn random_bytes_after_login(bytes in proptest::collection::vec(any::<u8>(), 0..2000)) {
             run(bytes);
         }
+    }
+}
+
+#[cfg(test)]
+mod admission {
+    //! A login to a target the registry cannot serve here now ends with a redirection or
+    //! "service unavailable", and the connection closes.
+    use super::*;
+    use crate::login::status;
+    use crate::registry::TargetUnavailable;
+    use crate::testing::{against_server, login_request, ServerEnd, TestRegistry};
+    use tokio::io::AsyncReadExt;
+
+    /// Logs in once against `registry`: the final response's status, its text, and
+    /// whether the target then closed the connection.
+    fn login_answer(registry: TestRegistry) -> (u16, TextPairs, bool) {
+        let limits = IscsiLimits::default();
+        let (answer, end) = against_server(registry, limits, |mut client| async move {
+            client.write_all(&login_request()).await.unwrap();
+            let mut reader = BufReader::new(client);
+            let answer = read_pdu(&mut reader, Digests::default(), 1 << 16)
+                .await
+                .unwrap()
+                .expect("a login response");
+            assert_eq!(answer.bhs.opcode(), op::LOGIN_RESPONSE);
+            let status = answer.bhs.u16_at(36);
+            // A logged-in session stays open until the initiator leaves.
+            let closed = status != status::SUCCESS && {
+                let mut rest = Vec::new();
+                let read = reader.read_to_end(&mut rest);
+                tokio::time::timeout(Duration::from_secs(5), read)
+                    .await
+                    .is_ok_and(|read| read.is_ok() && rest.is_empty())
+            };
+            (status, TextPairs::parse(&answer.data).unwrap(), closed)
+        });
+        assert_eq!(end, ServerEnd::Finished);
+        answer
+    }
+
+    #[test]
+    fn a_target_served_elsewhere_redirects_the_login() {
+        let registry = TestRegistry {
+            unavailable: Some(TargetUnavailable::MovedTemporarily {
+                address: "10.0.0.2:3260".into(),
+            }),
+            ..TestRegistry::open()
+        };
+        let (status, text, closed) = login_answer(registry);
+        assert_eq!(status, status::TARGET_MOVED_TEMPORARILY);
+        assert_eq!(text.get("TargetAddress"), Some("10.0.0.2:3260"));
+        assert!(
+            closed,
+            "the target closes the connection after a redirection"
+        );
+    }
+
+    #[test]
+    fn a_target_nobody_can_serve_now_is_service_unavailable() {
+        let registry = TestRegistry {
+            unavailable: Some(TargetUnavailable::ServiceUnavailable),
+            ..TestRegistry::open()
+        };
+        let (status, text, closed) = login_answer(registry);
+        assert_eq!(status, status::SERVICE_UNAVAILABLE);
+        assert_eq!(text.get("TargetAddress"), None);
+        assert!(closed);
+    }
+
+    #[test]
+    fn a_servable_target_logs_in() {
+        let (status, _, _) = login_answer(TestRegistry::open());
+        assert_eq!(status, status::SUCCESS);
     }
 }

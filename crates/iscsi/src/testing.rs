@@ -1,6 +1,9 @@
 //! An in-memory [`BlockDevice`] and registry for the crate's tests.
 
-use crate::registry::{Access, ChapCredentials, LogicalUnit, Refusal, TargetRegistry};
+use crate::pdu::{self, op, Bhs, Digests, Pdu};
+use crate::registry::{
+    Access, ChapCredentials, LogicalUnit, Refusal, TargetRegistry, TargetUnavailable,
+};
 use crate::scsi::reservation::LunReservations;
 use ashlar_core::{check_range, BlockDevice, BlockStatusRun, IoResult};
 use bytes::Bytes;
@@ -73,6 +76,8 @@ pub(crate) struct TestRegistry {
     pub access: Access,
     /// What SendTargets discovery sessions must prove.
     pub discovery: Access,
+    /// Why the target cannot be served now, if it cannot.
+    pub unavailable: Option<TargetUnavailable>,
 }
 
 pub(crate) const TARGET: &str = "iqn.t";
@@ -83,6 +88,7 @@ impl TestRegistry {
         TestRegistry {
             access: Access::default(),
             discovery: Access::default(),
+            unavailable: None,
         }
     }
     pub fn chap(user: &str, secret: &str) -> Self {
@@ -95,6 +101,7 @@ impl TestRegistry {
                 mutual_chap: None,
             },
             discovery: Access::default(),
+            unavailable: None,
         }
     }
 }
@@ -120,6 +127,9 @@ impl TargetRegistry for TestRegistry {
     fn discovery_access(&self, _initiator: &str) -> Access {
         self.discovery.clone()
     }
+    async fn prepare_target(&self, _target: &str) -> Result<(), TargetUnavailable> {
+        self.unavailable.clone().map_or(Ok(()), Err)
+    }
     fn open_luns(&self, target: &str) -> Result<Vec<LogicalUnit<MemDevice>>, String> {
         if target == TARGET {
             Ok(vec![unit(1 << 20)])
@@ -127,4 +137,60 @@ impl TargetRegistry for TestRegistry {
             Err("no such target".into())
         }
     }
+}
+
+/// One login PDU that goes from the operational stage straight to full feature phase with
+/// no authentication: a whole login to [`TARGET`] as [`INITIATOR`].
+pub(crate) fn login_request() -> Vec<u8> {
+    let mut bhs = Bhs::new(op::LOGIN);
+    bhs.0[0] |= 0x40;
+    bhs.set_flags(0x80 | (1 << 2) | 3); // operational -> full feature
+    bhs.0[8] = 0x80;
+    let text = format!("InitiatorName={INITIATOR}\0TargetName={TARGET}\0");
+    pdu::encode(&Pdu::new(bhs, Bytes::from(text)), Digests::default()).to_vec()
+}
+
+/// How the server of [`against_server`] ended.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum ServerEnd {
+    Finished,
+    Panicked,
+    /// Still running 40 s after the client was done.
+    Hung,
+}
+
+/// Runs `client` against one connection that [`serve_connection`](crate::serve_connection)
+/// serves with `registry` on loopback, both on one current-thread runtime in a `LocalSet`
+/// (as on a reactor). The client must close or drop its stream when done. Returns what the
+/// client returned and how the server ended.
+pub(crate) fn against_server<T, F>(
+    registry: TestRegistry,
+    limits: crate::IscsiLimits,
+    client: impl FnOnce(tokio::net::TcpStream) -> F,
+) -> (T, ServerEnd)
+where
+    F: std::future::Future<Output = T>,
+{
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let local = tokio::task::LocalSet::new();
+    local.block_on(&runtime, async move {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let (_stop, shutdown) = tokio::sync::watch::channel(false);
+        let server = tokio::task::spawn_local(async move {
+            let (stream, _) = listener.accept().await.unwrap();
+            crate::serve_connection(stream, Rc::new(registry), limits, shutdown).await
+        });
+        let stream = tokio::net::TcpStream::connect(address).await.unwrap();
+        let out = client(stream).await;
+        let end = match tokio::time::timeout(std::time::Duration::from_secs(40), server).await {
+            Ok(Ok(_)) => ServerEnd::Finished,
+            Ok(Err(_)) => ServerEnd::Panicked,
+            Err(_) => ServerEnd::Hung,
+        };
+        (out, end)
+    })
 }

@@ -138,7 +138,8 @@ fn check_bounds(command: Command, offset: u64, length: u32, size: u64) -> Result
 /// ENOSPC and past-the-end reads, trims and status queries EINVAL, as the protocol asks.
 pub(crate) fn errno_for(command: Command, error: &IoError) -> u32 {
     match error {
-        IoError::Io(_) => EIO,
+        // NBD has no "not ready, try again": EIO, as for any failed request.
+        IoError::Io(_) | IoError::NotServing(_) => EIO,
         IoError::OutOfRange { .. } if matches!(command, Command::Write | Command::WriteZeroes) => {
             ENOSPC
         }
@@ -298,6 +299,10 @@ mod tests {
     #[test]
     fn io_errors_map_to_nbd_values() {
         assert_eq!(errno_for(Command::Read, &IoError::Io("x".into())), EIO);
+        assert_eq!(
+            errno_for(Command::Write, &IoError::NotServing("x".into())),
+            EIO
+        );
         assert_eq!(
             errno_for(Command::Read, &IoError::Invalid("x".into())),
             EINVAL

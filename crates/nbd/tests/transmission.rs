@@ -244,6 +244,7 @@ fn device_errors_map_to_nbd_errors() {
             (IoError::Invalid("bad".into()), EINVAL),
             (IoError::NoSpace, ENOSPC),
             (IoError::ShuttingDown, ESHUTDOWN),
+            (IoError::NotServing("lease lapsed".into()), EIO),
         ];
         for (error, errno) in cases {
             device.fail_with(Some(error.clone()));

@@ -116,10 +116,12 @@ pub struct Session {
     itt: u32,
 }
 
-/// Why a login failed: the status the target answered with, or a broken exchange.
+/// Why a login failed: the status the target answered with, a redirection (status class 1)
+/// with the `TargetAddress` to log in at instead, or a broken exchange.
 #[derive(Debug)]
 pub enum LoginError {
     Status(u16),
+    Redirected { status: u16, address: String },
     Other(String),
 }
 
@@ -148,10 +150,15 @@ fn exchange(raw: &mut Raw, pdu: Pdu) -> Result<Vec<(String, String)>, LoginError
         )));
     }
     let status = u16::from_be_bytes([reply.bhs.0[36], reply.bhs.0[37]]);
-    if status != 0 {
-        return Err(LoginError::Status(status));
+    let pairs = parse_text(&reply.data);
+    match (status >> 8, get(&pairs, "TargetAddress")) {
+        (0, _) => Ok(pairs),
+        (1, Some(address)) => Err(LoginError::Redirected {
+            status,
+            address: address.to_string(),
+        }),
+        _ => Err(LoginError::Status(status)),
     }
-    Ok(parse_text(&reply.data))
 }
 
 /// Logs `initiator` in to `target` (discovery when `None`) without CHAP; panics on refusal.

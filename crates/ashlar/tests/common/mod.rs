@@ -878,3 +878,24 @@ pub fn node_id(node: &Node) -> String {
     let text = std::fs::read_to_string(node.data_dir.join("node-id")).expect("node-id file");
     text.trim_end().to_string()
 }
+
+/// `vdisk show NAME --json`'s ownership (owner, owner_epoch, epoch, last_owner) as `asked`
+/// sees it.
+pub fn ownership(asked: &Node, vdisk: &str) -> serde_json::Value {
+    asked.show(vdisk)["ownership"].clone()
+}
+
+/// The state (`up`, `down`) `asked` lists the node `id` in (`ashlar node list --json`).
+pub fn node_state(asked: &Node, id: &str) -> String {
+    let out = asked.cli(&["node", "list", "--json"]);
+    out.assert_ok("node list");
+    let nodes: serde_json::Value = serde_json::from_str(&out.stdout).expect("JSON");
+    let node = nodes
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["node_id"] == id)
+        .expect("listed")
+        .clone();
+    node["state"].as_str().unwrap().to_string()
+}

@@ -194,3 +194,19 @@ fn bad_stage_and_version_are_refused() {
         Step::Fail(ref r) if r.status == status::UNSUPPORTED_VERSION
     ));
 }
+
+#[test]
+fn unavailable_targets_answer_redirection_or_service_unavailable() {
+    let moved = TargetUnavailable::MovedTemporarily {
+        address: "[fe80::1]:3260".into(),
+    };
+    let reply = unavailable_reply(STAGE_OPERATIONAL, &moved);
+    assert_eq!(reply.status, 0x0101);
+    assert!(!reply.transit);
+    assert_eq!(reply.current_stage, STAGE_OPERATIONAL);
+    // RFC 7143 13.8: no portal group tag in a redirection's TargetAddress.
+    assert_eq!(reply.text.get("TargetAddress"), Some("[fe80::1]:3260"));
+    let reply = unavailable_reply(STAGE_OPERATIONAL, &TargetUnavailable::ServiceUnavailable);
+    assert_eq!(reply.status, 0x0301);
+    assert_eq!(reply.text.get("TargetAddress"), None);
+}

@@ -111,6 +111,7 @@ fn io_sense(error: &IoError, writing: bool) -> Sense {
         IoError::Invalid(_) => Sense::INVALID_FIELD_IN_CDB,
         IoError::NoSpace => Sense::SPACE_ALLOCATION_FAILED,
         IoError::ShuttingDown => Sense::LUN_NOT_READY_OFFLINE,
+        IoError::NotServing(_) => Sense::LUN_BECOMING_READY,
         IoError::Io(_) if writing => Sense::WRITE_ERROR,
         IoError::Io(_) => Sense::UNRECOVERED_READ_ERROR,
     }

@@ -10,6 +10,7 @@ pub mod status {
 /// Sense keys.
 pub mod key {
     pub const NO_SENSE: u8 = 0x00;
+    pub const NOT_READY: u8 = 0x02;
     pub const MEDIUM_ERROR: u8 = 0x03;
     pub const HARDWARE_ERROR: u8 = 0x04;
     pub const ILLEGAL_REQUEST: u8 = 0x05;
@@ -59,7 +60,12 @@ impl Sense {
     pub const SPACE_ALLOCATION_FAILED: Sense = Sense::new(key::DATA_PROTECT, 0x27, 0x07);
     pub const INTERNAL_TARGET_FAILURE: Sense = Sense::new(key::HARDWARE_ERROR, 0x44, 0x00);
     pub const MISCOMPARE_DURING_VERIFY: Sense = Sense::new(key::MISCOMPARE, 0x1d, 0x00);
-    pub const LUN_NOT_READY_OFFLINE: Sense = Sense::new(0x02, 0x04, 0x12);
+    pub const LUN_NOT_READY_OFFLINE: Sense = Sense::new(key::NOT_READY, 0x04, 0x12);
+    /// LOGICAL UNIT IS IN PROCESS OF BECOMING READY: the node is not serving the unit at
+    /// this moment but may be soon (its ownership claim lapsed and is being made again).
+    /// Initiators retry this one after a delay (Linux does), where a MEDIUM ERROR would
+    /// mark the blocks bad.
+    pub const LUN_BECOMING_READY: Sense = Sense::new(key::NOT_READY, 0x04, 0x01);
     pub const NO_SENSE: Sense = Sense::new(key::NO_SENSE, 0, 0);
     /// Write data that does not continue the transfer (wrong DataSN, offset or length).
     pub const DATA_PHASE_ERROR: Sense = Sense::new(key::ABORTED_COMMAND, 0x4b, 0x00);

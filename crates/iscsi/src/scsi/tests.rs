@@ -78,6 +78,24 @@ fn out_of_range_is_lba_out_of_range() {
 }
 
 #[test]
+fn device_errors_map_to_sense() {
+    let sense = |error: IoError, writing| {
+        let s = io_sense(&error, writing);
+        (s.key, s.asc, s.ascq)
+    };
+    assert_eq!(sense(IoError::Io("crc".into()), false), (0x03, 0x11, 0x00));
+    assert_eq!(sense(IoError::Io("crc".into()), true), (0x03, 0x0c, 0x00));
+    // A node whose ownership claim lapsed: not ready for now, nothing wrong with the blocks.
+    for writing in [false, true] {
+        assert_eq!(
+            sense(IoError::NotServing("lapsed".into()), writing),
+            (0x02, 0x04, 0x01)
+        );
+    }
+    assert_eq!(sense(IoError::ShuttingDown, true), (0x02, 0x04, 0x12));
+}
+
+#[test]
 fn short_write_data_writes_only_what_was_sent() {
     let u = unit(MIB);
     let w = run(Some(&u), &write10(0, 1), &[1; 200], 200);
