@@ -217,7 +217,6 @@ fn api_auth(args: &NodeArgs, token_file: Option<&Path>) -> Result<ApiAuth> {
 async fn serve(args: NodeArgs, api_token_file: Option<PathBuf>) -> Result<()> {
     std::fs::create_dir_all(&args.data_dir)
         .with_context(|| format!("creating data directory {}", args.data_dir.display()))?;
-    let auth = api_auth(&args, api_token_file.as_deref())?;
     let config = engine_config(&args)?;
     let limits = nbd_limits(&args)?;
     if args.max_connections == 0 {
@@ -236,6 +235,8 @@ async fn serve(args: NodeArgs, api_token_file: Option<PathBuf>) -> Result<()> {
     if args.iscsi_max_sessions == 0 {
         bail!("--iscsi-max-sessions must be at least 1");
     }
+    // After the flags are checked: a bad flag's error is the first line the user sees.
+    let auth = api_auth(&args, api_token_file.as_deref())?;
     let groups = crate::volume_groups::VolumeGroups::load(meta.clone())
         .await
         .map_err(|e| anyhow!("loading volume groups: {e}"))?;
