@@ -9,7 +9,8 @@
 # (so drains overwrite written blocks, as in steady use), waits SETTLE_S for the oplog to drain,
 # drops the page cache, then runs fio's nbd engine: 4 KiB random writes at QD for RUNTIME_S.
 # Prints fio's IOPS and p50/p99, the node's CPU-seconds and IOPS per CPU-second, the disk's
-# requests per second from /sys/block/DEV/stat, the busiest node threads halfway through, and
+# requests per second from /sys/block/DEV/stat, the busiest node threads halfway through (from
+# /proc/PID/task), and
 # the average drain step (items, read and total microseconds, from the node's debug log).
 #
 # Knobs (environment): ASHLAR_BIN (target/release/ashlar), DATA_DIR (/var/tmp/ashlar-probe),
@@ -68,8 +69,12 @@ fio --name=durable --ioengine=nbd --uri="$URI" --rw=randwrite --bs=4k --iodepth=
     | sed -n '/^{/,$p' > "$FIO_JSON" &
 fio_pid=$!
 sleep $((RUNTIME_S / 2))
-echo "busiest node threads (%CPU name): $(top -H -b -n 2 -d 3 -p $NODE_PID \
-    | awk '/^top/ {n++} n == 2 && $1 ~ /^[0-9]+$/ && $9 + 0 > 1 {printf "%s %s  ", $9, $12}')"
+thread_ticks() { for t in /proc/$NODE_PID/task/*; do echo "$(cat "$t/comm") $(awk '{print $14 + $15}' "$t/stat")"; done; }
+threads0=$(thread_ticks)
+sleep 3
+echo "busiest node threads over 3 s (% of a CPU): $(paste <(echo "$threads0") <(thread_ticks) \
+    | awk -v hz="$(getconf CLK_TCK)" '$4 > $2 {printf "%s %.0f\n", $1, ($4 - $2) * 100 / hz / 3}' \
+    | sort -k2 -nr | head -6 | tr '\n' ' ')"
 wait $fio_pid
 ticks1=$(cpu_ticks)
 disk1=$(cat "$stat_file")
