@@ -241,13 +241,27 @@ fn size_of(vdisk: &Value) -> String {
 }
 
 fn print_table(vdisks: &Value) {
+    let list = vdisks.as_array().map(Vec::as_slice).unwrap_or_default();
+    // A node in a cluster reports each vdisk's ownership: then the table shows who serves it.
+    let clustered = list.iter().any(|vdisk| vdisk["ownership"].is_object());
+    let ownership_header = if clustered {
+        format!(" {:<32} {:>5}", "OWNER", "EPOCH")
+    } else {
+        String::new()
+    };
     println!(
-        "{:<24} {:>10} {:>6} {:>3} {:>11} {:<8}",
+        "{:<24} {:>10} {:>6} {:>3} {:>11} {:<8}{ownership_header}",
         "NAME", "SIZE", "SHARDS", "RF", "CONNECTIONS", "STATE"
     );
-    for vdisk in vdisks.as_array().into_iter().flatten() {
+    for vdisk in list {
+        let ownership = if clustered {
+            let (owner, epoch) = owner_and_epoch(&vdisk["ownership"]);
+            format!(" {owner:<32} {epoch:>5}")
+        } else {
+            String::new()
+        };
         println!(
-            "{:<24} {:>10} {:>6} {:>3} {:>11} {:<8}",
+            "{:<24} {:>10} {:>6} {:>3} {:>11} {:<8}{ownership}",
             vdisk["name"].as_str().unwrap_or(""),
             size_of(vdisk),
             vdisk["shards"].to_string(),
@@ -256,6 +270,16 @@ fn print_table(vdisks: &Value) {
             vdisk["state"].as_str().unwrap_or("")
         );
     }
+}
+
+/// The owning node (`-` when nobody holds the vdisk) and the epoch of its claim (`-` when
+/// unowned: the last epoch granted is in `vdisk show`).
+fn owner_and_epoch(ownership: &Value) -> (String, String) {
+    let owner = ownership["owner"].as_str().unwrap_or("-").to_string();
+    let epoch = ownership["owner_epoch"]
+        .as_u64()
+        .map_or_else(|| "-".to_string(), |epoch| epoch.to_string());
+    (owner, epoch)
 }
 
 fn print_details(vdisk: &Value) {
@@ -277,6 +301,16 @@ fn print_details(vdisk: &Value) {
     }
     if let Some(uri) = vdisk["nbd_uri"].as_str() {
         println!("nbd:          {uri}");
+    }
+    let ownership = &vdisk["ownership"];
+    if ownership.is_object() {
+        let (owner, epoch) = owner_and_epoch(ownership);
+        println!("owner:        {owner} (epoch {epoch})");
+        println!(
+            "last owner:   {} (highest epoch granted {})",
+            ownership["last_owner"].as_str().unwrap_or("-"),
+            ownership["epoch"]
+        );
     }
 }
 

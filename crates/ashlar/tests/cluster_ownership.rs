@@ -80,6 +80,33 @@ fn the_first_opener_owns_a_vdisk_and_others_refuse_it() {
     assert_eq!(owned["owner"], id_a.as_str(), "{owned}");
     assert_eq!(owned["owner_epoch"], 1, "{owned}");
     assert_eq!(owned["last_owner"], id_a.as_str(), "{owned}");
+    // The plain table (not only --json) names the owner and its epoch, from either node.
+    let table = b.cli(&["vdisk", "list"]);
+    table.assert_ok("vdisk list on B");
+    let header = table.stdout.lines().next().unwrap_or("");
+    assert!(
+        header.contains("OWNER") && header.contains("EPOCH"),
+        "{}",
+        table.stdout
+    );
+    let row = table.stdout.lines().find(|line| line.starts_with(VDISK));
+    let fields: Vec<&str> = row
+        .map(|r| r.split_whitespace().collect())
+        .unwrap_or_default();
+    assert_eq!(
+        fields.iter().rev().take(2).copied().collect::<Vec<_>>(),
+        ["1", id_a.as_str()],
+        "{}",
+        table.stdout
+    );
+    let shown = a.cli(&["vdisk", "show", VDISK]);
+    assert!(
+        shown
+            .stdout
+            .contains(&format!("owner:        {id_a} (epoch 1)")),
+        "{}",
+        shown.stdout
+    );
 
     let (ok, text) = nbdinfo(&b);
     assert!(!ok, "B must refuse a vdisk A owns: {text}");
