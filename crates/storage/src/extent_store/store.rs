@@ -28,7 +28,8 @@ use std::rc::Rc;
 ///   idle; egroups in use by running operations (or waiting for `sync` after a failed write)
 ///   are never evicted, so the count can exceed it by the number of egroups in use.
 /// - per write batch in progress: the merged content of partial blocks (4 KiB each) and one
-///   1 MiB read buffer per extent normalized, for at most `max_open_egroups` egroups at a time.
+///   1 MiB read buffer per extent normalized, for at most `max_writing_egroups` egroups at a
+///   time.
 pub struct ExtentStore<F: Filesystem> {
     pub(super) fs: F,
     pub(super) config: ExtentStoreConfig,
