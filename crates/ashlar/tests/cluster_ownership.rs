@@ -18,6 +18,7 @@ use common::{
 };
 use etcd_server::EtcdServer;
 use serde_json::Value;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 const VDISK: &str = "shared";
@@ -56,7 +57,7 @@ fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
     }
 }
 
-fn pattern_file(dir: &std::path::Path) -> std::path::PathBuf {
+fn pattern_file(dir: &Path) -> std::path::PathBuf {
     let path = dir.join("pattern");
     let data: Vec<u8> = (0..4u32 << 20).map(|i| (i % 251) as u8 ^ 0x5a).collect();
     std::fs::write(&path, data).unwrap();
@@ -147,13 +148,7 @@ fn the_first_opener_owns_a_vdisk_and_others_refuse_it() {
 
     // A comes back: it claims again at epoch 2, and the data is intact.
     a.restart();
-    let back = a.root.path().join("back");
-    let (ok, err) = nbdcopy(&a.uri(VDISK), back.to_str().unwrap());
-    assert!(ok, "read through A after restart: {err}");
-    assert_eq!(
-        std::fs::read(&back).unwrap(),
-        std::fs::read(&pattern).unwrap()
-    );
+    assert_reads_back(&a, &pattern);
     let owned = ownership(&b);
     assert_eq!(owned["owner"], id_a.as_str(), "{owned}");
     assert_eq!(owned["owner_epoch"], 2, "{owned}");
@@ -195,12 +190,17 @@ fn an_owner_cut_off_from_etcd_stops_serving_and_claims_again_later() {
     });
     let owned = ownership(&a);
     assert!(owned["owner_epoch"].as_u64() > Some(1), "{owned}");
-    let back = a.root.path().join("back");
-    let (ok, err) = nbdcopy(&a.uri(VDISK), back.to_str().unwrap());
-    assert!(ok, "{err}");
+    assert_reads_back(&a, &pattern);
+}
+
+/// The vdisk read through `node` (nbdcopy) holds exactly the bytes of `pattern`.
+fn assert_reads_back(node: &Node, pattern: &Path) {
+    let back = node.root.path().join("back");
+    let (ok, err) = nbdcopy(&node.uri(VDISK), back.to_str().unwrap());
+    assert!(ok, "read through the node: {err}");
     assert_eq!(
         std::fs::read(&back).unwrap(),
-        std::fs::read(&pattern).unwrap()
+        std::fs::read(pattern).unwrap()
     );
 }
 
