@@ -198,12 +198,21 @@ pub struct NodeArgs {
     #[arg(long, value_name = "URLS", requires = "advertise")]
     pub etcd: Option<String>,
     /// Host name or IP address other nodes and clients reach this node at (required with
-    /// --etcd); the node advertises it with the ports of --http-listen, --nbd-listen and
-    /// --iscsi-listen.
+    /// --etcd); the node advertises it with the ports of --http-listen, --nbd-listen,
+    /// --iscsi-listen and --node-listen.
     #[arg(long, value_name = "ADDR")]
     pub advertise: Option<String>,
-    /// Mark the node storage-only: it is to hold replicas and never own vdisks. Recorded in
-    /// the cluster and shown by `ashlar node list`; replication, which uses it, comes later.
+    /// Address to serve node-to-node traffic on (replication; with --etcd only). Other nodes
+    /// connect to the --advertise host at this port and must hold the cluster secret.
+    #[arg(long, default_value = "127.0.0.1:10811", value_name = "ADDR")]
+    pub node_listen: SocketAddr,
+    /// File holding the cluster secret (at least 16 bytes; the same file on every node) that
+    /// node-to-node connections authenticate with. Without it the first node generates one
+    /// and keeps it in etcd, where every node reads it: then whoever can read etcd can join.
+    #[arg(long, value_name = "FILE", requires = "etcd")]
+    pub cluster_secret_file: Option<PathBuf>,
+    /// Mark the node storage-only: it holds replicas of other nodes' vdisks (chosen before
+    /// other nodes when copies are placed) and never owns vdisks or serves clients.
     #[arg(long, requires = "etcd")]
     pub storage_only: bool,
     /// TTL of the node's lease in the metadata store, in milliseconds: a node that stops
@@ -232,9 +241,13 @@ pub enum VdiskCommand {
         /// Size with an optional K/M/G/T suffix (binary units), e.g. 200G.
         #[arg(long, value_name = "SIZE")]
         size: String,
-        /// Shard controllers serving it (1-64). Default: the node's reactor count.
+        /// Shard controllers serving it (1-64). Default: the node's --default-shards.
         #[arg(long, value_name = "N")]
         shards: Option<u32>,
+        /// Copies of its data kept on distinct nodes (1, 2 or 3; 2 and 3 need a cluster):
+        /// a write is acknowledged once it is durable on every copy.
+        #[arg(long, value_name = "N", default_value_t = 1)]
+        rf: u8,
     },
     /// List vdisks.
     List {

@@ -107,18 +107,22 @@ fn parse_size_arg(text: &str) -> Result<u64> {
 pub fn run(target: &ApiTarget, command: VdiskCommand) -> Result<()> {
     let client = Client::new(target)?;
     match command {
-        VdiskCommand::Create { name, size, shards } => {
+        VdiskCommand::Create {
+            name,
+            size,
+            shards,
+            rf,
+        } => {
             let size_bytes = parse_size_arg(&size)?;
-            let vdisk = client.request(
-                "POST",
-                "/api/v1/vdisks",
-                Some(json!({"name": name, "size_bytes": size_bytes, "shards": shards})),
-            )?;
+            let body = json!({"name": name, "size_bytes": size_bytes, "shards": shards,
+                "replication_factor": rf});
+            let vdisk = client.request("POST", "/api/v1/vdisks", Some(body))?;
             println!(
-                "created vdisk {} ({}, {} shards)",
+                "created vdisk {} ({}, {} shards, rf {})",
                 name,
                 format_size(size_bytes),
-                vdisk["shards"]
+                vdisk["shards"],
+                vdisk["replication_factor"]
             );
         }
         VdiskCommand::List { json } => {

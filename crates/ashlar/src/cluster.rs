@@ -180,6 +180,7 @@ impl RecordSource {
                 http: at(args.http_listen),
                 nbd: at(args.nbd_listen),
                 iscsi: at(args.iscsi_listen),
+                node: at(args.node_listen),
             },
             storage_only: args.storage_only,
             disks: disks.to_vec(),

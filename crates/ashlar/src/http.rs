@@ -67,7 +67,8 @@ impl From<EngineError> for ApiError {
             | EngineError::ShrinkRefused { .. } => StatusCode::CONFLICT,
             EngineError::InvalidName { .. }
             | EngineError::InvalidSize(_)
-            | EngineError::InvalidShards(_) => StatusCode::BAD_REQUEST,
+            | EngineError::InvalidShards(_)
+            | EngineError::InvalidReplicationFactor(_) => StatusCode::BAD_REQUEST,
             EngineError::Stopping | EngineError::Offline { .. } => StatusCode::SERVICE_UNAVAILABLE,
             EngineError::Meta(_) | EngineError::Storage(_) => StatusCode::INTERNAL_SERVER_ERROR,
         };
@@ -110,6 +111,8 @@ struct CreateRequest {
     name: String,
     size_bytes: u64,
     shards: Option<u32>,
+    /// Copies kept (1 by default; 2 or 3 in a cluster).
+    replication_factor: Option<u8>,
 }
 
 async fn create_vdisk(
@@ -117,9 +120,24 @@ async fn create_vdisk(
     body: Result<Json<CreateRequest>, axum::extract::rejection::JsonRejection>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let Json(request) = body.map_err(|e| ApiError(StatusCode::BAD_REQUEST, e.body_text()))?;
+    let replication_factor = request.replication_factor.unwrap_or(1);
+    if replication_factor > 1 && !state.meta.is_clustered() {
+        return Err(ApiError(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "replication factor {replication_factor} needs a cluster: this node runs alone \
+                 (start nodes with --etcd to keep copies on several nodes)"
+            ),
+        ));
+    }
     let info = state
         .engine
-        .create_vdisk(&request.name, request.size_bytes, request.shards)
+        .create_replicated_vdisk(
+            &request.name,
+            request.size_bytes,
+            request.shards,
+            replication_factor,
+        )
         .await?;
     Ok((StatusCode::CREATED, Json(with_uri(&state, info))))
 }

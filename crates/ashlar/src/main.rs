@@ -13,6 +13,7 @@ mod metrics;
 mod node;
 mod ownership;
 mod registry;
+mod replication;
 mod volume_groups;
 
 use clap::Parser;

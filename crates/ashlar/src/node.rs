@@ -265,12 +265,20 @@ async fn serve(args: NodeArgs, api_token_file: Option<PathBuf>) -> Result<()> {
     // In a cluster, no vdisk serves I/O before this node claims it (gates close here,
     // before any listener accepts).
     let ownership = if meta.is_clustered() {
+        let replication = crate::replication::NodeReplication::start(
+            &args,
+            node_id,
+            meta.clone(),
+            engine.clone(),
+        )
+        .await?;
         crate::ownership::NodeOwnership::clustered(
             &engine,
             meta.clone(),
             node_id,
             args.storage_only,
             registration.subscribe_lease(),
+            Arc::new(replication),
         )
     } else {
         crate::ownership::NodeOwnership::default()

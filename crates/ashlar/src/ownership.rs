@@ -22,6 +22,7 @@
 
 use crate::cluster::NodeMeta;
 use crate::registry::NodeEngine;
+use crate::replication::NodeReplication;
 use ashlar_cluster::{
     claim_to_serve, gate_step, read_ownership, release, AdvertisedAddresses, GateStep, LeaseStatus,
     NodeId, NodeRecord, OwnershipClaim, OwnershipEpoch, ServeError, ServeRefusal,
@@ -50,6 +51,8 @@ struct Clustered {
     control: tokio::runtime::Handle,
     claiming: tokio::sync::Mutex<()>,
     held: Mutex<HashMap<VdiskId, Held>>,
+    /// Makes a claimed vdisk's writes reach every copy before its gate opens.
+    replication: Arc<NodeReplication>,
 }
 
 /// A claim this node holds (or held, until it is claimed again) and the gate it opens.
@@ -146,6 +149,9 @@ pub struct OwnershipView {
     /// The highest epoch ever granted, and the node it went to (the last owner).
     pub epoch: OwnershipEpoch,
     pub last_owner: Option<NodeId>,
+    /// The nodes holding a copy (a replicated vdisk, once claimed); empty otherwise.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub copies: Vec<NodeId>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -163,6 +169,7 @@ impl NodeOwnership {
         node: NodeId,
         storage_only: bool,
         lease: watch::Receiver<LeaseStatus>,
+        replication: Arc<NodeReplication>,
     ) -> Self {
         engine.require_ownership();
         let cluster = Arc::new(Clustered {
@@ -173,6 +180,7 @@ impl NodeOwnership {
             control: tokio::runtime::Handle::current(),
             claiming: tokio::sync::Mutex::new(()),
             held: Mutex::new(HashMap::new()),
+            replication,
         });
         tokio::spawn(follow_lease(cluster.clone()));
         NodeOwnership {
@@ -232,11 +240,15 @@ impl NodeOwnership {
         let state = read_ownership(&cluster.meta, vdisk)
             .await
             .map_err(|e| format!("reading ownership: {e}"))?;
+        let placement = ashlar_cluster::read_placement(&cluster.meta, vdisk)
+            .await
+            .map_err(|e| format!("reading placement: {e}"))?;
         Ok(Some(OwnershipView {
             owner: state.owner.as_ref().map(|(owner, _)| owner.node),
             owner_epoch: state.owner.as_ref().map(|(owner, _)| owner.epoch),
             epoch: state.epoch(),
             last_owner: state.last_owner,
+            copies: placement.map(|p| p.copies).unwrap_or_default(),
         }))
     }
 
@@ -264,6 +276,9 @@ impl NodeOwnership {
         let Some(cluster) = &self.cluster else {
             return;
         };
+        if let Err(error) = ashlar_cluster::remove_placement(&cluster.meta, vdisk).await {
+            tracing::warn!(%vdisk, %error, "could not remove the deleted vdisk's placement record");
+        }
         let held = lock(&cluster.held).remove(&vdisk);
         if let Some(held) = held {
             held.wanted.gate.close();
@@ -311,6 +326,17 @@ impl Clustered {
         .await
         {
             Ok(claim) => {
+                if let Err(message) = self
+                    .replication
+                    .prepare(name, wanted.vdisk, claim.epoch.0)
+                    .await
+                {
+                    // Writes could not reach every copy: serve nothing, hold nothing.
+                    if let Err(error) = release(&self.meta, &claim).await {
+                        tracing::info!(vdisk = %name, %error, "nothing to release");
+                    }
+                    return Err(NotServing::for_now(message));
+                }
                 self.opened(wanted, claim, frontend);
                 Ok(())
             }

@@ -29,12 +29,12 @@ fn create_list_show_resize_set_delete() {
 
     let out = node.cli(&["vdisk", "create", "db1", "--size", "1G", "--shards", "3"]);
     out.assert_ok("create db1");
-    assert_eq!(out.stdout.trim(), "created vdisk db1 (1G, 3 shards)");
+    assert_eq!(out.stdout.trim(), "created vdisk db1 (1G, 3 shards, rf 1)");
     let out = node.cli(&["vdisk", "create", "web.logs_2", "--size", "512M"]);
     out.assert_ok("create web.logs_2");
     assert_eq!(
         out.stdout.trim(),
-        "created vdisk web.logs_2 (512M, 2 shards)",
+        "created vdisk web.logs_2 (512M, 2 shards, rf 1)",
         "default shards = reactors (2)"
     );
     assert_eq!(names(&node), ["db1", "web.logs_2"]);

@@ -14,6 +14,10 @@ pub const LIVE_PREFIX: &str = "/ashlar/v1/cluster/live/";
 pub const OWNERS_PREFIX: &str = "/ashlar/v1/cluster/owners/";
 /// Persistent per-vdisk epoch records (no lease): the highest ownership epoch ever granted.
 pub const EPOCHS_PREFIX: &str = "/ashlar/v1/cluster/epochs/";
+/// Persistent per-vdisk placement records (no lease): the nodes holding its copies.
+pub const PLACEMENT_PREFIX: &str = "/ashlar/v1/cluster/placement/";
+/// The cluster secret node-to-node connections authenticate with (when not given in a file).
+pub const SECRET_KEY: &str = "/ashlar/v1/cluster/secret";
 
 pub fn member_key(node: NodeId) -> Vec<u8> {
     format!("{MEMBERS_PREFIX}{node}").into_bytes()
@@ -31,6 +35,10 @@ pub fn owner_key(vdisk: VdiskId) -> Vec<u8> {
 
 pub fn epoch_key(vdisk: VdiskId) -> Vec<u8> {
     format!("{EPOCHS_PREFIX}{vdisk}").into_bytes()
+}
+
+pub fn placement_key(vdisk: VdiskId) -> Vec<u8> {
+    format!("{PLACEMENT_PREFIX}{vdisk}").into_bytes()
 }
 
 pub fn members() -> KeyRange {
@@ -73,7 +81,14 @@ mod tests {
         assert_eq!(vdisk_of_owner_key(&epoch_key(vdisk)), None);
         assert!(owners().contains(&owner_key(vdisk)));
         assert!(!owners().contains(&epoch_key(vdisk)));
-        for prefix in [MEMBERS_PREFIX, LIVE_PREFIX, OWNERS_PREFIX, EPOCHS_PREFIX] {
+        for prefix in [
+            MEMBERS_PREFIX,
+            LIVE_PREFIX,
+            OWNERS_PREFIX,
+            EPOCHS_PREFIX,
+            PLACEMENT_PREFIX,
+            SECRET_KEY,
+        ] {
             assert!(prefix.starts_with(ashlar_meta::layout::ROOT));
         }
     }

@@ -10,6 +10,7 @@ pub mod keys;
 pub mod membership;
 mod node_id;
 pub mod ownership;
+pub mod placement;
 pub mod record;
 pub mod serving;
 
@@ -24,6 +25,10 @@ pub use ownership::{
     all_owners, claim, claim_to_serve, current_epoch, current_owner, read_ownership, release,
     watch_ownership, Owner, OwnershipChange, OwnershipClaim, OwnershipEpoch, OwnershipState,
     OwnershipWatch,
+};
+pub use placement::{
+    choose_copies, read_placement, record_placement, remove_placement, PlacementError,
+    PlacementRecord,
 };
 pub use record::{AdvertisedAddresses, DiskRecord, NodeRecord, NODE_RECORD_VERSION};
 pub use serving::{decide_serve, gate_step, GateStep, ServeRefusal};

@@ -14,12 +14,15 @@ pub const NODE_RECORD_VERSION: u32 = 1;
 pub const OWNERSHIP_RECORD_VERSION: u32 = 1;
 
 /// Where other nodes and clients reach a node, each as `host:port`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AdvertisedAddresses {
     /// The HTTP API (and the CLI's `--server`).
     pub http: String,
     pub nbd: String,
     pub iscsi: String,
+    /// Node-to-node traffic (replication). Empty in records of nodes older than replication.
+    #[serde(default)]
+    pub node: String,
 }
 
 /// One of a node's disks, with its space when the record was written.
@@ -135,6 +138,7 @@ mod tests {
                 http: "10.0.0.1:10810".into(),
                 nbd: "10.0.0.1:10809".into(),
                 iscsi: "10.0.0.1:3260".into(),
+                node: "10.0.0.1:10811".into(),
             },
             storage_only: true,
             disks: vec![
@@ -189,5 +193,15 @@ mod tests {
         );
         let error = decode::<EpochRecord>(b"/k/e", b"{not json").unwrap_err();
         assert!(error.to_string().contains("/k/e"), "{error}");
+    }
+
+    #[test]
+    fn a_record_from_before_replication_has_no_node_address() {
+        let mut old: serde_json::Value = serde_json::from_slice(&encode(&node())).unwrap();
+        old["addresses"].as_object_mut().unwrap().remove("node");
+        let bytes = serde_json::to_vec(&old).unwrap();
+        let decoded: NodeRecord = decode(b"k", &bytes).unwrap();
+        assert_eq!(decoded.addresses.node, "");
+        assert_eq!(decoded.addresses.nbd, "10.0.0.1:10809");
     }
 }

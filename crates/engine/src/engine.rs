@@ -7,6 +7,7 @@ use crate::catalog::{self, CatalogError, VdiskRecord};
 use crate::config::{EngineConfig, MAX_SHARDS, MIN_OPLOG_BYTES_PER_SHARD};
 use crate::gate::ServeGate;
 use crate::reactor::{ReactorId, ReactorPool};
+use crate::replication::{ReplicationSlot, Replicator};
 use crate::shard::{
     drain_all, oplog_id, remove_oplog_dir, start_shard, ShardControl, ShardLink, ShardSpec,
 };
@@ -40,6 +41,8 @@ pub enum EngineError {
     InvalidSize(String),
     #[error("invalid shard count {0}: must be between 1 and {MAX_SHARDS}")]
     InvalidShards(u32),
+    #[error("invalid replication factor {0}: a vdisk keeps 1, 2 or 3 copies")]
+    InvalidReplicationFactor(u8),
     #[error("refusing to shrink vdisk '{name}' from {current} to {requested} bytes: data past the new end would be discarded (use --allow-shrink)")]
     ShrinkRefused {
         name: String,
@@ -68,6 +71,9 @@ impl From<CatalogError> for EngineError {
         }
     }
 }
+
+/// Copies of a vdisk's data a cluster can keep.
+pub const MAX_REPLICATION_FACTOR: u8 = 3;
 
 /// A vdisk as the API shows it.
 #[derive(Clone, Debug, Serialize)]
@@ -115,6 +121,8 @@ pub struct VdiskStats {
     /// Ranges the last startup found lost to corruption in the vdisk's oplog (they read as
     /// EIO until rewritten).
     pub oplog_lost_ranges: u64,
+    /// Records of another node's replication applied to this node's copy.
+    pub replica_records: u64,
     /// Rates over the interval since the previous stats request (at least 1 s).
     #[serde(flatten)]
     pub rates: IoRates,
@@ -152,6 +160,7 @@ impl VdiskEntry {
             record.name.clone(),
             record.size_bytes,
             map,
+            ReplicationSlot::new(record.replication_factor),
         ));
         shared.closing.store(true, Ordering::Relaxed);
         VdiskEntry {
@@ -405,6 +414,7 @@ impl<M: MetaStore> Engine<M> {
         vdisk: VdiskId,
         epoch: Epoch,
         count: u32,
+        replication: &Arc<ReplicationSlot>,
     ) -> Result<(Vec<ShardLink>, watch::Sender<bool>), EngineError> {
         let (gate, gate_receiver) = watch::channel(false);
         let mut links = Vec::with_capacity(count as usize);
@@ -423,6 +433,7 @@ impl<M: MetaStore> Engine<M> {
                 request_queue_limit: self.config.shard_queue_limit,
                 max_requests_in_flight: self.config.shard_requests_in_flight_limit,
                 fs: self.config.fs.clone(),
+                replication: replication.clone(),
             };
             let reactor = self
                 .reactors
@@ -443,13 +454,17 @@ impl<M: MetaStore> Engine<M> {
         record: &VdiskRecord,
         epoch: Epoch,
     ) -> Result<Arc<VdiskShared>, EngineError> {
-        let (shards, gate) = self.start_shards(record.id, epoch, record.shards).await?;
+        let replication = ReplicationSlot::new(record.replication_factor);
+        let (shards, gate) = self
+            .start_shards(record.id, epoch, record.shards, &replication)
+            .await?;
         let map = ShardMap { epoch, shards };
         let shared = Arc::new(VdiskShared::new(
             record.id,
             record.name.clone(),
             record.size_bytes,
             map,
+            replication,
         ));
         if self.ownership_required.load(Ordering::Acquire) {
             shared.gate.close();
@@ -490,6 +505,20 @@ impl<M: MetaStore> Engine<M> {
         size_bytes: u64,
         shards: Option<u32>,
     ) -> Result<VdiskInfo, EngineError> {
+        self.create_replicated_vdisk(name, size_bytes, shards, 1)
+            .await
+    }
+
+    /// Creates a vdisk whose writes are kept on `replication_factor` nodes (1 to
+    /// [`MAX_REPLICATION_FACTOR`]; more than 1 only means something in a cluster, which the
+    /// node checks before asking).
+    pub async fn create_replicated_vdisk(
+        &self,
+        name: &str,
+        size_bytes: u64,
+        shards: Option<u32>,
+        replication_factor: u8,
+    ) -> Result<VdiskInfo, EngineError> {
         catalog::validate_name(name).map_err(|reason| EngineError::InvalidName {
             name: name.into(),
             reason,
@@ -497,6 +526,9 @@ impl<M: MetaStore> Engine<M> {
         Self::validate_size(size_bytes)?;
         let shards = shards.unwrap_or(self.config.default_shards);
         self.validate_shards(shards)?;
+        if !(1..=MAX_REPLICATION_FACTOR).contains(&replication_factor) {
+            return Err(EngineError::InvalidReplicationFactor(replication_factor));
+        }
         let _control = self.control.lock().await;
         if lock(&self.vdisks).contains_key(name) {
             return Err(EngineError::AlreadyExists(name.into()));
@@ -506,7 +538,7 @@ impl<M: MetaStore> Engine<M> {
             name: name.into(),
             size_bytes,
             shards,
-            replication_factor: 1,
+            replication_factor,
             block_size_bytes: BLOCK_SIZE_BYTES as u32,
             created_unix_seconds: now_unix_seconds(),
         };
@@ -613,7 +645,9 @@ impl<M: MetaStore> Engine<M> {
             return Ok(info_of(&record, &shared));
         }
         let epoch = old_map.epoch.next();
-        let (links, gate) = self.start_shards(record.id, epoch, shards).await?;
+        let (links, gate) = self
+            .start_shards(record.id, epoch, shards, &shared.replication)
+            .await?;
         shared.map.store(Arc::new(ShardMap {
             epoch,
             shards: links,
@@ -729,6 +763,7 @@ impl<M: MetaStore> Engine<M> {
                     oplog_capacity_bytes: self.config.oplog_bytes_per_shard(record.shards)
                         * record.shards as u64,
                     oplog_lost_ranges: shared.oplog_lost_ranges.load(Ordering::Relaxed),
+                    replica_records: shared.replica_records.load(Ordering::Relaxed),
                     rates: sample.rates.clone(),
                 }
             })
@@ -776,6 +811,59 @@ impl<M: MetaStore> Engine<M> {
     pub fn serve_gate(&self, name: &str) -> Result<(VdiskId, Arc<ServeGate>), EngineError> {
         let (record, shared) = self.shared(name)?;
         Ok((record.id, shared.gate.clone()))
+    }
+
+    /// The shared state of vdisk `id` for the node's replica receiver, starting it from the
+    /// catalog if this node has not seen it yet (it was created after the node started).
+    pub async fn replica_target(&self, id: VdiskId) -> Result<Arc<VdiskShared>, EngineError> {
+        if let Some(shared) = self.shared_by_id(id)? {
+            return Ok(shared);
+        }
+        let _control = self.control.lock().await;
+        if let Some(shared) = self.shared_by_id(id)? {
+            return Ok(shared);
+        }
+        let record = catalog::list(&self.meta)
+            .await?
+            .into_iter()
+            .find(|r| r.id == id)
+            .ok_or_else(|| EngineError::NotFound(format!("vdisk id {id}")))?;
+        let (epoch, _) = self.recover_oplogs(record.id).await?;
+        let shared = self.start_vdisk(&record, epoch.next()).await?;
+        tracing::info!(vdisk = %record.name, id = %record.id, "vdisk started to hold a replica");
+        let entry = VdiskEntry {
+            record,
+            shared: shared.clone(),
+            offline: None,
+        };
+        lock(&self.vdisks).insert(entry.record.name.clone(), entry);
+        Ok(shared)
+    }
+
+    fn shared_by_id(&self, id: VdiskId) -> Result<Option<Arc<VdiskShared>>, EngineError> {
+        let vdisks = lock(&self.vdisks);
+        let Some(entry) = vdisks.values().find(|e| e.record.id == id) else {
+            return Ok(None);
+        };
+        if let Some(reason) = &entry.offline {
+            return Err(EngineError::Offline {
+                name: entry.record.name.clone(),
+                reason: reason.clone(),
+            });
+        }
+        Ok(Some(entry.shared.clone()))
+    }
+
+    /// Installs (or removes) the replicator of an online vdisk: its writes from now on are
+    /// acknowledged only once every replica holds them.
+    pub fn set_replicator(
+        &self,
+        name: &str,
+        replicator: Option<Box<dyn Replicator>>,
+    ) -> Result<(), EngineError> {
+        let (_, shared) = self.shared(name)?;
+        shared.replication.set(replicator);
+        Ok(())
     }
 
     pub fn begin_shutdown(&self) {

@@ -16,6 +16,7 @@ pub mod gate;
 mod lru;
 mod outbox;
 pub mod reactor;
+pub mod replication;
 pub mod shard;
 pub mod startup;
 pub mod stats;

@@ -7,6 +7,7 @@
 
 use crate::gate::ServeGate;
 use crate::reactor::ReactorId;
+use crate::replication::ReplicationSlot;
 use crate::shard::{ShardError, ShardLink, ShardOp, ShardReply, ShardRequest};
 use crate::stats::{OpKind, VdiskCounters};
 use arc_swap::ArcSwap;
@@ -51,10 +52,20 @@ pub struct VdiskShared {
     /// Whether this node may serve the vdisk now (cluster ownership; always open on a
     /// single node). Shared with the node's ownership layer, which opens and closes it.
     pub gate: Arc<ServeGate>,
+    /// The replicator the vdisk's writes go through while this node replicates them.
+    pub replication: Arc<ReplicationSlot>,
+    /// Records another node's replication applied to this node's copy.
+    pub replica_records: AtomicU64,
 }
 
 impl VdiskShared {
-    pub fn new(id: VdiskId, name: String, size_bytes: u64, map: ShardMap) -> Self {
+    pub fn new(
+        id: VdiskId,
+        name: String,
+        size_bytes: u64,
+        map: ShardMap,
+        replication: Arc<ReplicationSlot>,
+    ) -> Self {
         VdiskShared {
             id,
             name,
@@ -65,7 +76,37 @@ impl VdiskShared {
             closing: AtomicBool::new(false),
             oplog_lost_ranges: AtomicU64::new(0),
             gate: Arc::new(ServeGate::open_forever()),
+            replication,
+            replica_records: AtomicU64::new(0),
         }
+    }
+
+    /// Queues one record of another node's replication on the shard serving `offset`, past
+    /// the serving gate (this node holds a copy, it does not serve clients), and returns once
+    /// the shard's queue took it: records queued one after another reach their shard in that
+    /// order. The receiver gets the shard's answer. Off the reactors only.
+    pub async fn enqueue_replica(
+        &self,
+        op: ShardOp,
+        offset: u64,
+    ) -> IoResult<oneshot::Receiver<Result<ShardReply, ShardError>>> {
+        if self.closing.load(Ordering::Relaxed) {
+            return Err(IoError::ShuttingDown);
+        }
+        let map = self.map.load_full();
+        let (reply, response) = oneshot::channel();
+        let request = ShardRequest {
+            op,
+            reply,
+            route: None,
+        };
+        map.shard_for(offset)
+            .requests
+            .send(request)
+            .await
+            .map_err(|_| IoError::Io("the vdisk's shard stopped".into()))?;
+        self.replica_records.fetch_add(1, Ordering::Relaxed);
+        Ok(response)
     }
 
     pub fn shard_count(&self) -> usize {

@@ -1,55 +1,23 @@
 //! The engine in-process: writes and reads through `VdiskHandle`s on the reactors, across
 //! shard changes and restarts, checked against an in-memory model.
 
+mod common;
+
 use ashlar_core::{BlockDevice, IoError};
-use ashlar_engine::{Engine, EngineConfig, EngineError};
+use ashlar_engine::{Engine, EngineError};
 use ashlar_meta::EmbeddedMetaStore;
-use ashlar_storage::disk::{Disk, Tier};
 use bytes::Bytes;
+use common::{config, pattern};
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
 
 type TestEngine = Engine<EmbeddedMetaStore>;
 
-fn config(dir: &Path) -> EngineConfig {
-    EngineConfig {
-        data_dir: dir.to_path_buf(),
-        disks: vec![Disk {
-            path: dir.join("disk0"),
-            tier: Tier::Fast,
-        }],
-        reactors: 2,
-        poll_window: std::time::Duration::ZERO,
-        cache_bytes: 16 << 20,
-        oplog_bytes_per_vdisk: 32 << 20,
-        shard_queue_limit: 64,
-        shard_requests_in_flight_limit:
-            ashlar_engine::config::DEFAULT_SHARD_REQUESTS_IN_FLIGHT_LIMIT,
-        drain_batch_bytes: 1 << 20,
-        drain_idle: Duration::from_millis(50),
-        max_open_egroups_per_shard: 8,
-        max_writing_egroups_per_shard: ashlar_storage::extent_store::DEFAULT_MAX_WRITING_EGROUPS,
-        default_shards: 2,
-        fs: ashlar_storage::fs::NodeFs::detect(Default::default()).unwrap(),
-    }
-}
-
 async fn start(dir: &Path) -> Arc<TestEngine> {
     let meta = EmbeddedMetaStore::open(&dir.join("meta.redb")).expect("meta");
-    Engine::start(config(dir), meta).await.expect("engine")
-}
-
-fn pattern(seed: u64, length: usize) -> Vec<u8> {
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..length)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect()
+    Engine::start(config(dir, 32 << 20), meta)
+        .await
+        .expect("engine")
 }
 
 /// Runs `body` with a handle on reactor 0.

@@ -34,6 +34,7 @@ pub const ETCD_PORT: u16 = 2379;
 pub const NBD_PORT: u16 = 10809;
 pub const HTTP_PORT: u16 = 10810;
 pub const ISCSI_PORT: u16 = 3260;
+pub const NODE_PORT: u16 = 10811;
 
 /// How long etcd or a node may take to serve after being started.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
@@ -294,6 +295,8 @@ impl Cluster {
                     format!("{ip}:{HTTP_PORT}"),
                     "--iscsi-listen".into(),
                     format!("{ip}:{ISCSI_PORT}"),
+                    "--node-listen".into(),
+                    format!("{ip}:{NODE_PORT}"),
                     "--node-lease-ttl-ms".into(),
                     options.lease_ttl_ms.to_string(),
                     "--api-token-file".into(),

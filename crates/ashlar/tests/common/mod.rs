@@ -248,6 +248,8 @@ pub struct Node {
     /// The address `--http-listen` binds (loopback unless a test asks for another).
     pub http_ip: IpAddr,
     pub iscsi_port: u16,
+    /// Node-to-node traffic (`--node-listen`), used in cluster mode.
+    pub node_port: u16,
     extra_args: Vec<String>,
     /// `RUST_LOG` of the node process.
     pub rust_log: String,
@@ -289,6 +291,7 @@ impl Node {
             http_port: 0,
             http_ip,
             iscsi_port: 0,
+            node_port: 0,
             extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
             rust_log: std::env::var("ASHLAR_TEST_RUST_LOG").unwrap_or_else(|_| "info".to_string()),
             stderr_path,
@@ -306,6 +309,10 @@ impl Node {
             node.iscsi_port = free_port();
             while node.iscsi_port == node.nbd_port || node.iscsi_port == node.http_port {
                 node.iscsi_port = free_port();
+            }
+            node.node_port = free_port();
+            while [node.nbd_port, node.http_port, node.iscsi_port].contains(&node.node_port) {
+                node.node_port = free_port();
             }
             match node.spawn_and_wait() {
                 Ok(()) => return node,
@@ -342,6 +349,8 @@ impl Node {
             .arg(SocketAddr::new(self.http_ip, self.http_port).to_string())
             .arg("--iscsi-listen")
             .arg(format!("127.0.0.1:{}", self.iscsi_port))
+            .arg("--node-listen")
+            .arg(format!("127.0.0.1:{}", self.node_port))
             .args([
                 "--reactors",
                 "2",

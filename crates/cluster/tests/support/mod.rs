@@ -13,6 +13,7 @@ pub fn node_record(n: u16) -> NodeRecord {
             http: format!("10.0.0.{n}:10810"),
             nbd: format!("10.0.0.{n}:10809"),
             iscsi: format!("10.0.0.{n}:3260"),
+            node: format!("10.0.0.{n}:10811"),
         },
         storage_only: n.is_multiple_of(2),
         disks: vec![DiskRecord {

@@ -5,8 +5,14 @@
 //! batch is full) waits here, and so does every write after it, so appends keep the order in
 //! which writes arrived. Whether a record is durable is asked of the log (`Oplog::outcome`),
 //! not learnt from its events, so nothing depends on who consumed which event.
+//!
+//! A replicated write (the vdisk has a [`crate::replication::Replicator`]) also waits for
+//! one replica acknowledgement per record: every record appended is queued in
+//! [`LogWrites::take_outgoing`] for the controller to send, and [`LogWrites::replica_acked`]
+//! counts the answers.
 
 use super::ShardRequest;
+use ashlar_core::IoError;
 use ashlar_storage::fs::NodeFs;
 use ashlar_storage::oplog::{Append, Backpressure, Oplog, OplogError, Seq, TryAppendError};
 use bytes::Bytes;
@@ -21,6 +27,12 @@ pub(super) struct LogWrite {
     pieces: VecDeque<Append>,
     /// Records appended.
     seqs: Vec<Seq>,
+    /// Whether each record must also be acknowledged by the vdisk's replicas.
+    replicated: bool,
+    /// Replica acknowledgements (one per record) still awaited.
+    replicas_pending: usize,
+    /// The first replica failure, if any.
+    replica_error: Option<IoError>,
 }
 
 impl LogWrite {
@@ -57,16 +69,40 @@ impl LogWrite {
             range,
             pieces,
             seqs: Vec::new(),
+            replicated: false,
+            replicas_pending: 0,
+            replica_error: None,
         }
     }
 
-    /// Appends the remaining records until the log refuses one.
-    fn append(&mut self, oplog: &Oplog<NodeFs>) -> Result<(), Refusal> {
+    /// Makes the write wait for its records' replica acknowledgements too.
+    pub fn replicated(mut self) -> Self {
+        assert!(
+            self.pieces
+                .iter()
+                .all(|p| !matches!(p, Append::Barrier { .. })),
+            "barriers follow bypass writes, which a replicated vdisk never makes"
+        );
+        self.replicated = true;
+        self
+    }
+
+    /// Appends the remaining records until the log refuses one; the records of a replicated
+    /// write go to `outgoing` too.
+    fn append(
+        &mut self,
+        oplog: &Oplog<NodeFs>,
+        outgoing: &mut Vec<(Seq, Append)>,
+    ) -> Result<(), Refusal> {
         while let Some(piece) = self.pieces.front() {
             match oplog.try_append(piece.clone()) {
                 Ok(seq) => {
                     self.seqs.push(seq);
-                    self.pieces.pop_front();
+                    let piece = self.pieces.pop_front().expect("the front piece exists");
+                    if self.replicated {
+                        self.replicas_pending += 1;
+                        outgoing.push((seq, piece));
+                    }
                 }
                 Err(TryAppendError::Backpressure(why)) => return Err(Refusal::Wait(why)),
                 Err(TryAppendError::Rejected(error)) => return Err(Refusal::Failed(error)),
@@ -76,7 +112,7 @@ impl LogWrite {
     }
 
     /// The write's outcome once every record has one: the first failure, else success.
-    fn outcome(&self, oplog: &Oplog<NodeFs>) -> Option<Result<(), OplogError>> {
+    fn outcome(&self, oplog: &Oplog<NodeFs>) -> Option<Result<(), WriteFailure>> {
         assert!(
             self.pieces.is_empty(),
             "asked for the outcome of a write not fully appended"
@@ -87,12 +123,39 @@ impl LogWrite {
                 Ok(()) => {}
                 Err(error) => {
                     if result.is_ok() {
-                        result = Err(error);
+                        result = Err(WriteFailure::Log(error));
                     }
                 }
             }
         }
+        if result.is_ok() {
+            if let Some(error) = &self.replica_error {
+                return Some(Err(WriteFailure::Replica(error.clone())));
+            }
+            if self.replicas_pending > 0 {
+                return None;
+            }
+        }
         Some(result)
+    }
+
+    fn has_seq(&self, seq: Seq) -> bool {
+        self.seqs.contains(&seq)
+    }
+}
+
+/// Why a write through the log failed.
+#[derive(Debug)]
+pub(super) enum WriteFailure {
+    /// The local oplog refused or lost it.
+    Log(OplogError),
+    /// A replica did not take a record.
+    Replica(IoError),
+}
+
+impl From<OplogError> for WriteFailure {
+    fn from(error: OplogError) -> Self {
+        WriteFailure::Log(error)
     }
 }
 
@@ -102,7 +165,7 @@ enum Refusal {
 }
 
 /// A write that is done, with its outcome (to answer).
-pub(super) type Finished = (LogWrite, Result<(), OplogError>);
+pub(super) type Finished = (LogWrite, Result<(), WriteFailure>);
 
 #[derive(Default)]
 pub(super) struct LogWrites {
@@ -112,6 +175,9 @@ pub(super) struct LogWrites {
     committing: VecDeque<LogWrite>,
     /// Why the head of `waiting` waits.
     waiting_for: Option<Backpressure>,
+    /// Records of replicated writes appended and not yet handed to the replicator, in
+    /// sequence order.
+    outgoing: Vec<(Seq, Append)>,
 }
 
 impl LogWrites {
@@ -131,7 +197,7 @@ impl LogWrites {
         let mut failed = Vec::new();
         self.waiting_for = None;
         while let Some(mut write) = self.waiting.pop_front() {
-            match write.append(oplog) {
+            match write.append(oplog, &mut self.outgoing) {
                 Ok(()) => self.committing.push_back(write),
                 Err(Refusal::Wait(why)) => {
                     self.waiting.push_front(write);
@@ -140,10 +206,33 @@ impl LogWrites {
                 }
                 // Records of it already appended may still become durable; a failed write's
                 // range may hold old or new data, as a client must expect.
-                Err(Refusal::Failed(error)) => failed.push((write, Err(error))),
+                Err(Refusal::Failed(error)) => failed.push((write, Err(error.into()))),
             }
         }
         failed
+    }
+
+    /// Records to send to the replicas now, in sequence order.
+    pub fn take_outgoing(&mut self) -> Vec<(Seq, Append)> {
+        std::mem::take(&mut self.outgoing)
+    }
+
+    /// A replica acknowledgement (or failure) for record `seq`. A write answered meanwhile
+    /// (its local append failed) is no longer here: then nothing changes.
+    pub fn replica_acked(&mut self, seq: Seq, result: Result<(), IoError>) {
+        let write = self
+            .committing
+            .iter_mut()
+            .chain(self.waiting.iter_mut())
+            .find(|w| w.has_seq(seq));
+        let Some(write) = write else {
+            return;
+        };
+        assert!(write.replicas_pending > 0, "one acknowledgement per record");
+        write.replicas_pending -= 1;
+        if let Err(error) = result {
+            write.replica_error.get_or_insert(error);
+        }
     }
 
     /// Writes whose every record has an outcome.

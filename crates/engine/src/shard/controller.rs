@@ -11,15 +11,16 @@
 //! saw a checksum mismatch while a writer ran (a read-modify-write seen half done) is parked
 //! and run again once no writer runs; only a mismatch that persists is reported.
 
-use super::appends::{LogWrite, LogWrites};
+use super::appends::{LogWrite, LogWrites, WriteFailure};
 use super::inline::{block_range, cache_key, Registration};
 use super::work::{self, DrainError, ReadData, ReadFailure};
 use super::{
     OplogGauges, ShardControl, ShardError, ShardOp, ShardReply, ShardRequest, ShardSpec, Storage,
 };
 use crate::cache::BlockCache;
+use crate::replication::{ReplicaOp, ReplicaRecord};
 use ashlar_core::{BlockStatusRun, IoError, BLOCK_SIZE_BYTES};
-use ashlar_storage::oplog::{OplogError, OplogEvent};
+use ashlar_storage::oplog::{Append, OplogEvent, Seq};
 use bytes::Bytes;
 use futures_util::future::LocalBoxFuture;
 use futures_util::stream::{FuturesUnordered, StreamExt};
@@ -58,6 +59,11 @@ enum Finished {
     },
     Drained(Result<usize, DrainError>),
     HandedOver(Result<(), String>),
+    /// Every replica holds record `seq` durably (or one failed to).
+    Replicated {
+        seq: Seq,
+        result: Result<(), IoError>,
+    },
 }
 
 /// The closed set of things the controller reacts to.
@@ -139,6 +145,8 @@ pub(super) struct Controller {
     /// Count of extent-store writers started (bypasses and drain steps).
     writers_started: u64,
     last_write: Instant,
+    /// The sequence number of the last record handed to the replicator (0: none yet).
+    last_replicated_seq: u64,
     retiring: Option<Retiring>,
     requests_open: bool,
     control_open: bool,
@@ -173,6 +181,7 @@ impl Controller {
             drain_failure: None,
             writers_started: 0,
             last_write: Instant::now(),
+            last_replicated_seq: 0,
             retiring: None,
             requests_open: true,
             control_open: true,
@@ -270,6 +279,7 @@ impl Controller {
             }
         }
         self.start_waiting_writers();
+        self.send_to_replicas();
         let finished = self.log_writes.take_finished(&self.storage.oplog);
         self.answer_log_writes(finished);
         self.maybe_hand_over();
@@ -390,18 +400,74 @@ impl Controller {
         let length = data.len() as u64;
         self.invalidate(offset, length);
         self.last_write = Instant::now();
-        if work::bypasses_oplog(&self.storage.oplog, offset, length) {
+        let replicated = self.spec.replication.is_set();
+        // A replicated vdisk's data reaches its copies only through the oplog, in its order.
+        let oplog_only = self.spec.replication.oplog_only();
+        if !oplog_only && work::bypasses_oplog(&self.storage.oplog, offset, length) {
             self.waiting_bypasses.push_back((request, offset, data));
             return;
         }
         let max_record_bytes = self.storage.oplog.max_write_bytes();
-        self.submit(LogWrite::data(request, offset, data, max_record_bytes));
+        let write = LogWrite::data(request, offset, data, max_record_bytes);
+        self.submit(if replicated {
+            write.replicated()
+        } else {
+            write
+        });
     }
 
     fn start_zeroes(&mut self, request: ShardRequest, offset: u64, length: u64) {
         self.invalidate(offset, length);
         self.last_write = Instant::now();
-        self.submit(LogWrite::zeroes(request, offset, length));
+        let write = LogWrite::zeroes(request, offset, length);
+        let replicated = self.spec.replication.is_set();
+        self.submit(if replicated {
+            write.replicated()
+        } else {
+            write
+        });
+    }
+
+    /// Hands the records appended since the last call to the vdisk's replicator, in sequence
+    /// order, each naming its predecessor in this controller's stream.
+    fn send_to_replicas(&mut self) {
+        let outgoing = self.log_writes.take_outgoing();
+        if outgoing.is_empty() {
+            return;
+        }
+        let replicator = self.spec.replication.current();
+        for (seq, piece) in outgoing {
+            let op = match piece {
+                Append::Write { offset, data } => ReplicaOp::Write { offset, data },
+                Append::Zero { offset, length } => ReplicaOp::Zero { offset, length },
+                Append::Barrier { .. } => unreachable!("replicated writes append no barrier"),
+            };
+            let record = ReplicaRecord {
+                vdisk: self.spec.vdisk,
+                shard: self.spec.index,
+                stream: self.spec.epoch.0,
+                seq: seq.get(),
+                prev_seq: self.last_replicated_seq,
+                op,
+            };
+            assert!(
+                record.seq > record.prev_seq,
+                "records reach the replicator in sequence order"
+            );
+            self.last_replicated_seq = record.seq;
+            let ack = replicator.as_ref().map(|r| r.replicate(record));
+            self.work.push(Box::pin(async move {
+                let result = match ack {
+                    Some(ack) => ack.await,
+                    // Replication was switched off (the claim ended) between the write's
+                    // arrival and its append: it cannot reach the replicas.
+                    None => Err(IoError::NotServing(
+                        "this node stopped replicating the vdisk".into(),
+                    )),
+                };
+                Finished::Replicated { seq, result }
+            }));
+        }
     }
 
     /// Hands a write to the oplog. While the log is full and its drain fails, the write gets
@@ -417,10 +483,13 @@ impl Controller {
         self.answer_log_writes(failed);
     }
 
-    fn answer_log_writes(&mut self, finished: Vec<(LogWrite, Result<(), OplogError>)>) {
+    fn answer_log_writes(&mut self, finished: Vec<(LogWrite, Result<(), WriteFailure>)>) {
         for (write, result) in finished {
             let offset = write.range.0;
-            let result = result.map_err(|e| work::oplog_error(self.spec.vdisk, offset, e));
+            let result = result.map_err(|failure| match failure {
+                WriteFailure::Log(e) => work::oplog_error(self.spec.vdisk, offset, e),
+                WriteFailure::Replica(e) => e,
+            });
             self.answer_log_write(write, result);
         }
     }
@@ -502,6 +571,7 @@ impl Controller {
                 self.answer(request, result.map(ShardReply::Status));
             }
             Finished::Drained(result) => self.finish_drain(result),
+            Finished::Replicated { seq, result } => self.log_writes.replica_acked(seq, result),
             Finished::HandedOver(result) => {
                 if let Some(done) = self.retiring.as_mut().and_then(|r| r.done.take()) {
                     let _ = done.send(result);

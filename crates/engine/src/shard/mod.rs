@@ -22,6 +22,7 @@ pub use work::{drain_all, remove_oplog_dir};
 
 use crate::cache::BlockCache;
 use crate::reactor::{ReactorId, ReplyRoute};
+use crate::replication::ReplicationSlot;
 use ashlar_core::{BlockStatusRun, Epoch, IoError, VdiskId};
 use ashlar_storage::disk::Disk;
 use ashlar_storage::extent_store::{ExtentStore, ExtentStoreConfig};
@@ -134,6 +135,8 @@ pub struct ShardSpec {
     pub max_requests_in_flight: usize,
     /// The filesystem of the node's disks (oplog and extent store).
     pub fs: NodeFs,
+    /// The vdisk's replicator, when the node replicates its writes.
+    pub replication: Arc<ReplicationSlot>,
 }
 
 /// Names one shard controller among those of its reactor.

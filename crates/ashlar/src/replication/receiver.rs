@@ -1,0 +1,240 @@
+//! The replica's side: records other nodes send are applied to this node's copy of the
+//! vdisk, in each stream's order, behind the vdisk's fence.
+//!
+//! One owner, one loop: transport handlers hand each decoded message to the loop and wait
+//! for its answer. The loop checks the epoch against the fence, puts the record in its
+//! stream's order (the network may reorder: a record waits until its `prev_seq` was
+//! applied), and queues it on the local vdisk's shard (`VdiskShared::enqueue_replica`) —
+//! queued one after another, records reach the shard in stream order, so overlapping writes
+//! land in the owner's order. The answer goes back once the shard made the record durable in
+//! this node's own oplog.
+
+use super::fence::{Fences, Verdict};
+use super::wire::{self, Message, FAILED_CODE, FENCED_CODE, MALFORMED_CODE, STALE_CODE};
+use crate::registry::NodeEngine;
+use ashlar_core::VdiskId;
+use ashlar_engine::replication::ReplicaRecord;
+use ashlar_engine::shard::ShardError;
+use ashlar_engine::vdisk::VdiskShared;
+use ashlar_transport::RemoteError;
+use bytes::Bytes;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::Path;
+use std::sync::Arc;
+use tokio::sync::{mpsc, oneshot};
+
+/// Messages queued for the loop; more wait in the transport (which stops reading).
+pub const RECEIVER_QUEUE_LIMIT: usize = 1024;
+/// Records a stream may hold out of order, waiting for an earlier one, before the stream
+/// is refused (an owner has at most its in-flight limit of records outstanding).
+pub const MAX_WAITING_PER_STREAM: usize = 4096;
+
+type Answer = oneshot::Sender<Result<(), RemoteError>>;
+
+struct Incoming {
+    message: Message,
+    answer: Answer,
+}
+
+/// The handle transport handlers use.
+#[derive(Clone)]
+pub struct ReplicaReceiver {
+    queue: mpsc::Sender<Incoming>,
+}
+
+impl ReplicaReceiver {
+    /// Starts the loop on the current (control) runtime.
+    pub fn start(engine: Arc<NodeEngine>, data_dir: &Path) -> ReplicaReceiver {
+        let (queue, incoming) = mpsc::channel(RECEIVER_QUEUE_LIMIT);
+        let receiver_loop = ReceiverLoop {
+            engine,
+            fences: Fences::new(data_dir),
+            streams: HashMap::new(),
+            targets: HashMap::new(),
+            stale_reported: HashSet::new(),
+        };
+        tokio::spawn(receiver_loop.run(incoming));
+        ReplicaReceiver { queue }
+    }
+
+    /// Answers one request payload.
+    pub async fn handle(&self, payload: Bytes) -> Result<Bytes, RemoteError> {
+        let message = wire::decode(&payload).map_err(|e| remote(MALFORMED_CODE, e))?;
+        let (answer, answered) = oneshot::channel();
+        self.queue
+            .send(Incoming { message, answer })
+            .await
+            .map_err(|_| remote(FAILED_CODE, "the node is stopping"))?;
+        answered
+            .await
+            .map_err(|_| remote(FAILED_CODE, "the node is stopping"))??;
+        Ok(Bytes::new())
+    }
+}
+
+fn remote(code: u32, message: impl ToString) -> RemoteError {
+    RemoteError {
+        code,
+        message: message.to_string(),
+    }
+}
+
+/// One owner's run of one shard: (vdisk, owner epoch, shard, stream).
+type StreamKey = (VdiskId, u64, u32, u64);
+
+#[derive(Default)]
+struct Stream {
+    /// The seq of the last record queued on the shard (0: none yet).
+    last: u64,
+    /// Records that arrived before their predecessor, by `prev_seq`.
+    waiting: BTreeMap<u64, (ReplicaRecord, Answer)>,
+}
+
+struct ReceiverLoop {
+    engine: Arc<NodeEngine>,
+    fences: Fences,
+    streams: HashMap<StreamKey, Stream>,
+    targets: HashMap<VdiskId, Arc<VdiskShared>>,
+    /// (vdisk, owner epoch) whose stale copy the log has named already.
+    stale_reported: HashSet<(VdiskId, u64)>,
+}
+
+impl ReceiverLoop {
+    async fn run(mut self, mut incoming: mpsc::Receiver<Incoming>) {
+        while let Some(Incoming { message, answer }) = incoming.recv().await {
+            match message {
+                Message::Fence { vdisk, epoch } => {
+                    let _ = answer.send(self.fence(vdisk, epoch).await);
+                }
+                Message::Record { epoch, record } => self.record(epoch, record, answer).await,
+            }
+        }
+    }
+
+    async fn fence(&mut self, vdisk: VdiskId, epoch: u64) -> Result<(), RemoteError> {
+        let verdict = self
+            .fences
+            .admit(vdisk, epoch)
+            .await
+            .map_err(|e| remote(FAILED_CODE, format!("replica fence of vdisk {vdisk}: {e}")))?;
+        match verdict {
+            Verdict::Admit => {
+                // Streams of older owners can never go on.
+                self.streams
+                    .retain(|key, _| key.0 != vdisk || key.1 >= epoch);
+                Ok(())
+            }
+            Verdict::Fenced { highest } => Err(fenced(vdisk, epoch, highest)),
+        }
+    }
+
+    async fn record(&mut self, epoch: u64, record: ReplicaRecord, answer: Answer) {
+        if let Err(refused) = self.fence(record.vdisk, epoch).await {
+            let _ = answer.send(Err(refused));
+            return;
+        }
+        let key = (record.vdisk, epoch, record.shard, record.stream);
+        let known = self.streams.contains_key(&key);
+        let stream = self.streams.entry(key).or_default();
+        if record.prev_seq != stream.last {
+            if !known {
+                // This node never saw the stream's earlier records (it was down, or restarted
+                // and forgot the stream): its copy misses them.
+                self.streams.remove(&key);
+                let reason = format!(
+                    "vdisk {}: this copy missed the records before {} (the node was away \
+                     while the owner wrote); it must be resynchronized, which this version \
+                     cannot do yet",
+                    record.vdisk, record.seq
+                );
+                if self.stale_reported.insert((record.vdisk, epoch)) {
+                    tracing::warn!(%reason, "refusing replicated records");
+                }
+                let _ = answer.send(Err(remote(STALE_CODE, reason)));
+            } else if record.seq <= stream.last {
+                let _ = answer.send(Err(remote(
+                    FAILED_CODE,
+                    format!(
+                        "record {} of stream {key:?} was already applied",
+                        record.seq
+                    ),
+                )));
+            } else if stream.waiting.len() >= MAX_WAITING_PER_STREAM {
+                let _ = answer.send(Err(remote(
+                    FAILED_CODE,
+                    format!(
+                        "stream {key:?} has {MAX_WAITING_PER_STREAM} records waiting for record {}",
+                        stream.last
+                    ),
+                )));
+            } else {
+                stream.waiting.insert(record.prev_seq, (record, answer));
+            }
+            return;
+        }
+        let mut next = Some((record, answer));
+        while let Some((record, answer)) = next.take() {
+            let seq = record.seq;
+            self.apply(record, answer).await;
+            let stream = self.streams.entry(key).or_default();
+            stream.last = seq;
+            next = stream.waiting.remove(&seq);
+        }
+    }
+
+    /// Queues the record on the local copy's shard; answers when the shard is done with it.
+    async fn apply(&mut self, record: ReplicaRecord, answer: Answer) {
+        let vdisk = record.vdisk;
+        let (offset, _) = record.op.range();
+        let op = record.op.into_shard_op();
+        let queued = match self.target(vdisk).await {
+            Ok(shared) => shared
+                .enqueue_replica(op, offset)
+                .await
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(e),
+        };
+        let reply = match queued {
+            Ok(reply) => reply,
+            Err(error) => {
+                self.targets.remove(&vdisk);
+                let _ = answer.send(Err(remote(FAILED_CODE, format!("vdisk {vdisk}: {error}"))));
+                return;
+            }
+        };
+        tokio::spawn(async move {
+            let result = match reply.await {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(ShardError::Io(error))) => Err(remote(
+                    FAILED_CODE,
+                    format!("vdisk {vdisk} at {offset}: {error}"),
+                )),
+                Ok(Err(ShardError::Retired)) | Err(_) => Err(remote(
+                    FAILED_CODE,
+                    format!("vdisk {vdisk}: its shard changed under a replicated record"),
+                )),
+            };
+            let _ = answer.send(result);
+        });
+    }
+
+    async fn target(&mut self, vdisk: VdiskId) -> Result<Arc<VdiskShared>, String> {
+        if let Some(shared) = self.targets.get(&vdisk) {
+            return Ok(shared.clone());
+        }
+        let shared = self
+            .engine
+            .replica_target(vdisk)
+            .await
+            .map_err(|e| e.to_string())?;
+        self.targets.insert(vdisk, shared.clone());
+        Ok(shared)
+    }
+}
+
+fn fenced(vdisk: VdiskId, epoch: u64, highest: u64) -> RemoteError {
+    remote(
+        FENCED_CODE,
+        format!("vdisk {vdisk}: owner epoch {epoch} is older than epoch {highest}, which this replica has seen: another node owns the vdisk now"),
+    )
+}

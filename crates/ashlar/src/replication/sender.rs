@@ -1,0 +1,72 @@
+//! The owner's side: the engine's [`Replicator`] for one vdisk this node owns, sending each
+//! record to every other node of the vdisk's copy set at once and succeeding when all of
+//! them hold it durably.
+
+use super::peers::Peer;
+use super::wire::{self, Message, FENCED_CODE};
+use ashlar_cluster::NodeId;
+use ashlar_core::IoError;
+use ashlar_engine::replication::{ReplicaAck, ReplicaRecord, Replicator};
+use ashlar_transport::TransportError;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub struct PeerReplicator {
+    /// The ownership epoch this node claimed the vdisk at.
+    epoch: u64,
+    peers: Vec<Arc<Peer>>,
+    timeout: Duration,
+}
+
+impl PeerReplicator {
+    pub fn new(epoch: u64, peers: Vec<Arc<Peer>>, timeout: Duration) -> PeerReplicator {
+        PeerReplicator {
+            epoch,
+            peers,
+            timeout,
+        }
+    }
+}
+
+impl Replicator for PeerReplicator {
+    fn replicate(&self, record: ReplicaRecord) -> ReplicaAck {
+        let vdisk = record.vdisk;
+        let payload = wire::encode(&Message::Record {
+            epoch: self.epoch,
+            record,
+        });
+        let calls: Vec<_> = self
+            .peers
+            .iter()
+            .map(|peer| {
+                let (peer, payload, timeout) = (peer.clone(), payload.clone(), self.timeout);
+                async move {
+                    let result = peer.call(payload, timeout).await;
+                    peer.note_outcome(vdisk, result.as_ref().err());
+                    result.map_err(|error| replica_error(peer.node(), vdisk, error))
+                }
+            })
+            .collect();
+        Box::pin(async move {
+            for result in futures_util::future::join_all(calls).await {
+                result?;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// What the client is told when a replica did not take a record.
+pub fn replica_error(node: NodeId, vdisk: ashlar_core::VdiskId, error: TransportError) -> IoError {
+    match error {
+        TransportError::Remote(remote) if remote.code == FENCED_CODE => {
+            IoError::NotServing(format!(
+                "vdisk {vdisk}: replica node {node} refused the write: {}",
+                remote.message
+            ))
+        }
+        other => IoError::Io(format!(
+            "vdisk {vdisk}: replica node {node} did not take the write: {other}"
+        )),
+    }
+}

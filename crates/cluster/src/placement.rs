@@ -1,0 +1,175 @@
+//! Where a replicated vdisk's copies live: the *copy set*, one record per vdisk under
+//! `/ashlar/v1/cluster/placement/` (docs/cluster-metadata.md).
+//!
+//! The first node that claims a vdisk with RF > 1 chooses its copy set (itself first, for
+//! data locality, then RF − 1 other live nodes) and records it with a create-if-absent
+//! transaction, so two claimants can never record two different sets. From then on every
+//! write of the vdisk goes to every node of the set. Choosing is pure ([`choose_copies`]).
+
+use crate::error::ClusterError;
+use crate::keys;
+use crate::membership::{NodeState, NodeStatus};
+use crate::node_id::NodeId;
+use crate::record::{self, Versioned};
+use ashlar_core::VdiskId;
+use ashlar_meta::{Compare, MetaStore, Txn, TxnOp};
+use serde::{Deserialize, Serialize};
+
+pub const PLACEMENT_RECORD_VERSION: u32 = 1;
+
+/// The value of a vdisk's placement key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlacementRecord {
+    pub version: u32,
+    pub vdisk: VdiskId,
+    /// The nodes holding a copy, the node that chose them first. Distinct.
+    pub copies: Vec<NodeId>,
+}
+
+impl Versioned for PlacementRecord {
+    const VERSION: u32 = PLACEMENT_RECORD_VERSION;
+    const NAME: &'static str = "placement record";
+}
+
+/// Why no copy set can be chosen now.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlacementError {
+    #[error("the vdisk keeps {wanted} copies on distinct nodes, but only {up} node(s) are up to hold them; start more nodes")]
+    TooFewNodes { wanted: u8, up: usize },
+}
+
+/// The copy set for a vdisk first claimed by `me`: `me`, then the `rf − 1` best other nodes
+/// that are up: storage-only nodes first (they hold replicas and serve nobody), then most
+/// free space, then lowest id (so the choice is deterministic).
+pub fn choose_copies(
+    me: NodeId,
+    rf: u8,
+    nodes: &[NodeStatus],
+) -> Result<Vec<NodeId>, PlacementError> {
+    let mut others: Vec<&NodeStatus> = nodes
+        .iter()
+        .filter(|n| n.state == NodeState::Up && n.record.node_id != me)
+        .collect();
+    others.sort_by(|a, b| {
+        b.record
+            .storage_only
+            .cmp(&a.record.storage_only)
+            .then(b.record.free_bytes().cmp(&a.record.free_bytes()))
+            .then(a.record.node_id.cmp(&b.record.node_id))
+    });
+    let wanted = usize::from(rf);
+    if others.len() + 1 < wanted {
+        return Err(PlacementError::TooFewNodes {
+            wanted: rf,
+            up: others.len() + 1,
+        });
+    }
+    let mut copies = vec![me];
+    copies.extend(others.iter().take(wanted - 1).map(|n| n.record.node_id));
+    Ok(copies)
+}
+
+/// The vdisk's recorded copy set, if it has one.
+pub async fn read_placement<M: MetaStore>(
+    store: &M,
+    vdisk: VdiskId,
+) -> Result<Option<PlacementRecord>, ClusterError> {
+    let key = keys::placement_key(vdisk);
+    match store.get(&key).await? {
+        Some(kv) => Ok(Some(record::decode(&kv.key, &kv.value)?)),
+        None => Ok(None),
+    }
+}
+
+/// Records `copies` as the vdisk's copy set unless it has one; returns the set now recorded
+/// (the one given, or the one another node recorded first).
+pub async fn record_placement<M: MetaStore>(
+    store: &M,
+    vdisk: VdiskId,
+    copies: Vec<NodeId>,
+) -> Result<PlacementRecord, ClusterError> {
+    let key = keys::placement_key(vdisk);
+    let wanted = PlacementRecord {
+        version: PLACEMENT_RECORD_VERSION,
+        vdisk,
+        copies,
+    };
+    let txn = Txn::new()
+        .when([Compare::absent(key.clone())])
+        .and_then([TxnOp::put(key.clone(), record::encode(&wanted), None)]);
+    if store.txn(txn).await?.succeeded {
+        return Ok(wanted);
+    }
+    read_placement(store, vdisk)
+        .await?
+        .ok_or_else(|| ClusterError::corrupt(&key, "placement vanished while being recorded"))
+}
+
+/// Forgets the vdisk's copy set (the vdisk was deleted).
+pub async fn remove_placement<M: MetaStore>(store: &M, vdisk: VdiskId) -> Result<(), ClusterError> {
+    store
+        .delete(ashlar_meta::KeyRange::key(keys::placement_key(vdisk)))
+        .await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::{AdvertisedAddresses, DiskRecord, NodeRecord, NODE_RECORD_VERSION};
+
+    fn node(id: u128, up: bool, storage_only: bool, free_bytes: u64) -> NodeStatus {
+        NodeStatus {
+            record: NodeRecord {
+                version: NODE_RECORD_VERSION,
+                node_id: NodeId::new(id).unwrap(),
+                addresses: AdvertisedAddresses::default(),
+                storage_only,
+                disks: vec![DiskRecord {
+                    path: "/d".into(),
+                    tier: "fast".into(),
+                    capacity_bytes: 1 << 40,
+                    free_bytes,
+                }],
+                software_version: String::new(),
+                started_at_unix_ms: 0,
+            },
+            state: if up { NodeState::Up } else { NodeState::Down },
+            vdisks_owned: 0,
+        }
+    }
+
+    fn id(n: u128) -> NodeId {
+        NodeId::new(n).unwrap()
+    }
+
+    #[test]
+    fn the_claimant_comes_first_then_storage_only_then_free_space() {
+        let nodes = [
+            node(1, true, false, 100),
+            node(2, true, false, 500),
+            node(3, true, true, 10),
+            node(4, false, true, 900),
+            node(5, true, false, 500),
+        ];
+        assert_eq!(choose_copies(id(1), 1, &nodes), Ok(vec![id(1)]));
+        // Node 4 is down; storage-only node 3 beats the emptier nodes 2 and 5.
+        assert_eq!(choose_copies(id(1), 2, &nodes), Ok(vec![id(1), id(3)]));
+        // Equal free space: the lower id, so every node would choose the same.
+        assert_eq!(
+            choose_copies(id(1), 3, &nodes),
+            Ok(vec![id(1), id(3), id(2)])
+        );
+    }
+
+    #[test]
+    fn too_few_nodes_up_is_an_error_naming_both_counts() {
+        let nodes = [node(1, true, false, 1), node(2, false, false, 1)];
+        let error = choose_copies(id(1), 2, &nodes).unwrap_err();
+        assert_eq!(error, PlacementError::TooFewNodes { wanted: 2, up: 1 });
+        assert!(
+            error.to_string().contains("only 1 node(s) are up"),
+            "{error}"
+        );
+    }
+}
