@@ -22,7 +22,7 @@
 
 use crate::cluster::NodeMeta;
 use crate::registry::NodeEngine;
-use crate::replication::NodeReplication;
+use crate::replication::{CopyFailed, NodeReplication};
 use ashlar_cluster::{
     claim_to_serve, gate_step, read_ownership, release, AdvertisedAddresses, GateStep, LeaseStatus,
     NodeId, NodeRecord, OwnershipClaim, OwnershipEpoch, ServeError, ServeRefusal,
@@ -183,6 +183,9 @@ impl NodeOwnership {
             replication,
         });
         tokio::spawn(follow_lease(cluster.clone()));
+        if let Some(failures) = cluster.replication.take_failures() {
+            tokio::spawn(reclaim_after_copy_failures(cluster.clone(), failures));
+        }
         NodeOwnership {
             cluster: Some(cluster),
         }
@@ -200,6 +203,7 @@ impl NodeOwnership {
         let Some(cluster) = &self.cluster else {
             return Ok(());
         };
+        learn(engine, name).await;
         let wanted = Wanted::of(engine, name)?;
         if wanted.admitted_now() {
             return Ok(());
@@ -220,6 +224,9 @@ impl NodeOwnership {
         let Some(cluster) = &self.cluster else {
             return Ok(());
         };
+        for name in names {
+            learn(engine, name).await;
+        }
         let wanted = names
             .iter()
             .map(|name| Wanted::of(engine, name))
@@ -332,6 +339,8 @@ impl Clustered {
                     .await
                 {
                     // Writes could not reach every copy: serve nothing, hold nothing.
+                    tracing::warn!(vdisk = %name, reason = %message,
+                        "claimed the vdisk but cannot serve it; claim released");
                     if let Err(error) = release(&self.meta, &claim).await {
                         tracing::info!(vdisk = %name, %error, "nothing to release");
                     }
@@ -438,6 +447,17 @@ impl Clustered {
                      replication no other node holds it. Start that node again to serve it",
                     self.address_of(*node, frontend).await
                 ),
+                ServeRefusal::CopiesElsewhere { copies } => {
+                    let mut holders = Vec::new();
+                    for node in copies {
+                        holders.push(format!("{node}{}", self.address_of(*node, frontend).await));
+                    }
+                    format!(
+                        "vdisk {name}'s copies are on nodes {}; this node holds none: connect \
+                         to one of those",
+                        holders.join(", ")
+                    )
+                }
             },
             other => format!("vdisk {name}: cannot claim ownership: {other}"),
         }
@@ -517,6 +537,54 @@ fn group_placement(me: NodeId, owners: &[Option<NodeId>]) -> Placement {
         [only] if *only == me => Placement::Here { owns_some: true },
         [only] => Placement::There(*only),
         _ => Placement::Split(nodes),
+    }
+}
+
+/// Starts a vdisk another node created after this one started, so that it can be claimed
+/// here. A failure is logged; the open then fails with "not found" or the engine's reason.
+async fn learn(engine: &NodeEngine, name: &str) {
+    if let Err(error) = engine.learn(name).await {
+        tracing::warn!(vdisk = name, %error, "could not start a vdisk from the catalog");
+    }
+}
+
+/// How long a vdisk waits between attempts to claim it again after a copy failed.
+const RECLAIM_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Claims a vdisk again whenever one of its copies failed at the epoch this node holds it
+/// at: its gate shuts (writes fail meanwhile), and the new claim fences the copies again,
+/// resynchronizes them and replaces those on nodes that are down. Retried while the node
+/// still holds the vdisk and nobody else took it.
+async fn reclaim_after_copy_failures(
+    cluster: Arc<Clustered>,
+    mut failures: tokio::sync::mpsc::Receiver<CopyFailed>,
+) {
+    while let Some(failed) = failures.recv().await {
+        loop {
+            let held = lock(&cluster.held)
+                .get(&failed.vdisk)
+                .map(|h| (h.wanted.clone(), h.frontend, h.claim.epoch.0));
+            let Some((wanted, frontend, epoch)) = held else {
+                break;
+            };
+            if epoch != failed.epoch {
+                break; // claimed again since that failure
+            }
+            wanted.gate.close();
+            tracing::warn!(vdisk = %wanted.name, epoch,
+                "a copy failed; claiming the vdisk again to resynchronize or replace its copies");
+            match cluster.claim(wanted, frontend).await {
+                Ok(()) => break,
+                Err(refused) if refused.refusal.is_some() => {
+                    lock(&cluster.held).remove(&failed.vdisk);
+                    break;
+                }
+                Err(refused) => {
+                    tracing::warn!(reason = %refused.message, "claiming again failed; retrying");
+                    tokio::time::sleep(RECLAIM_RETRY).await;
+                }
+            }
+        }
     }
 }
 

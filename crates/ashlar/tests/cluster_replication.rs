@@ -2,8 +2,9 @@
 //! loopback: a vdisk created with `--rf 2` is claimed by the node a client opens it on, which
 //! records the copy set (itself and the storage-only node) and fences the other copy at its
 //! epoch; every write the client makes reaches the copy node's own oplog and, after it drains,
-//! its extent store, byte for byte; with the copy node down, writes fail with a clear error
-//! instead of being acknowledged with one copy, and succeed again once it is back.
+//! its extent store, byte for byte. A copy that restarted is resynchronized, one that is down
+//! replaced (writes fail meanwhile, never acknowledged with one copy); when the owner dies, a
+//! surviving copy takes over with every acknowledged write and a new copy is filled.
 
 mod common;
 // Shared with other test binaries, each of which uses a part of it.
@@ -15,6 +16,7 @@ use common::{cluster_node, node_id, run_bounded_env, Node};
 use etcd_server::EtcdServer;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 const VDISK: &str = "replicated";
 const PATTERN_BYTES: usize = 4 << 20;
@@ -78,10 +80,10 @@ fn egroup0_data(node: &Node, vdisk_dir_name: &str) -> Vec<u8> {
 }
 
 #[test]
-fn rf2_writes_reach_the_copy_node_and_wait_for_it() {
+fn rf2_writes_reach_the_copy_node_which_is_resynced_or_replaced_when_it_fails() {
     let etcd = EtcdServer::start();
     let a = cluster_node(&etcd.url, &[]);
-    let b = cluster_node(&etcd.url, &[]);
+    let mut b = cluster_node(&etcd.url, &[]);
     let mut c = cluster_node(&etcd.url, &["--storage-only"]);
     // Created after B and C started: C learns of it from the catalog when its first
     // replicated record arrives.
@@ -112,7 +114,6 @@ fn rf2_writes_reach_the_copy_node_and_wait_for_it() {
     assert!(replica_records(&c) > 0, "C applied no record");
     assert_eq!(replica_records(&b), 0, "B holds no copy");
     assert_eq!(fence_epoch(&c, &vdisk_dir), epoch);
-    // The pattern reads back through the owner.
     let back = dir.path().join("back");
     let (ok, text) = nbdcopy(&a.uri(VDISK), back.to_str().unwrap());
     assert!(ok, "read through A: {text}");
@@ -128,38 +129,74 @@ fn rf2_writes_reach_the_copy_node_and_wait_for_it() {
         "C's extent store does not hold what the client wrote"
     );
 
-    // With the copy node down, a write cannot reach every copy: it fails, clearly, and the
-    // owner stays up for everything else.
-    let (second, second_data) = pattern(dir.path(), 2);
-    let (ok, text) = nbdcopy(second.to_str().unwrap(), &a.uri(VDISK));
-    assert!(!ok, "a write with the copy node down was acknowledged");
-    assert!(
-        a.log().contains("replica node did not take the write"),
-        "the owner's log does not say why:\n{}\n{text}",
-        a.log()
-    );
-    let (status, _) = a.http_get("/healthz");
-    assert_eq!(status, 200);
-
-    // Back, but its copy missed what the owner tried to write meanwhile (failed writes may
-    // have reached the owner's own copy): it refuses to take records as if nothing happened,
-    // so writes keep failing, with the reason in the log, rather than diverge silently.
+    // C restarted: it may have missed records, so it refuses A's stream; A claims the vdisk
+    // again (epoch + 1), resynchronizes C and writes go on at RF 2.
     c.restart();
-    let (ok, _) = nbdcopy(second.to_str().unwrap(), &a.uri(VDISK));
+    let (second, second_data) = pattern(dir.path(), 2);
+    write_until_acknowledged(&a, &second);
     assert!(
-        !ok,
-        "a write was acknowledged by a copy that missed records"
-    );
-    assert!(
-        c.log().contains("must be resynchronized") || a.log().contains("must be resynchronized"),
-        "nobody says the copy is stale:\nA:\n{}\nC:\n{}",
-        a.log(),
+        c.log().contains("restarted after the owner claimed"),
+        "{}",
         c.log()
     );
-    // Reads are still served by the owner, and the data C took is still there.
+    assert!(a.log().contains("claiming the vdisk again"), "{}", a.log());
+    let ownership = a.show(VDISK)["ownership"].clone();
+    assert!(
+        ownership["owner_epoch"].as_u64().unwrap() > epoch,
+        "{ownership}"
+    );
+    assert_eq!(
+        ownership["copies"],
+        serde_json::json!([node_id(&a), node_id(&c)]),
+        "{ownership}"
+    );
+    c.sigterm_and_wait();
+    c.restart();
+    c.sigterm_and_wait();
+    assert!(
+        egroup0_data(&c, &vdisk_dir) == second_data,
+        "C's extent store does not hold the second pattern"
+    );
+
+    // C down for good: A replaces it by B (the only other node up), copies everything to B,
+    // and writes go on at RF 2; the owner stayed up throughout.
+    let (third, third_data) = pattern(dir.path(), 3);
+    write_until_acknowledged(&a, &third);
+    let ownership = a.show(VDISK)["ownership"].clone();
+    assert_eq!(
+        ownership["copies"],
+        serde_json::json!([node_id(&a), node_id(&b)]),
+        "{ownership}"
+    );
+    assert!(replica_records(&b) > 0, "B applied no record");
     let (ok, text) = nbdcopy(&a.uri(VDISK), back.to_str().unwrap());
     assert!(ok, "read through A: {text}");
-    drop(second_data);
+    assert!(std::fs::read(&back).unwrap()[..PATTERN_BYTES] == third_data[..]);
+    b.sigterm_and_wait();
+    b.restart();
+    b.sigterm_and_wait();
+    assert!(
+        egroup0_data(&b, &vdisk_dir) == third_data,
+        "B's extent store does not hold the third pattern"
+    );
+}
+
+/// Writes `file` through `node` until a write is acknowledged (a failed copy makes writes
+/// fail until the owner resynchronized or replaced it).
+fn write_until_acknowledged(node: &Node, file: &Path) {
+    let start = Instant::now();
+    loop {
+        let (ok, text) = nbdcopy(file.to_str().unwrap(), &node.uri(VDISK));
+        if ok {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no write acknowledged within 60 s: {text}\n{}",
+            node.log()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
 }
 
 #[test]
@@ -186,4 +223,87 @@ fn rf_above_one_needs_a_cluster_and_at_most_three() {
     assert!(!out.status.success());
     let text = String::from_utf8_lossy(&out.stderr);
     assert!(text.contains("only 1 node(s) are up"), "{text}");
+}
+
+#[test]
+fn a_copy_takes_over_a_dead_owner_with_every_write_and_a_new_copy_is_resynced() {
+    let etcd = EtcdServer::start();
+    let mut a = cluster_node(&etcd.url, &[]);
+    let b = cluster_node(&etcd.url, &[]);
+    let c = cluster_node(&etcd.url, &[]);
+    a.cli(&["vdisk", "create", VDISK, "--size", "64M", "--rf", "2"])
+        .assert_ok("vdisk create --rf 2");
+    let dir = tempfile::tempdir().unwrap();
+    let (first, first_data) = pattern(dir.path(), 3);
+    let (ok, text) = nbdcopy(first.to_str().unwrap(), &a.uri(VDISK));
+    assert!(ok, "write through A: {text}");
+    let copies = a.show(VDISK)["ownership"]["copies"].clone();
+    let (id_a, id_b, id_c) = (node_id(&a), node_id(&b), node_id(&c));
+    assert_eq!(copies[0], id_a.as_str(), "{copies}");
+    // The other copy is on B or C (whichever had more free space); the third node has none.
+    let (holder, other, holder_id, other_id) = if copies[1] == id_b.as_str() {
+        (&b, &c, &id_b, &id_c)
+    } else {
+        (&c, &b, &id_c, &id_b)
+    };
+
+    a.kill9();
+    let start = Instant::now();
+    while common::node_state(holder, &id_a) != "down" {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "A never listed down"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // The node without a copy refuses, naming the copies.
+    let out = run_bounded_env("nbdinfo", &[other.uri(VDISK)], &[("LIBNBD_DEBUG", "1")], 30);
+    assert!(!out.status.success());
+    let refusal = String::from_utf8_lossy(&out.stderr);
+    assert!(refusal.contains("copies are on nodes"), "{refusal}");
+
+    // The surviving copy takes over: every acknowledged write reads back through it.
+    let back = dir.path().join("back");
+    let (ok, text) = nbdcopy(&holder.uri(VDISK), back.to_str().unwrap());
+    assert!(
+        ok,
+        "read through the surviving copy: {text}\n{}",
+        holder.log()
+    );
+    assert!(std::fs::read(&back).unwrap()[..PATTERN_BYTES] == first_data[..]);
+    let ownership = holder.show(VDISK)["ownership"].clone();
+    assert_eq!(ownership["owner"], holder_id.as_str(), "{ownership}");
+    // The dead node's copy was replaced by the third node, which got the data first.
+    assert_eq!(
+        ownership["copies"],
+        serde_json::json!([holder_id, other_id]),
+        "{ownership}"
+    );
+    assert!(
+        holder.log().contains("copies resynchronized"),
+        "{}",
+        holder.log()
+    );
+    assert!(replica_records(other) > 0, "the new copy got nothing");
+
+    // Writes go on at full RF: through the new owner, onto the new copy.
+    let (second, second_data) = pattern(dir.path(), 4);
+    let (ok, text) = nbdcopy(second.to_str().unwrap(), &holder.uri(VDISK));
+    assert!(ok, "write through the new owner: {text}\n{}", holder.log());
+    let vdisk_dir = holder.vdisk_dir_name(VDISK);
+    let mut other = if other_id == &id_b { b } else { c };
+    other.sigterm_and_wait();
+    other.restart();
+    other.sigterm_and_wait();
+    assert!(
+        egroup0_data(&other, &vdisk_dir) == second_data,
+        "the new copy's extent store does not hold the second pattern"
+    );
+    // The old owner, restarted, is no longer a copy and serves nothing of it.
+    a.restart();
+    let out = run_bounded_env("nbdinfo", &[a.uri(VDISK)], &[("LIBNBD_DEBUG", "1")], 30);
+    assert!(
+        !out.status.success(),
+        "the old owner served a vdisk it holds no copy of"
+    );
 }

@@ -27,8 +27,8 @@ pub use ownership::{
     OwnershipWatch,
 };
 pub use placement::{
-    choose_copies, read_placement, record_placement, remove_placement, PlacementError,
-    PlacementRecord,
+    choose_copies, read_placement, read_placement_revision, record_placement, remove_placement,
+    renew_copies, replace_placement, PlacementError, PlacementRecord,
 };
 pub use record::{AdvertisedAddresses, DiskRecord, NodeRecord, NODE_RECORD_VERSION};
 pub use serving::{decide_serve, gate_step, GateStep, ServeRefusal};

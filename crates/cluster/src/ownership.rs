@@ -189,7 +189,11 @@ pub async fn claim_to_serve<M: MetaStore>(
     for _ in 0..CLAIM_ATTEMPTS {
         let state = read_ownership(store, vdisk).await?;
         let owner = state.owner.as_ref().map(|(owner, _)| owner);
-        decide_serve(node, storage_only, owner, state.last_owner)
+        let copies = crate::placement::read_placement(store, vdisk)
+            .await?
+            .map(|p| p.copies)
+            .unwrap_or_default();
+        decide_serve(node, storage_only, owner, state.last_owner, &copies)
             .map_err(|refusal| ServeError::Refused { vdisk, refusal })?;
         let owner_guard = match &state.owner {
             None => Compare::absent(owner_key.clone()),

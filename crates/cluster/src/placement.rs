@@ -12,7 +12,7 @@ use crate::membership::{NodeState, NodeStatus};
 use crate::node_id::NodeId;
 use crate::record::{self, Versioned};
 use ashlar_core::VdiskId;
-use ashlar_meta::{Compare, MetaStore, Txn, TxnOp};
+use ashlar_meta::{Compare, MetaStore, Revision, Txn, TxnOp};
 use serde::{Deserialize, Serialize};
 
 pub const PLACEMENT_RECORD_VERSION: u32 = 1;
@@ -39,13 +39,29 @@ pub enum PlacementError {
 }
 
 /// The copy set for a vdisk first claimed by `me`: `me`, then the `rf − 1` best other nodes
-/// that are up: storage-only nodes first (they hold replicas and serve nobody), then most
-/// free space, then lowest id (so the choice is deterministic).
+/// that are up ([`ranked_others`]).
 pub fn choose_copies(
     me: NodeId,
     rf: u8,
     nodes: &[NodeStatus],
 ) -> Result<Vec<NodeId>, PlacementError> {
+    let others = ranked_others(me, nodes);
+    let wanted = usize::from(rf);
+    if others.len() + 1 < wanted {
+        return Err(PlacementError::TooFewNodes {
+            wanted: rf,
+            up: others.len() + 1,
+        });
+    }
+    let mut copies = vec![me];
+    copies.extend(others.into_iter().take(wanted - 1));
+    Ok(copies)
+}
+
+/// The nodes other than `me` that are up, best first for a new copy: storage-only nodes
+/// (they hold replicas and serve nobody), then most free space, then lowest id (so the
+/// choice is deterministic).
+fn ranked_others(me: NodeId, nodes: &[NodeStatus]) -> Vec<NodeId> {
     let mut others: Vec<&NodeStatus> = nodes
         .iter()
         .filter(|n| n.state == NodeState::Up && n.record.node_id != me)
@@ -57,16 +73,7 @@ pub fn choose_copies(
             .then(b.record.free_bytes().cmp(&a.record.free_bytes()))
             .then(a.record.node_id.cmp(&b.record.node_id))
     });
-    let wanted = usize::from(rf);
-    if others.len() + 1 < wanted {
-        return Err(PlacementError::TooFewNodes {
-            wanted: rf,
-            up: others.len() + 1,
-        });
-    }
-    let mut copies = vec![me];
-    copies.extend(others.iter().take(wanted - 1).map(|n| n.record.node_id));
-    Ok(copies)
+    others.iter().map(|n| n.record.node_id).collect()
 }
 
 /// The vdisk's recorded copy set, if it has one.
@@ -79,6 +86,73 @@ pub async fn read_placement<M: MetaStore>(
         Some(kv) => Ok(Some(record::decode(&kv.key, &kv.value)?)),
         None => Ok(None),
     }
+}
+
+/// The vdisk's copy set and the revision it was last written at (for
+/// [`replace_placement`]).
+pub async fn read_placement_revision<M: MetaStore>(
+    store: &M,
+    vdisk: VdiskId,
+) -> Result<Option<(PlacementRecord, Revision)>, ClusterError> {
+    let key = keys::placement_key(vdisk);
+    match store.get(&key).await? {
+        Some(kv) => Ok(Some((record::decode(&kv.key, &kv.value)?, kv.mod_revision))),
+        None => Ok(None),
+    }
+}
+
+/// Replaces the vdisk's copy set by `copies` if it is still as read at `revision` (a node
+/// that took the vdisk over replaces the copies it found down); false if it changed since.
+pub async fn replace_placement<M: MetaStore>(
+    store: &M,
+    vdisk: VdiskId,
+    revision: Revision,
+    copies: Vec<NodeId>,
+) -> Result<bool, ClusterError> {
+    let key = keys::placement_key(vdisk);
+    let record = PlacementRecord {
+        version: PLACEMENT_RECORD_VERSION,
+        vdisk,
+        copies,
+    };
+    let txn = Txn::new()
+        .when([Compare::mod_revision_equals(key.clone(), revision)])
+        .and_then([TxnOp::put(key, record::encode(&record), None)]);
+    Ok(store.txn(txn).await?.succeeded)
+}
+
+/// The copy set a node taking a vdisk over (or claiming it again) serves with: itself first,
+/// then the other copies that are up, then, in place of those that are down, the best other
+/// nodes that are up (as [`choose_copies`] ranks them); `rf` nodes in all.
+pub fn renew_copies(
+    me: NodeId,
+    rf: u8,
+    copies: &[NodeId],
+    nodes: &[NodeStatus],
+) -> Result<Vec<NodeId>, PlacementError> {
+    let up = |node: &NodeId| {
+        nodes
+            .iter()
+            .any(|n| n.record.node_id == *node && n.state == NodeState::Up)
+    };
+    let mut renewed = vec![me];
+    renewed.extend(copies.iter().filter(|n| **n != me && up(n)).copied());
+    renewed.truncate(usize::from(rf));
+    for candidate in ranked_others(me, nodes) {
+        if renewed.len() >= usize::from(rf) {
+            break;
+        }
+        if !renewed.contains(&candidate) {
+            renewed.push(candidate);
+        }
+    }
+    if renewed.len() < usize::from(rf) {
+        return Err(PlacementError::TooFewNodes {
+            wanted: rf,
+            up: renewed.len(),
+        });
+    }
+    Ok(renewed)
 }
 
 /// Records `copies` as the vdisk's copy set unless it has one; returns the set now recorded
@@ -170,6 +244,31 @@ mod tests {
         assert!(
             error.to_string().contains("only 1 node(s) are up"),
             "{error}"
+        );
+    }
+
+    #[test]
+    fn a_taker_keeps_the_copies_that_are_up_and_replaces_the_others() {
+        let nodes = [
+            node(1, true, false, 100),
+            node(2, false, false, 500), // the old owner, down
+            node(3, true, true, 10),
+            node(4, true, false, 900),
+        ];
+        // Node 3 takes over from node 2: it keeps itself, replaces 2 by the best up node.
+        assert_eq!(
+            renew_copies(id(3), 2, &[id(2), id(3)], &nodes),
+            Ok(vec![id(3), id(4)])
+        );
+        // Nothing down: the same set, the claimant first.
+        assert_eq!(
+            renew_copies(id(1), 3, &[id(4), id(1), id(3)], &nodes),
+            Ok(vec![id(1), id(4), id(3)])
+        );
+        let two = [node(1, true, false, 1), node(2, false, false, 1)];
+        assert_eq!(
+            renew_copies(id(1), 2, &[id(2), id(1)], &two),
+            Err(PlacementError::TooFewNodes { wanted: 2, up: 1 })
         );
     }
 }

@@ -2,10 +2,11 @@
 //! [`crate::ownership::claim_to_serve`] and the node's serving gates. No store and no clock
 //! here: the owner records and the time come in as arguments, so every rule is unit-tested.
 //!
-//! Before replication, a vdisk's data lives only on the node that served it. Hence a node
-//! serves a vdisk only while it holds its ownership claim, claims it only when nobody owns
-//! it and the last owner was itself or nobody, and stops serving as soon as its lease is
-//! not surely valid any more (docs/cluster-metadata.md, "Serving gate").
+//! An unreplicated vdisk's data lives only on the node that served it; a replicated one's on
+//! every node of its copy set. Hence a node serves a vdisk only while it holds its ownership
+//! claim, claims it only when nobody owns it and it holds the data (it was the last owner or
+//! nobody was; or it is in the copy set), and stops serving as soon as its lease is not
+//! surely valid any more (docs/cluster-metadata.md, "Serving gate").
 
 use ashlar_meta::LeaseId;
 use tokio::time::Instant;
@@ -27,10 +28,16 @@ pub enum ServeRefusal {
     /// Nobody owns the vdisk, but its data is on `node`, its last owner: serving it here
     /// would show this node's (empty or stale) copy instead.
     DataOnDownNode { node: NodeId },
+    /// Nobody owns the replicated vdisk, and this node holds none of its copies: they are on
+    /// `copies`.
+    CopiesElsewhere { copies: Vec<NodeId> },
 }
 
-/// Whether `me` may claim a vdisk to serve it, given its current owner record (if any) and
-/// the node its highest epoch went to (`last_owner`, `None` if it was never claimed).
+/// Whether `me` may claim a vdisk to serve it, given its current owner record (if any), the
+/// node its highest epoch went to (`last_owner`, `None` if it was never claimed) and its copy
+/// set (`copies`: empty for an unreplicated vdisk or one never claimed). Every acknowledged
+/// write of a replicated vdisk is on every node of its copy set, so any of them may take it
+/// over when nobody owns it.
 ///
 /// An owner record naming `me` is an earlier claim of this same node: a previous run
 /// (killed before its lease ended) or a claim whose lease lapsed while etcd was away. The
@@ -41,6 +48,7 @@ pub fn decide_serve(
     storage_only: bool,
     owner: Option<&Owner>,
     last_owner: Option<NodeId>,
+    copies: &[NodeId],
 ) -> Result<(), ServeRefusal> {
     if storage_only {
         return Err(ServeRefusal::StorageOnly);
@@ -51,6 +59,12 @@ pub fn decide_serve(
             epoch: owner.epoch,
         }),
         (Some(_), _) => Ok(()),
+        (None, _) if !copies.is_empty() => match copies.contains(&me) {
+            true => Ok(()),
+            false => Err(ServeRefusal::CopiesElsewhere {
+                copies: copies.to_vec(),
+            }),
+        },
         (None, Some(last)) if last != me => Err(ServeRefusal::DataOnDownNode { node: last }),
         (None, _) => Ok(()),
     }
@@ -106,11 +120,11 @@ mod tests {
     #[test]
     fn a_node_claims_what_nobody_owns_and_it_last_owned_or_nobody_did() {
         let me = node(1);
-        assert_eq!(decide_serve(me, false, None, None), Ok(()));
-        assert_eq!(decide_serve(me, false, None, Some(me)), Ok(()));
+        assert_eq!(decide_serve(me, false, None, None, &[]), Ok(()));
+        assert_eq!(decide_serve(me, false, None, Some(me), &[]), Ok(()));
         // Its own earlier claim (previous run, lapsed lease) is taken over.
         assert_eq!(
-            decide_serve(me, false, Some(&owner(1, 4)), Some(me)),
+            decide_serve(me, false, Some(&owner(1, 4)), Some(me), &[]),
             Ok(())
         );
     }
@@ -119,15 +133,34 @@ mod tests {
     fn another_owner_or_data_on_a_down_node_is_refused() {
         let me = node(1);
         assert_eq!(
-            decide_serve(me, false, Some(&owner(2, 3)), Some(node(2))),
+            decide_serve(me, false, Some(&owner(2, 3)), Some(node(2)), &[]),
             Err(ServeRefusal::OwnedElsewhere {
                 owner: node(2),
                 epoch: OwnershipEpoch(3)
             })
         );
         assert_eq!(
-            decide_serve(me, false, None, Some(node(2))),
+            decide_serve(me, false, None, Some(node(2)), &[]),
             Err(ServeRefusal::DataOnDownNode { node: node(2) })
+        );
+    }
+
+    #[test]
+    fn any_copy_holder_takes_over_a_replicated_vdisk_nobody_owns() {
+        let (me, a, b) = (node(1), node(2), node(3));
+        // The last owner is down (no owner record): a copy holder may claim.
+        assert_eq!(decide_serve(me, false, None, Some(a), &[a, me]), Ok(()));
+        assert_eq!(
+            decide_serve(me, false, None, Some(a), &[a, b]),
+            Err(ServeRefusal::CopiesElsewhere { copies: vec![a, b] })
+        );
+        // A live owner still wins.
+        assert_eq!(
+            decide_serve(me, false, Some(&owner(2, 5)), Some(a), &[a, me]),
+            Err(ServeRefusal::OwnedElsewhere {
+                owner: a,
+                epoch: OwnershipEpoch(5)
+            })
         );
     }
 
@@ -136,7 +169,7 @@ mod tests {
         let me = node(1);
         for (current, last) in [(None, None), (Some(owner(1, 1)), Some(me))] {
             assert_eq!(
-                decide_serve(me, true, current.as_ref(), last),
+                decide_serve(me, true, current.as_ref(), last, &[me]),
                 Err(ServeRefusal::StorageOnly)
             );
         }

@@ -828,9 +828,35 @@ impl<M: MetaStore> Engine<M> {
             .into_iter()
             .find(|r| r.id == id)
             .ok_or_else(|| EngineError::NotFound(format!("vdisk id {id}")))?;
+        self.start_learned(record).await
+    }
+
+    /// Starts vdisk `name` from the shared catalog if this node has not seen it yet (another
+    /// node created it after this one started); true if it is known now.
+    pub async fn learn(&self, name: &str) -> Result<bool, EngineError> {
+        if lock(&self.vdisks).contains_key(name) {
+            return Ok(true);
+        }
+        let _control = self.control.lock().await;
+        if lock(&self.vdisks).contains_key(name) {
+            return Ok(true);
+        }
+        let Some(record) = catalog::list(&self.meta)
+            .await?
+            .into_iter()
+            .find(|r| r.name == name)
+        else {
+            return Ok(false);
+        };
+        self.start_learned(record).await?;
+        Ok(true)
+    }
+
+    /// Starts a vdisk of the catalog this node did not start with; the control lock is held.
+    async fn start_learned(&self, record: VdiskRecord) -> Result<Arc<VdiskShared>, EngineError> {
         let (epoch, _) = self.recover_oplogs(record.id).await?;
         let shared = self.start_vdisk(&record, epoch.next()).await?;
-        tracing::info!(vdisk = %record.name, id = %record.id, "vdisk started to hold a replica");
+        tracing::info!(vdisk = %record.name, id = %record.id, "vdisk learnt from the catalog");
         let entry = VdiskEntry {
             record,
             shared: shared.clone(),
@@ -852,6 +878,12 @@ impl<M: MetaStore> Engine<M> {
             });
         }
         Ok(Some(entry.shared.clone()))
+    }
+
+    /// The shared state of an online vdisk, whose shards a resync reads below the serving
+    /// gate (the node's replication copies the vdisk to its other copies before serving it).
+    pub fn vdisk_shared(&self, name: &str) -> Result<Arc<VdiskShared>, EngineError> {
+        Ok(self.shared(name)?.1)
     }
 
     /// Installs (or removes) the replicator of an online vdisk: its writes from now on are

@@ -109,6 +109,20 @@ impl VdiskShared {
         Ok(response)
     }
 
+    /// Waits until every shard has finished the writes it took so far (see
+    /// [`ShardOp::Settle`]). Off the reactors only.
+    pub async fn settle(&self) -> IoResult<()> {
+        let count = self.shard_count() as u64;
+        let offsets: Vec<u64> = (0..count).map(|i| i * SHARD_RANGE_BYTES).collect();
+        let settles = offsets
+            .iter()
+            .map(|&offset| self.call(move || ShardOp::Settle { offset }, offset));
+        for result in futures_util::future::join_all(settles).await {
+            result?;
+        }
+        Ok(())
+    }
+
     pub fn shard_count(&self) -> usize {
         self.map.load().shards.len()
     }

@@ -2,8 +2,8 @@
 //! second engine's copy through a loopback replicator that applies them the way a node's
 //! receiver does (in order, through `VdiskShared::enqueue_replica`). Racing overlapping
 //! writes, large writes that would otherwise bypass the oplog, and zeroing all leave the
-//! copy equal to the owner; a write is not answered before its replica acknowledged it; a
-//! replica that fails fails the write, and nothing hangs.
+//! copy equal to the owner; a write is not answered before its replica acknowledged it (nor
+//! is a settle); a replica that fails fails the write, and nothing hangs.
 
 mod common;
 
@@ -198,12 +198,18 @@ async fn the_copy_ends_equal_to_the_owner_and_writes_wait_for_it() {
         !pending.is_finished(),
         "writes answered before their replica acknowledged"
     );
+    // Settling waits for those writes too.
+    let shared = owner.vdisk_shared("v").unwrap();
+    let settled = tokio::spawn(async move { shared.settle().await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!settled.is_finished(), "settled with writes in flight");
     let held = hold.lock().unwrap().take().unwrap();
     assert!(!held.is_empty());
     drop(held); // releases every held acknowledgement
     for result in pending.await.unwrap() {
         result.expect("replicated write");
     }
+    settled.await.unwrap().expect("settled");
     assert!(read_all(&owner).await == read_all(&copy).await);
 
     // A replica that fails fails the write, promptly.

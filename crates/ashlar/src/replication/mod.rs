@@ -7,13 +7,15 @@
 //! - `fence`: the highest owner epoch seen per vdisk, kept on disk.
 //!
 //! [`NodeReplication::prepare`] runs when this node claims a vdisk, before its gate opens:
-//! with RF > 1 it settles the vdisk's copy set, fences every other copy at the claim's epoch
-//! and installs the replicator; a copy node that cannot be reached refuses the claim, since
-//! no write could be acknowledged.
+//! with RF > 1 it settles the vdisk's copy set (copies on nodes that are down are replaced
+//! by other live nodes), fences every other copy at the claim's epoch, makes them equal to
+//! this node's copy (`resync`) and installs the replicator; a copy node that cannot be
+//! reached refuses the claim, since no write could be acknowledged.
 
 mod fence;
 mod peers;
 mod receiver;
+mod resync;
 mod sender;
 pub mod wire;
 
@@ -22,7 +24,8 @@ use crate::cluster::NodeMeta;
 use crate::registry::NodeEngine;
 use anyhow::{anyhow, bail, Context, Result};
 use ashlar_cluster::{
-    choose_copies, list_nodes, read_placement, record_placement, NodeId, NodeState, NodeStatus,
+    choose_copies, list_nodes, read_placement_revision, record_placement, renew_copies,
+    replace_placement, NodeId, NodeState, NodeStatus,
 };
 use ashlar_core::VdiskId;
 use ashlar_meta::{Compare, MetaStore, Txn, TxnOp};
@@ -31,14 +34,19 @@ use ashlar_transport::{
 };
 use peers::{transport_id, Peers};
 use receiver::ReplicaReceiver;
+pub use sender::CopyFailed;
 use sender::{replica_error, PeerReplicator};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::mpsc;
 use wire::Message;
 
 /// How long a replica may take to make one record durable before the write fails.
 pub const REPLICA_TIMEOUT: Duration = Duration::from_secs(5);
+/// Copy failures queued for the ownership layer (one per vdisk and epoch is enough; more are
+/// dropped).
+pub const COPY_FAILURE_QUEUE_LIMIT: usize = 64;
 
 /// The node's replication: its node-to-node server and its peers.
 pub struct NodeReplication {
@@ -46,6 +54,12 @@ pub struct NodeReplication {
     engine: Arc<NodeEngine>,
     meta: NodeMeta,
     peers: Peers,
+    failed: mpsc::Sender<CopyFailed>,
+    /// This node's own receiver: a claim fences it too, so no record of an older owner is
+    /// applied here once this node serves the vdisk.
+    receiver: ReplicaReceiver,
+    /// Taken once by the ownership layer, which claims a vdisk again when a copy failed.
+    failures: std::sync::Mutex<Option<mpsc::Receiver<CopyFailed>>>,
     _server: Server,
 }
 
@@ -61,8 +75,9 @@ impl NodeReplication {
         let config = TransportConfig::new(transport_id(node), secret, TransportLimits::default());
         let transport = Arc::new(TcpTransport::new(config));
         let receiver = ReplicaReceiver::start(engine.clone(), &args.data_dir);
+        let serving = receiver.clone();
         let handler = handler_fn(move |_peer, payload| {
-            let receiver = receiver.clone();
+            let receiver = serving.clone();
             async move { receiver.handle(payload).await }
         });
         let server = transport
@@ -74,13 +89,26 @@ impl NodeReplication {
                 args.node_listen
             )
             })?;
+        let (failed, failures) = mpsc::channel(COPY_FAILURE_QUEUE_LIMIT);
         Ok(NodeReplication {
             node,
             engine,
             meta,
             peers: Peers::new(transport),
+            failed,
+            receiver,
+            failures: std::sync::Mutex::new(Some(failures)),
             _server: server,
         })
+    }
+
+    /// The copy failures of the vdisks this node owns, for the one task that claims them
+    /// again; `None` after the first call.
+    pub fn take_failures(&self) -> Option<mpsc::Receiver<CopyFailed>> {
+        self.failures
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
     }
 
     /// Makes vdisk `name` ready to take writes at ownership `epoch`: nothing to do with one
@@ -103,6 +131,9 @@ impl NodeReplication {
             peers.push(self.peers.peer(*copy, address));
         }
         let fence = wire::encode(&Message::Fence { vdisk, epoch });
+        self.receiver.handle(fence.clone()).await.map_err(|e| {
+            format!("vdisk {name}: fencing this node's own copy at epoch {epoch}: {e}")
+        })?;
         for peer in &peers {
             peer.call(fence.clone(), REPLICA_TIMEOUT)
                 .await
@@ -113,15 +144,29 @@ impl NodeReplication {
                     )
                 })?;
         }
-        let replicator = PeerReplicator::new(epoch, peers, REPLICA_TIMEOUT);
+        let shared = self.engine.vdisk_shared(name).map_err(|e| e.to_string())?;
+        // Writes still on their way (the last owner's records this node was applying, or
+        // this node's own before its gate shut) finish first: the resync must read them.
+        shared
+            .settle()
+            .await
+            .map_err(|e| format!("vdisk {name}: waiting for writes in flight: {e}"))?;
+        let started = std::time::Instant::now();
+        let data_bytes = resync::resync(shared, vdisk, epoch, &peers)
+            .await
+            .map_err(|e| format!("vdisk {name}: resynchronizing its copies: {e}"))?;
+        tracing::info!(vdisk = name, epoch, copies = ?names(&copies), data_bytes,
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "copies resynchronized from this node's; replicating the vdisk's writes to every copy");
+        let replicator = PeerReplicator::new(epoch, peers, REPLICA_TIMEOUT, self.failed.clone());
         self.engine
             .set_replicator(name, Some(Box::new(replicator)))
             .map_err(|e| e.to_string())?;
-        tracing::info!(vdisk = name, epoch, copies = ?copies.iter().map(|n| n.to_string()).collect::<Vec<_>>(),
-            "replicating the vdisk's writes to every copy");
         Ok(())
     }
 
+    /// The copy set to serve with: chosen and recorded at the vdisk's first claim; at later
+    /// claims the recorded one, with this node first and copies on down nodes replaced.
     async fn copy_set(
         &self,
         name: &str,
@@ -129,29 +174,50 @@ impl NodeReplication {
         rf: u8,
         nodes: &[NodeStatus],
     ) -> Result<Vec<NodeId>, String> {
-        let recorded = read_placement(&self.meta, vdisk)
+        let recorded = read_placement_revision(&self.meta, vdisk)
             .await
             .map_err(|e| format!("vdisk {name}: reading its placement: {e}"))?;
-        let placement = match recorded {
-            Some(placement) => placement,
-            None => {
-                let copies = choose_copies(self.node, rf, nodes)
-                    .map_err(|e| format!("vdisk {name}: {e}"))?;
-                record_placement(&self.meta, vdisk, copies)
-                    .await
-                    .map_err(|e| format!("vdisk {name}: recording its placement: {e}"))?
-            }
+        let Some((placement, revision)) = recorded else {
+            let copies =
+                choose_copies(self.node, rf, nodes).map_err(|e| format!("vdisk {name}: {e}"))?;
+            let placement = record_placement(&self.meta, vdisk, copies)
+                .await
+                .map_err(|e| format!("vdisk {name}: recording its placement: {e}"))?;
+            self.check_holds_copy(name, &placement.copies)?;
+            return Ok(placement.copies);
         };
-        if !placement.copies.contains(&self.node) {
-            let holders: Vec<String> = placement.copies.iter().map(|n| n.to_string()).collect();
-            return Err(format!(
-                "vdisk {name}'s copies are on nodes {}; this node holds none, and this version \
-                 cannot move a vdisk's copies: connect to one of those nodes",
-                holders.join(", ")
-            ));
+        self.check_holds_copy(name, &placement.copies)?;
+        let renewed = renew_copies(self.node, rf, &placement.copies, nodes)
+            .map_err(|e| format!("vdisk {name}: {e}"))?;
+        if renewed != placement.copies {
+            let replaced = replace_placement(&self.meta, vdisk, revision, renewed.clone())
+                .await
+                .map_err(|e| format!("vdisk {name}: recording its placement: {e}"))?;
+            if !replaced {
+                return Err(format!(
+                    "vdisk {name}: its placement changed while this node claimed it; try again"
+                ));
+            }
+            tracing::info!(vdisk = name, from = ?names(&placement.copies), to = ?names(&renewed),
+                "copies on nodes that are down replaced");
         }
-        Ok(placement.copies)
+        Ok(renewed)
     }
+
+    fn check_holds_copy(&self, name: &str, copies: &[NodeId]) -> Result<(), String> {
+        if copies.contains(&self.node) {
+            return Ok(());
+        }
+        Err(format!(
+            "vdisk {name}'s copies are on nodes {}; this node holds none, and this version \
+             cannot move a vdisk's copies: connect to one of those nodes",
+            names(copies).join(", ")
+        ))
+    }
+}
+
+fn names(nodes: &[NodeId]) -> Vec<String> {
+    nodes.iter().map(|n| n.to_string()).collect()
 }
 
 fn copy_address(name: &str, node: NodeId, nodes: &[NodeStatus]) -> Result<SocketAddr, String> {

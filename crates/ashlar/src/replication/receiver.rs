@@ -52,6 +52,7 @@ impl ReplicaReceiver {
             streams: HashMap::new(),
             targets: HashMap::new(),
             stale_reported: HashSet::new(),
+            fenced_this_run: HashSet::new(),
         };
         tokio::spawn(receiver_loop.run(incoming));
         ReplicaReceiver { queue }
@@ -97,6 +98,9 @@ struct ReceiverLoop {
     targets: HashMap<VdiskId, Arc<VdiskShared>>,
     /// (vdisk, owner epoch) whose stale copy the log has named already.
     stale_reported: HashSet<(VdiskId, u64)>,
+    /// (vdisk, owner epoch) an owner fenced while this process ran: records of any other
+    /// epoch come from a claim made before a restart of this node.
+    fenced_this_run: HashSet<(VdiskId, u64)>,
 }
 
 impl ReceiverLoop {
@@ -104,7 +108,11 @@ impl ReceiverLoop {
         while let Some(Incoming { message, answer }) = incoming.recv().await {
             match message {
                 Message::Fence { vdisk, epoch } => {
-                    let _ = answer.send(self.fence(vdisk, epoch).await);
+                    let fenced = self.fence(vdisk, epoch).await;
+                    if fenced.is_ok() {
+                        self.fenced_this_run.insert((vdisk, epoch));
+                    }
+                    let _ = answer.send(fenced);
                 }
                 Message::Record { epoch, record } => self.record(epoch, record, answer).await,
             }
@@ -133,25 +141,24 @@ impl ReceiverLoop {
             let _ = answer.send(Err(refused));
             return;
         }
+        if !self.fenced_this_run.contains(&(record.vdisk, epoch)) {
+            // The owner fences every copy before it sends a record at its epoch: this node
+            // restarted since, and may have missed records while it was away.
+            let reason = format!(
+                "vdisk {}: this copy restarted after the owner claimed the vdisk at epoch \
+                 {epoch} and may have missed records; the owner must resynchronize it",
+                record.vdisk
+            );
+            if self.stale_reported.insert((record.vdisk, epoch)) {
+                tracing::warn!(%reason, "refusing replicated records");
+            }
+            let _ = answer.send(Err(remote(STALE_CODE, reason)));
+            return;
+        }
         let key = (record.vdisk, epoch, record.shard, record.stream);
-        let known = self.streams.contains_key(&key);
         let stream = self.streams.entry(key).or_default();
         if record.prev_seq != stream.last {
-            if !known {
-                // This node never saw the stream's earlier records (it was down, or restarted
-                // and forgot the stream): its copy misses them.
-                self.streams.remove(&key);
-                let reason = format!(
-                    "vdisk {}: this copy missed the records before {} (the node was away \
-                     while the owner wrote); it must be resynchronized, which this version \
-                     cannot do yet",
-                    record.vdisk, record.seq
-                );
-                if self.stale_reported.insert((record.vdisk, epoch)) {
-                    tracing::warn!(%reason, "refusing replicated records");
-                }
-                let _ = answer.send(Err(remote(STALE_CODE, reason)));
-            } else if record.seq <= stream.last {
+            if record.seq <= stream.last {
                 let _ = answer.send(Err(remote(
                     FAILED_CODE,
                     format!(

@@ -6,24 +6,42 @@ use super::peers::Peer;
 use super::wire::{self, Message, FENCED_CODE};
 use ashlar_cluster::NodeId;
 use ashlar_core::IoError;
+use ashlar_core::VdiskId;
 use ashlar_engine::replication::{ReplicaAck, ReplicaRecord, Replicator};
 use ashlar_transport::TransportError;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::mpsc;
 
 pub struct PeerReplicator {
     /// The ownership epoch this node claimed the vdisk at.
     epoch: u64,
     peers: Vec<Arc<Peer>>,
     timeout: Duration,
+    /// Where a failed copy is reported, so the vdisk is claimed again (copies resynchronized
+    /// or replaced): after a failure a copy may miss records, and its streams cannot go on.
+    failed: mpsc::Sender<CopyFailed>,
+}
+
+/// A copy of `vdisk` did not take a record sent at `epoch`.
+#[derive(Debug, Clone, Copy)]
+pub struct CopyFailed {
+    pub vdisk: VdiskId,
+    pub epoch: u64,
 }
 
 impl PeerReplicator {
-    pub fn new(epoch: u64, peers: Vec<Arc<Peer>>, timeout: Duration) -> PeerReplicator {
+    pub fn new(
+        epoch: u64,
+        peers: Vec<Arc<Peer>>,
+        timeout: Duration,
+        failed: mpsc::Sender<CopyFailed>,
+    ) -> PeerReplicator {
         PeerReplicator {
             epoch,
             peers,
             timeout,
+            failed,
         }
     }
 }
@@ -35,14 +53,20 @@ impl Replicator for PeerReplicator {
             epoch: self.epoch,
             record,
         });
+        let epoch = self.epoch;
         let calls: Vec<_> = self
             .peers
             .iter()
             .map(|peer| {
                 let (peer, payload, timeout) = (peer.clone(), payload.clone(), self.timeout);
+                let failed = self.failed.clone();
                 async move {
                     let result = peer.call(payload, timeout).await;
                     peer.note_outcome(vdisk, result.as_ref().err());
+                    if result.is_err() {
+                        // Full: a re-claim is queued already; one is enough.
+                        let _ = failed.try_send(CopyFailed { vdisk, epoch });
+                    }
                     result.map_err(|error| replica_error(peer.node(), vdisk, error))
                 }
             })
@@ -57,7 +81,7 @@ impl Replicator for PeerReplicator {
 }
 
 /// What the client is told when a replica did not take a record.
-pub fn replica_error(node: NodeId, vdisk: ashlar_core::VdiskId, error: TransportError) -> IoError {
+pub fn replica_error(node: NodeId, vdisk: VdiskId, error: TransportError) -> IoError {
     match error {
         TransportError::Remote(remote) if remote.code == FENCED_CODE => {
             IoError::NotServing(format!(

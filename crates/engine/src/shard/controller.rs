@@ -136,6 +136,8 @@ pub(super) struct Controller {
     waiting_bypasses: VecDeque<(ShardRequest, u64, Bytes)>,
     /// Reads that saw a checksum mismatch while a writer ran; rerun when no writer runs.
     parked_reads: Vec<PendingRead>,
+    /// `Settle` requests, answered once no write is in flight.
+    settling: Vec<ShardRequest>,
     /// Writes on their way into the oplog (waiting to append, or for their commit).
     log_writes: LogWrites,
     drain: DrainState,
@@ -147,6 +149,8 @@ pub(super) struct Controller {
     last_write: Instant,
     /// The sequence number of the last record handed to the replicator (0: none yet).
     last_replicated_seq: u64,
+    /// Which replicator `last_replicated_seq` counts for (its address).
+    replicator_identity: Option<usize>,
     retiring: Option<Retiring>,
     requests_open: bool,
     control_open: bool,
@@ -176,12 +180,14 @@ impl Controller {
             bypass_ranges: Vec::new(),
             waiting_bypasses: VecDeque::new(),
             parked_reads: Vec::new(),
+            settling: Vec::new(),
             log_writes: LogWrites::default(),
             drain: DrainState::Idle,
             drain_failure: None,
             writers_started: 0,
             last_write: Instant::now(),
             last_replicated_seq: 0,
+            replicator_identity: None,
             retiring: None,
             requests_open: true,
             control_open: true,
@@ -282,8 +288,21 @@ impl Controller {
         self.send_to_replicas();
         let finished = self.log_writes.take_finished(&self.storage.oplog);
         self.answer_log_writes(finished);
+        self.answer_settled();
         self.maybe_hand_over();
         Flow::Continue
+    }
+
+    /// Answers the `Settle` requests once no write is in flight here.
+    fn answer_settled(&mut self) {
+        let writing =
+            self.log_writes.len() + self.waiting_bypasses.len() + self.bypass_ranges.len();
+        if writing > 0 || self.settling.is_empty() {
+            return;
+        }
+        for request in std::mem::take(&mut self.settling) {
+            self.answer(request, Ok(ShardReply::Done));
+        }
     }
 
     /// New client requests are taken while serving and below the in-flight limit.
@@ -316,7 +335,10 @@ impl Controller {
             }
         }
         assert!(
-            self.log_writes.len() + self.waiting_bypasses.len() + self.parked_reads.len()
+            self.log_writes.len()
+                + self.waiting_bypasses.len()
+                + self.parked_reads.len()
+                + self.settling.len()
                 <= self.requests_in_flight,
             "every queued write or read is a request in flight"
         );
@@ -353,6 +375,10 @@ impl Controller {
                     let zeros = Bytes::from(vec![0u8; length as usize]);
                     self.start_write(request, offset, zeros);
                 }
+            }
+            ShardOp::Settle { .. } => {
+                self.requests_in_flight += 1;
+                self.settling.push(request);
             }
             ShardOp::BlockStatus { offset, length } => {
                 self.requests_in_flight += 1;
@@ -436,6 +462,14 @@ impl Controller {
             return;
         }
         let replicator = self.spec.replication.current();
+        // A new replicator (a new claim, a new epoch) starts new streams on the copies.
+        let identity = replicator
+            .as_ref()
+            .map(|r| Arc::as_ptr(r) as *const () as usize);
+        if identity != self.replicator_identity {
+            self.replicator_identity = identity;
+            self.last_replicated_seq = 0;
+        }
         for (seq, piece) in outgoing {
             let op = match piece {
                 Append::Write { offset, data } => ReplicaOp::Write { offset, data },

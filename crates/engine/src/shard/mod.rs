@@ -59,6 +59,13 @@ pub enum ShardOp {
         offset: u64,
         length: u64,
     },
+    /// Answered (`Done`) once every write the shard took before it has finished: durable, or
+    /// failed. The node sends it with the vdisk's gate shut, before reading the vdisk to
+    /// resynchronize its copies, so that no write still on its way is missed by the read.
+    /// `offset` only picks the shard.
+    Settle {
+        offset: u64,
+    },
 }
 
 #[derive(Debug)]
