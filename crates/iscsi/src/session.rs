@@ -10,6 +10,7 @@
 //! data are reserved from the node-wide [`DataBudget`](crate::DataBudget) before the R2T is
 //! sent or the read executed.
 
+use crate::abort::{self, AbortOrder, AbortRoute};
 use crate::error::{IscsiError, Violation, ViolationLog};
 use crate::keepalive::{Decision, Keepalive, NopSettings};
 use crate::limits::{Effective, IscsiLimits};
@@ -31,7 +32,7 @@ use std::time::Duration;
 use tokio::io::{AsyncBufRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch, Notify, OwnedSemaphorePermit};
-use tokio::task::AbortHandle;
+use tokio::task::{AbortHandle, JoinHandle};
 
 /// Socket read buffer.
 const READ_BUFFER_BYTES: usize = 256 * 1024;
@@ -181,18 +182,31 @@ struct Started {
 struct Joined {
     initiator_port: String,
     units: Vec<Arc<LunReservations>>,
+    /// Names this session in the units' abort routes.
+    id: u64,
+    /// Where the units send PREEMPT AND ABORT orders; taken by the session's abort task.
+    orders: Option<mpsc::UnboundedReceiver<AbortOrder>>,
 }
 
 impl Joined {
     fn new<D>(logged_in: &login::LoggedIn, luns: &[LogicalUnit<D>]) -> Joined {
         let initiator_port = Nexus::new(&logged_in.initiator, logged_in.isid).initiator_port;
         let units: Vec<_> = luns.iter().map(|unit| unit.shared.clone()).collect();
-        for unit in &units {
-            unit.nexus_joined(&initiator_port);
+        let id = abort::next_session_id();
+        let (sender, orders) = mpsc::unbounded_channel();
+        for (index, unit) in units.iter().enumerate() {
+            let route = AbortRoute {
+                session: id,
+                lun: Lun(index as u16),
+                orders: sender.clone(),
+            };
+            unit.nexus_joined(&initiator_port, route);
         }
         Joined {
             initiator_port,
             units,
+            id,
+            orders: Some(orders),
         }
     }
 }
@@ -200,7 +214,7 @@ impl Joined {
 impl Drop for Joined {
     fn drop(&mut self) {
         for unit in &self.units {
-            unit.nexus_lost(&self.initiator_port);
+            unit.nexus_lost(&self.initiator_port, self.id);
         }
     }
 }
@@ -218,7 +232,7 @@ async fn serve_session<R: TargetRegistry, Rd: AsyncBufRead + Unpin>(
         mut log,
         limits,
         local,
-        joined,
+        mut joined,
     } = started;
     // A normal session replaces a live one of the same initiator, ISID and target.
     let registration = match &logged_in.kind {
@@ -280,6 +294,10 @@ async fn serve_session<R: TargetRegistry, Rd: AsyncBufRead + Unpin>(
         .limits
         .nop
         .map(|nop| tokio::task::spawn_local(ping_while_quiet(session.clone(), nop, dead.clone())));
+    let aborter = joined
+        .as_mut()
+        .and_then(|joined| joined.orders.take())
+        .map(|orders| tokio::task::spawn_local(abort_on_orders(session.clone(), orders)));
     let mut feature = FullFeature {
         session: session.clone(),
         registry,
@@ -293,6 +311,9 @@ async fn serve_session<R: TargetRegistry, Rd: AsyncBufRead + Unpin>(
         .await;
     if let Some(pinger) = pinger {
         pinger.abort();
+    }
+    if let Some(aborter) = aborter {
+        aborter.abort();
     }
     // Commands still waiting for data never complete; running ones get a grace period.
     session.abort_where(
@@ -333,7 +354,7 @@ fn peer_gone(error: &std::io::Error) -> bool {
 }
 
 /// Reads one PDU; `Ok(None)` when the initiator closed the connection between PDUs.
-async fn read_pdu<Rd: AsyncBufRead + Unpin>(
+pub(crate) async fn read_pdu<Rd: AsyncBufRead + Unpin>(
     reader: &mut Rd,
     digests: Digests,
     max_data: u32,
@@ -586,13 +607,15 @@ enum TaskState {
     /// Waiting for budget before its first R2T.
     AwaitingBudget(Box<PendingWrite>, AbortHandle),
     /// Executing (`None` while being answered without a task).
-    Running(Option<AbortHandle>),
+    Running(Option<JoinHandle<()>>),
 }
 
 struct Task {
     lun: Option<Lun>,
     /// Counted in the CmdSN window (not immediate).
     counted: bool,
+    /// The unit's PREEMPT AND ABORT count when the command arrived.
+    preemptions: u64,
     state: TaskState,
 }
 
@@ -673,12 +696,34 @@ impl<D: ashlar_core::BlockDevice + 'static> Session<D> {
             return false;
         };
         match &task.state {
-            TaskState::Running(Some(handle)) | TaskState::AwaitingBudget(_, handle) => {
-                handle.abort()
-            }
+            TaskState::Running(Some(handle)) => handle.abort(),
+            TaskState::AwaitingBudget(_, handle) => handle.abort(),
             TaskState::Running(None) | TaskState::AwaitingData(_) => {}
         }
         true
+    }
+
+    /// Takes the commands to `lun` that arrived before preemption number `before` out of the
+    /// session (their responses are never sent) and stops those that have not reached the
+    /// device. Returns the running ones: their device I/O may have started, so the caller
+    /// lets them finish before the preemption is answered.
+    fn withdraw_preempted(&self, lun: Lun, before: u64) -> Vec<JoinHandle<()>> {
+        let itts: Vec<u32> = self
+            .tasks
+            .borrow()
+            .iter()
+            .filter(|(_, t)| t.lun == Some(lun) && t.preemptions < before)
+            .map(|(itt, _)| *itt)
+            .collect();
+        let mut running = Vec::new();
+        for itt in itts {
+            match self.remove(itt).map(|task| task.state) {
+                Some(TaskState::Running(Some(handle))) => running.push(handle),
+                Some(TaskState::AwaitingBudget(_, handle)) => handle.abort(),
+                _ => {}
+            }
+        }
+        running
     }
 
     async fn wait_idle(&self) {
@@ -739,6 +784,28 @@ async fn ping_while_quiet<D: ashlar_core::BlockDevice + 'static>(
                 return;
             }
         }
+    }
+}
+
+/// Carries out the PREEMPT AND ABORT orders of the session's units: the preempted commands
+/// are withdrawn at once, then the order is confirmed when those already running have
+/// finished (at most [`abort::ABORT_WAIT`]; past it they are dropped).
+async fn abort_on_orders<D: ashlar_core::BlockDevice + 'static>(
+    session: Rc<Session<D>>,
+    mut orders: mpsc::UnboundedReceiver<AbortOrder>,
+) {
+    while let Some(order) = orders.recv().await {
+        let running = session.withdraw_preempted(order.lun, order.before);
+        let deadline = tokio::time::Instant::now() + abort::ABORT_WAIT;
+        for mut handle in running {
+            if tokio::time::timeout_at(deadline, &mut handle)
+                .await
+                .is_err()
+            {
+                handle.abort();
+            }
+        }
+        let _ = order.done.send(());
     }
 }
 
@@ -977,9 +1044,13 @@ impl<R: TargetRegistry> FullFeature<R> {
                 .active
                 .set(session.sequence.active.get() + 1);
         }
+        let preemptions = session
+            .unit(command.lun)
+            .map_or(0, |unit| unit.shared.preemptions());
         let task = |state| Task {
             lun: command.lun,
             counted: !immediate,
+            preemptions,
             state,
         };
         // Extended CDBs (AHS) and bidirectional commands are not supported.
@@ -1417,7 +1488,7 @@ fn spawn_command<D: ashlar_core::BlockDevice + 'static>(
     command: Command,
     data: Bytes,
     charge: Option<OwnedSemaphorePermit>,
-) -> AbortHandle {
+) -> JoinHandle<()> {
     tokio::task::spawn_local(async move {
         let _charge = match charge {
             Some(charge) => Some(charge),
@@ -1437,7 +1508,6 @@ fn spawn_command<D: ashlar_core::BlockDevice + 'static>(
         let result = scsi::execute(&ctx, &command.cdb, data, command.expected).await;
         respond(&session, &command, result).await;
     })
-    .abort_handle()
 }
 
 /// Sends a command's Data-In and status, unless it was aborted meanwhile.
