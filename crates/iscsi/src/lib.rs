@@ -12,6 +12,7 @@
 //! A connection runs inside a tokio current-thread runtime and a `LocalSet`: device futures
 //! need not be `Send`. One session has one connection (MaxConnections=1).
 
+mod abort;
 pub mod chap;
 mod error;
 mod keepalive;

@@ -266,27 +266,76 @@ pub fn decode(
 
 /// Encodes a PDU (the BHS's AHS and data lengths are set from `pdu`).
 pub fn encode(pdu: &Pdu, digests: Digests) -> Bytes {
+    let mut out = BytesMut::with_capacity(encoded_len(pdu, digests));
+    encode_into(pdu, digests, &mut out);
+    out.freeze()
+}
+
+/// Bytes [`encode`] produces for `pdu`.
+pub fn encoded_len(pdu: &Pdu, digests: Digests) -> usize {
+    let digest = |on: bool| if on { DIGEST_LEN } else { 0 };
+    let data = if pdu.data.is_empty() {
+        0
+    } else {
+        pdu.data.len() + padding(pdu.data.len()) + digest(digests.data)
+    };
+    BHS_LEN + pdu.ahs.len() + digest(digests.header) + data
+}
+
+/// Appends `pdu` as [`encode`] frames it to `out` (a connection's write buffer: the data is
+/// copied once, straight into it).
+pub fn encode_into(pdu: &Pdu, digests: Digests, out: &mut BytesMut) {
+    out.reserve(encoded_len(pdu, digests));
+    encode_head_into(pdu, digests, out);
+    if !pdu.data.is_empty() {
+        out.put_slice(&pdu.data);
+        out.put_slice(encode_tail(pdu, digests).as_slice());
+    }
+}
+
+/// Appends what goes before `pdu`'s data segment: the BHS (with its lengths), the AHS and
+/// the header digest.
+pub fn encode_head_into(pdu: &Pdu, digests: Digests, out: &mut BytesMut) {
     let mut bhs = pdu.bhs;
     debug_assert!(pdu.ahs.len().is_multiple_of(4) && pdu.ahs.len() <= 255 * 4);
     bhs.0[4] = (pdu.ahs.len() / 4) as u8;
     bhs.set_data_segment_length(pdu.data.len() as u32);
-    let pad = padding(pdu.data.len());
-    let mut out = BytesMut::with_capacity(BHS_LEN + pdu.ahs.len() + pdu.data.len() + pad + 8);
     out.put_slice(&bhs.0);
     out.put_slice(&pdu.ahs);
     if digests.header {
         let crc = crc32c::crc32c_append(crc32c::crc32c(&bhs.0), &pdu.ahs);
         out.put_u32_le(crc);
     }
-    if !pdu.data.is_empty() {
-        out.put_slice(&pdu.data);
-        out.put_bytes(0, pad);
-        if digests.data {
-            let crc = crc32c::crc32c_append(crc32c::crc32c(&pdu.data), &[0u8; 3][..pad]);
-            out.put_u32_le(crc);
-        }
+}
+
+/// What follows a data segment: its padding and data digest (nothing without data).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Tail {
+    bytes: [u8; 3 + DIGEST_LEN],
+    len: usize,
+}
+
+impl Tail {
+    pub fn as_slice(&self) -> &[u8] {
+        &self.bytes[..self.len]
     }
-    out.freeze()
+}
+
+/// The padding and data digest that follow `pdu`'s data segment.
+pub fn encode_tail(pdu: &Pdu, digests: Digests) -> Tail {
+    let mut tail = Tail::default();
+    if pdu.data.is_empty() {
+        return tail;
+    }
+    let pad = padding(pdu.data.len());
+    // The padding bytes are the zeros `bytes` starts with.
+    tail.len = pad;
+    if digests.data {
+        let crc = crc32c::crc32c_append(crc32c::crc32c(&pdu.data), &[0u8; 3][..pad]);
+        tail.bytes[pad..pad + DIGEST_LEN].copy_from_slice(&crc.to_le_bytes());
+        tail.len += DIGEST_LEN;
+    }
+    tail
 }
 
 /// Serial number arithmetic (RFC 1982) on 32-bit sequence numbers: `a < b`.

@@ -2,14 +2,17 @@
 //!
 //! The reader (this task) reads PDUs in order, keeps the CmdSN window, collects write data
 //! (immediate, unsolicited Data-Out, then R2T-solicited bursts) and starts one local task per
-//! SCSI command. Every PDU to the initiator goes through the writer task, which stamps
-//! StatSN, ExpCmdSN and MaxCmdSN in send order, so sequence numbers never go backwards.
+//! SCSI command, except a READ whose data is at hand (`BlockDevice::read_now`: cached on this
+//! reactor), which it answers itself. Every PDU to the initiator goes through the writer
+//! task, which stamps StatSN, ExpCmdSN and MaxCmdSN in send order, so sequence numbers never
+//! go backwards.
 //!
 //! Memory: a command's unsolicited data (at most FirstBurstLength) is held without budget;
 //! the window bounds how many such commands a session has. Solicited write data and read
 //! data are reserved from the node-wide [`DataBudget`](crate::DataBudget) before the R2T is
 //! sent or the read executed.
 
+use crate::abort::{self, AbortOrder, AbortRoute};
 use crate::error::{IscsiError, Violation, ViolationLog};
 use crate::keepalive::{Decision, Keepalive, NopSettings};
 use crate::limits::{Effective, IscsiLimits};
@@ -28,14 +31,14 @@ use std::collections::{BTreeMap, HashMap};
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncBufRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncBufRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch, Notify, OwnedSemaphorePermit};
-use tokio::task::AbortHandle;
+use tokio::task::{AbortHandle, JoinHandle};
 
 /// Socket read buffer.
 const READ_BUFFER_BYTES: usize = 256 * 1024;
-/// Socket write buffer; the writer flushes whenever its queue runs empty.
+/// Socket write buffer; the writer writes it out whenever its queue runs empty.
 const WRITE_BUFFER_BYTES: usize = 256 * 1024;
 /// PDUs queued for the writer; producers wait when it is full.
 const REPLY_QUEUE_PDUS: usize = 256;
@@ -181,18 +184,31 @@ struct Started {
 struct Joined {
     initiator_port: String,
     units: Vec<Arc<LunReservations>>,
+    /// Names this session in the units' abort routes.
+    id: u64,
+    /// Where the units send PREEMPT AND ABORT orders; taken by the session's abort task.
+    orders: Option<mpsc::UnboundedReceiver<AbortOrder>>,
 }
 
 impl Joined {
     fn new<D>(logged_in: &login::LoggedIn, luns: &[LogicalUnit<D>]) -> Joined {
         let initiator_port = Nexus::new(&logged_in.initiator, logged_in.isid).initiator_port;
         let units: Vec<_> = luns.iter().map(|unit| unit.shared.clone()).collect();
-        for unit in &units {
-            unit.nexus_joined(&initiator_port);
+        let id = abort::next_session_id();
+        let (sender, orders) = mpsc::unbounded_channel();
+        for (index, unit) in units.iter().enumerate() {
+            let route = AbortRoute {
+                session: id,
+                lun: Lun(index as u16),
+                orders: sender.clone(),
+            };
+            unit.nexus_joined(&initiator_port, route);
         }
         Joined {
             initiator_port,
             units,
+            id,
+            orders: Some(orders),
         }
     }
 }
@@ -200,7 +216,7 @@ impl Joined {
 impl Drop for Joined {
     fn drop(&mut self) {
         for unit in &self.units {
-            unit.nexus_lost(&self.initiator_port);
+            unit.nexus_lost(&self.initiator_port, self.id);
         }
     }
 }
@@ -218,7 +234,7 @@ async fn serve_session<R: TargetRegistry, Rd: AsyncBufRead + Unpin>(
         mut log,
         limits,
         local,
-        joined,
+        mut joined,
     } = started;
     // A normal session replaces a live one of the same initiator, ISID and target.
     let registration = match &logged_in.kind {
@@ -248,12 +264,7 @@ async fn serve_session<R: TargetRegistry, Rd: AsyncBufRead + Unpin>(
     };
     let (replies, queue) = mpsc::channel(REPLY_QUEUE_PDUS);
     let sequence = Rc::new(sequence);
-    let writer = tokio::task::spawn_local(write_pdus(
-        queue,
-        BufWriter::with_capacity(WRITE_BUFFER_BYTES, write_half),
-        sequence.clone(),
-        digests,
-    ));
+    let writer = tokio::task::spawn_local(write_pdus(queue, write_half, sequence.clone(), digests));
     let target_name = match &logged_in.kind {
         SessionKind::Normal { target } => target.clone(),
         SessionKind::Discovery => String::new(),
@@ -280,6 +291,10 @@ async fn serve_session<R: TargetRegistry, Rd: AsyncBufRead + Unpin>(
         .limits
         .nop
         .map(|nop| tokio::task::spawn_local(ping_while_quiet(session.clone(), nop, dead.clone())));
+    let aborter = joined
+        .as_mut()
+        .and_then(|joined| joined.orders.take())
+        .map(|orders| tokio::task::spawn_local(abort_on_orders(session.clone(), orders)));
     let mut feature = FullFeature {
         session: session.clone(),
         registry,
@@ -293,6 +308,9 @@ async fn serve_session<R: TargetRegistry, Rd: AsyncBufRead + Unpin>(
         .await;
     if let Some(pinger) = pinger {
         pinger.abort();
+    }
+    if let Some(aborter) = aborter {
+        aborter.abort();
     }
     // Commands still waiting for data never complete; running ones get a grace period.
     session.abort_where(
@@ -333,7 +351,7 @@ fn peer_gone(error: &std::io::Error) -> bool {
 }
 
 /// Reads one PDU; `Ok(None)` when the initiator closed the connection between PDUs.
-async fn read_pdu<Rd: AsyncBufRead + Unpin>(
+pub(crate) async fn read_pdu<Rd: AsyncBufRead + Unpin>(
     reader: &mut Rd,
     digests: Digests,
     max_data: u32,
@@ -408,27 +426,60 @@ struct Outgoing {
     last: bool,
 }
 
+/// Writes the queued PDUs in order, stamping each as it is taken. The PDUs ready together
+/// are framed into one buffer (their data copied once) and go out in one write; a large
+/// data segment is written from where it is, not copied.
 async fn write_pdus<W: AsyncWrite + Unpin>(
     mut queue: mpsc::Receiver<Outgoing>,
-    mut writer: BufWriter<W>,
+    mut socket: W,
     sequence: Rc<Sequence>,
     digests: Digests,
 ) -> std::io::Result<()> {
+    let mut out = BytesMut::with_capacity(WRITE_BUFFER_BYTES);
     while let Some(mut outgoing) = queue.recv().await {
-        sequence.stamp(&mut outgoing.pdu.bhs, outgoing.stat);
-        writer
-            .write_all(&pdu::encode(&outgoing.pdu, digests))
-            .await?;
-        if outgoing.last {
-            writer.flush().await?;
-            writer.shutdown().await?;
-            return Ok(());
+        loop {
+            sequence.stamp(&mut outgoing.pdu.bhs, outgoing.stat);
+            frame(&outgoing.pdu, digests, &mut out, &mut socket).await?;
+            if outgoing.last {
+                socket.write_all(&out).await?;
+                socket.shutdown().await?;
+                return Ok(());
+            }
+            match queue.try_recv() {
+                Ok(next) => outgoing = next,
+                Err(_) => break,
+            }
         }
-        if queue.is_empty() {
-            writer.flush().await?;
-        }
+        socket.write_all(&out).await?;
+        out.clear();
     }
-    writer.flush().await
+    Ok(())
+}
+
+/// Adds `pdu` to the write buffer `out`, writing the buffer out first when it is full. A
+/// data segment of more than a quarter of the buffer is written to the socket directly
+/// (after what is buffered and its header), so the buffer never grows past its capacity
+/// plus one PDU's framing and large reads are not copied.
+async fn frame<W: AsyncWrite + Unpin>(
+    pdu: &Pdu,
+    digests: Digests,
+    out: &mut BytesMut,
+    socket: &mut W,
+) -> std::io::Result<()> {
+    if pdu.data.len() > WRITE_BUFFER_BYTES / 4 {
+        pdu::encode_head_into(pdu, digests, out);
+        socket.write_all(out).await?;
+        out.clear();
+        socket.write_all(&pdu.data).await?;
+        out.extend_from_slice(pdu::encode_tail(pdu, digests).as_slice());
+        return Ok(());
+    }
+    if out.len() + pdu::encoded_len(pdu, digests) > WRITE_BUFFER_BYTES {
+        socket.write_all(out).await?;
+        out.clear();
+    }
+    pdu::encode_into(pdu, digests, out);
+    Ok(())
 }
 
 async fn login_phase<Rd, Wr, R>(
@@ -586,13 +637,15 @@ enum TaskState {
     /// Waiting for budget before its first R2T.
     AwaitingBudget(Box<PendingWrite>, AbortHandle),
     /// Executing (`None` while being answered without a task).
-    Running(Option<AbortHandle>),
+    Running(Option<JoinHandle<()>>),
 }
 
 struct Task {
     lun: Option<Lun>,
     /// Counted in the CmdSN window (not immediate).
     counted: bool,
+    /// The unit's PREEMPT AND ABORT count when the command arrived.
+    preemptions: u64,
     state: TaskState,
 }
 
@@ -637,15 +690,31 @@ impl<D: ashlar_core::BlockDevice + 'static> Session<D> {
     /// Removes a task, giving its CmdSN window slot back.
     fn remove(&self, itt: u32) -> Option<Task> {
         let task = self.tasks.borrow_mut().remove(&itt)?;
-        if task.counted {
-            self.sequence
-                .active
-                .set(self.sequence.active.get().saturating_sub(1));
-        }
+        self.release_slot(task.counted);
         if self.tasks.borrow().is_empty() {
             self.idle.notify_waiters();
         }
         Some(task)
+    }
+
+    /// A command is answered: a `counted` one gives its CmdSN window slot back.
+    fn release_slot(&self, counted: bool) {
+        if counted {
+            self.sequence
+                .active
+                .set(self.sequence.active.get().saturating_sub(1));
+        }
+    }
+
+    /// What a command to `lun` runs against.
+    fn context(&self, lun: Option<Lun>) -> Context<'_, D> {
+        Context {
+            unit: self.unit(lun),
+            nexus: &self.nexus,
+            target_name: &self.target_name,
+            lun_count: self.luns.len(),
+            max_transfer: self.limits.max_transfer,
+        }
     }
 
     /// Aborts every task for which `select` holds (and `also` on its state); returns how many.
@@ -673,12 +742,34 @@ impl<D: ashlar_core::BlockDevice + 'static> Session<D> {
             return false;
         };
         match &task.state {
-            TaskState::Running(Some(handle)) | TaskState::AwaitingBudget(_, handle) => {
-                handle.abort()
-            }
+            TaskState::Running(Some(handle)) => handle.abort(),
+            TaskState::AwaitingBudget(_, handle) => handle.abort(),
             TaskState::Running(None) | TaskState::AwaitingData(_) => {}
         }
         true
+    }
+
+    /// Takes the commands to `lun` that arrived before preemption number `before` out of the
+    /// session (their responses are never sent) and stops those that have not reached the
+    /// device. Returns the running ones: their device I/O may have started, so the caller
+    /// lets them finish before the preemption is answered.
+    fn withdraw_preempted(&self, lun: Lun, before: u64) -> Vec<JoinHandle<()>> {
+        let itts: Vec<u32> = self
+            .tasks
+            .borrow()
+            .iter()
+            .filter(|(_, t)| t.lun == Some(lun) && t.preemptions < before)
+            .map(|(itt, _)| *itt)
+            .collect();
+        let mut running = Vec::new();
+        for itt in itts {
+            match self.remove(itt).map(|task| task.state) {
+                Some(TaskState::Running(Some(handle))) => running.push(handle),
+                Some(TaskState::AwaitingBudget(_, handle)) => handle.abort(),
+                _ => {}
+            }
+        }
+        running
     }
 
     async fn wait_idle(&self) {
@@ -742,6 +833,28 @@ async fn ping_while_quiet<D: ashlar_core::BlockDevice + 'static>(
     }
 }
 
+/// Carries out the PREEMPT AND ABORT orders of the session's units: the preempted commands
+/// are withdrawn at once, then the order is confirmed when those already running have
+/// finished (at most [`abort::ABORT_WAIT`]; past it they are dropped).
+async fn abort_on_orders<D: ashlar_core::BlockDevice + 'static>(
+    session: Rc<Session<D>>,
+    mut orders: mpsc::UnboundedReceiver<AbortOrder>,
+) {
+    while let Some(order) = orders.recv().await {
+        let running = session.withdraw_preempted(order.lun, order.before);
+        let deadline = tokio::time::Instant::now() + abort::ABORT_WAIT;
+        for mut handle in running {
+            if tokio::time::timeout_at(deadline, &mut handle)
+                .await
+                .is_err()
+            {
+                handle.abort();
+            }
+        }
+        let _ = order.done.send(());
+    }
+}
+
 /// The reader side of the full feature phase.
 struct FullFeature<R: TargetRegistry> {
     session: Rc<Session<R::Device>>,
@@ -777,16 +890,22 @@ impl<R: TargetRegistry> FullFeature<R> {
             }
         };
         tokio::pin!(replaced);
+        // Made once, not per PDU: each would register with its notifier again.
+        let session = self.session.clone();
+        let stop = shutdown.wait_for(|stop| *stop);
+        let closed = session.replies.closed();
+        let dead = dead.notified();
+        tokio::pin!(stop, closed, dead);
         loop {
             let next = tokio::select! {
                 biased;
-                _ = shutdown.wait_for(|stop| *stop) => return Ok(()),
+                _ = &mut stop => return Ok(()),
                 _ = &mut replaced => {
                     tracing::info!(peer = log.peer(), "iSCSI session reinstated by a new login; ending the old one");
                     return Ok(());
                 }
-                _ = self.session.replies.closed() => return Ok(()),
-                _ = dead.notified() => {
+                _ = &mut closed => return Ok(()),
+                _ = &mut dead => {
                     let waited = self.session.limits.nop.map(|n| n.timeout).unwrap_or_default();
                     tracing::warn!(peer = log.peer(), ?waited,
                         "iSCSI initiator did not answer a NOP-In ping; dropping the connection");
@@ -977,9 +1096,13 @@ impl<R: TargetRegistry> FullFeature<R> {
                 .active
                 .set(session.sequence.active.get() + 1);
         }
+        let preemptions = session
+            .unit(command.lun)
+            .map_or(0, |unit| unit.shared.preemptions());
         let task = |state| Task {
             lun: command.lun,
             counted: !immediate,
+            preemptions,
             state,
         };
         // Extended CDBs (AHS) and bidirectional commands are not supported.
@@ -1022,6 +1145,9 @@ impl<R: TargetRegistry> FullFeature<R> {
             return Ok(Flow::Continue);
         }
         if !write || command.expected == 0 {
+            if command.read && answer_now(&session, &command, !immediate) {
+                return Ok(Flow::Continue);
+            }
             let itt = command.itt;
             let handle = spawn_command(session.clone(), command.clone(), Bytes::new(), None);
             session
@@ -1417,7 +1543,7 @@ fn spawn_command<D: ashlar_core::BlockDevice + 'static>(
     command: Command,
     data: Bytes,
     charge: Option<OwnedSemaphorePermit>,
-) -> AbortHandle {
+) -> JoinHandle<()> {
     tokio::task::spawn_local(async move {
         let _charge = match charge {
             Some(charge) => Some(charge),
@@ -1427,17 +1553,36 @@ fn spawn_command<D: ashlar_core::BlockDevice + 'static>(
             }
             None => None,
         };
-        let ctx = Context {
-            unit: session.unit(command.lun),
-            nexus: &session.nexus,
-            target_name: &session.target_name,
-            lun_count: session.luns.len(),
-            max_transfer: session.limits.max_transfer,
-        };
+        let ctx = session.context(command.lun);
         let result = scsi::execute(&ctx, &command.cdb, data, command.expected).await;
         respond(&session, &command, result).await;
     })
-    .abort_handle()
+}
+
+/// Answers a command that needs no waiting (a READ of data at hand) in the reader itself:
+/// no task, no wakeup. It takes no data budget: the data goes straight to the writer's
+/// queue, where a task gives its budget back too, and that queue is bounded. Only done when
+/// the queue has room for the whole answer, so the reader never waits for the writer; false
+/// when nothing was done (the command then runs as a task).
+fn answer_now<D: ashlar_core::BlockDevice + 'static>(
+    session: &Session<D>,
+    command: &Command,
+    counted: bool,
+) -> bool {
+    if session.replies.capacity() < Answer::most_pdus(&session.params, command) {
+        return false;
+    }
+    let Some(result) = scsi::execute_now(&session.context(command.lun), &command.cdb) else {
+        return false;
+    };
+    session.release_slot(counted);
+    for (pdu, stat) in Answer::new(&session.params, command, result) {
+        let last = false;
+        // Room was checked and nothing else sends meanwhile (one thread). Closed: the
+        // initiator left, nothing to answer.
+        let _ = session.replies.try_send(Outgoing { pdu, stat, last });
+    }
+    true
 }
 
 /// Sends a command's Data-In and status, unless it was aborted meanwhile.
@@ -1449,76 +1594,134 @@ async fn respond<D: ashlar_core::BlockDevice + 'static>(
     if !session.finish(command.itt) {
         return;
     }
-    let expected = command.expected as usize;
-    let transfer = result.transfer as usize;
-    let (residual_flag, residual) = match transfer.cmp(&expected) {
-        std::cmp::Ordering::Greater => (0x04u8, transfer - expected),
-        std::cmp::Ordering::Less => (0x02u8, expected - transfer),
-        std::cmp::Ordering::Equal => (0, 0),
-    };
-    let data = if command.read {
-        result.data_in.slice(..result.data_in.len().min(expected))
-    } else {
-        Bytes::new()
-    };
-    let collapse = result.status == status::GOOD && result.sense.is_none() && !data.is_empty();
-    if !data.is_empty() {
-        let segment = session.params.initiator_max_recv_data_segment as usize;
-        let burst = session.params.max_burst as usize;
-        let mut offset = 0usize;
-        let mut data_sn = 0u32;
-        while offset < data.len() {
-            // Segments never cross a burst boundary; F ends each burst (Data-In sequence).
-            let burst_end = (offset / burst + 1) * burst;
-            let end = (offset + segment).min(data.len()).min(burst_end);
-            let last = end == data.len();
-            let mut bhs = Bhs::new(op::DATA_IN);
-            let mut flags = 0u8;
-            if last || end == burst_end {
-                flags |= 0x80;
-            }
-            if last && collapse {
-                flags |= 0x01 | residual_flag;
-                bhs.0[3] = result.status;
-                bhs.set_u32_at(44, residual as u32);
-            }
-            bhs.set_flags(flags);
-            bhs.set_itt(command.itt);
-            bhs.set_u32_at(20, NO_TAG);
-            bhs.set_u32_at(36, data_sn);
-            bhs.set_u32_at(40, offset as u32);
-            let stat = if last && collapse {
-                StatSn::Advance
-            } else {
-                StatSn::Omit
-            };
-            session
-                .send(Pdu::new(bhs, data.slice(offset..end)), stat)
-                .await;
-            offset = end;
-            data_sn += 1;
-        }
-        if collapse {
-            return;
+    for (pdu, stat) in Answer::new(&session.params, command, result) {
+        session.send(pdu, stat).await;
+    }
+}
+
+/// The PDUs that answer a command, in order: its Data-In segments (never crossing a burst,
+/// F at the end of each burst), then status: in the last Data-In when the command succeeded
+/// with data (phase collapse), else in a SCSI Response.
+struct Answer {
+    itt: u32,
+    status: u8,
+    sense: Option<Sense>,
+    /// What the initiator gets (cut to its expected length).
+    data: Bytes,
+    residual_flag: u8,
+    residual: u32,
+    collapse: bool,
+    segment: usize,
+    burst: usize,
+    offset: usize,
+    data_sn: u32,
+    /// The SCSI Response (or the collapsed status) has been produced.
+    done: bool,
+}
+
+impl Answer {
+    fn new(params: &SessionParams, command: &Command, result: ScsiResult) -> Answer {
+        let expected = command.expected as usize;
+        let transfer = result.transfer as usize;
+        let (residual_flag, residual) = match transfer.cmp(&expected) {
+            std::cmp::Ordering::Greater => (0x04u8, transfer - expected),
+            std::cmp::Ordering::Less => (0x02u8, expected - transfer),
+            std::cmp::Ordering::Equal => (0, 0),
+        };
+        let data = if command.read {
+            result.data_in.slice(..result.data_in.len().min(expected))
+        } else {
+            Bytes::new()
+        };
+        let collapse = result.status == status::GOOD && result.sense.is_none() && !data.is_empty();
+        Answer {
+            itt: command.itt,
+            status: result.status,
+            sense: result.sense,
+            data,
+            residual_flag,
+            residual: residual as u32,
+            collapse,
+            segment: params.initiator_max_recv_data_segment as usize,
+            burst: params.max_burst as usize,
+            offset: 0,
+            data_sn: 0,
+            done: false,
         }
     }
-    let mut bhs = Bhs::new(op::SCSI_RESPONSE);
-    bhs.set_flags(0x80 | residual_flag);
-    bhs.0[2] = 0x00; // command completed at target
-    bhs.0[3] = result.status;
-    bhs.set_itt(command.itt);
-    bhs.set_u32_at(44, residual as u32);
-    let sense = match result.sense {
-        Some(sense) => {
-            let fixed = sense.fixed();
-            let mut segment = Vec::with_capacity(2 + fixed.len());
-            segment.extend_from_slice(&(fixed.len() as u16).to_be_bytes());
-            segment.extend_from_slice(&fixed);
-            Bytes::from(segment)
+
+    /// The most PDUs an answer to `command` can take, before it runs.
+    fn most_pdus(params: &SessionParams, command: &Command) -> usize {
+        let segment = (params.initiator_max_recv_data_segment as usize).max(1);
+        (command.expected as usize).div_ceil(segment) + 1
+    }
+
+    fn data_in(&mut self) -> (Pdu, StatSn) {
+        let offset = self.offset;
+        let burst_end = (offset / self.burst + 1) * self.burst;
+        let end = (offset + self.segment).min(self.data.len()).min(burst_end);
+        let last = end == self.data.len();
+        let mut bhs = Bhs::new(op::DATA_IN);
+        let mut flags = 0u8;
+        if last || end == burst_end {
+            flags |= 0x80;
         }
-        None => Bytes::new(),
-    };
-    session.send(Pdu::new(bhs, sense), StatSn::Advance).await;
+        let status_here = last && self.collapse;
+        if status_here {
+            flags |= 0x01 | self.residual_flag;
+            bhs.0[3] = self.status;
+            bhs.set_u32_at(44, self.residual);
+            self.done = true;
+        }
+        bhs.set_flags(flags);
+        bhs.set_itt(self.itt);
+        bhs.set_u32_at(20, NO_TAG);
+        bhs.set_u32_at(36, self.data_sn);
+        bhs.set_u32_at(40, offset as u32);
+        self.offset = end;
+        self.data_sn += 1;
+        let stat = if status_here {
+            StatSn::Advance
+        } else {
+            StatSn::Omit
+        };
+        (Pdu::new(bhs, self.data.slice(offset..end)), stat)
+    }
+
+    fn response(&mut self) -> (Pdu, StatSn) {
+        self.done = true;
+        let mut bhs = Bhs::new(op::SCSI_RESPONSE);
+        bhs.set_flags(0x80 | self.residual_flag);
+        bhs.0[2] = 0x00; // command completed at target
+        bhs.0[3] = self.status;
+        bhs.set_itt(self.itt);
+        bhs.set_u32_at(44, self.residual);
+        let sense = match self.sense {
+            Some(sense) => {
+                let fixed = sense.fixed();
+                let mut segment = Vec::with_capacity(2 + fixed.len());
+                segment.extend_from_slice(&(fixed.len() as u16).to_be_bytes());
+                segment.extend_from_slice(&fixed);
+                Bytes::from(segment)
+            }
+            None => Bytes::new(),
+        };
+        (Pdu::new(bhs, sense), StatSn::Advance)
+    }
+}
+
+impl Iterator for Answer {
+    type Item = (Pdu, StatSn);
+
+    fn next(&mut self) -> Option<(Pdu, StatSn)> {
+        if self.done {
+            None
+        } else if self.offset < self.data.len() {
+            Some(self.data_in())
+        } else {
+            Some(self.response())
+        }
+    }
 }
 
 #[cfg(test)]
@@ -1649,5 +1852,90 @@ mod admission {
     fn a_servable_target_logs_in() {
         let (status, _, _) = login_answer(TestRegistry::open());
         assert_eq!(status, status::SUCCESS);
+    }
+}
+
+#[cfg(test)]
+mod writing {
+    //! The writer frames PDUs into its buffer or, for large data, writes the data where it
+    //! is; either way the bytes are exactly what `pdu::encode` gives, in queue order, each
+    //! stamped as it is taken. Answers are cut into segments and bursts.
+    use super::*;
+    use crate::limits::Effective;
+
+    fn data_in(itt: u32, len: usize) -> Pdu {
+        let mut bhs = Bhs::new(op::DATA_IN);
+        bhs.set_itt(itt);
+        let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        Pdu::new(bhs, Bytes::from(data))
+    }
+
+    #[tokio::test]
+    async fn written_bytes_are_the_encoded_pdus_in_order() {
+        let digests = Digests {
+            header: true,
+            data: true,
+        };
+        // Small, odd (padded), empty and large (written directly) data segments mixed.
+        let sizes = [4096, 3, 0, 100_000, 5, 300_000, 4096];
+        let stats = [StatSn::Omit, StatSn::Advance, StatSn::Carry];
+        let (replies, queue) = mpsc::channel(sizes.len());
+        let mut expected = Vec::new();
+        let model = Sequence::default();
+        model.window.set(4);
+        for (i, size) in sizes.iter().enumerate() {
+            let pdu = data_in(i as u32, *size);
+            let stat = stats[i % stats.len()];
+            let mut stamped = pdu.clone();
+            model.stamp(&mut stamped.bhs, stat);
+            expected.extend_from_slice(&pdu::encode(&stamped, digests));
+            let last = i + 1 == sizes.len();
+            replies.send(Outgoing { pdu, stat, last }).await.unwrap();
+        }
+        let sequence = Rc::new(Sequence::default());
+        sequence.window.set(4);
+        let mut written = Vec::new();
+        write_pdus(queue, &mut written, sequence.clone(), digests)
+            .await
+            .unwrap();
+        assert_eq!(written.len(), expected.len());
+        assert!(written == expected, "the bytes differ from encode()'s");
+        assert_eq!(sequence.stat_sn.get(), model.stat_sn.get());
+    }
+
+    #[test]
+    fn a_read_answer_is_cut_into_segments_and_bursts_with_status_last() {
+        let mut params = SessionParams::initial(&Effective::from(&IscsiLimits::default()));
+        params.initiator_max_recv_data_segment = 8192;
+        params.max_burst = 16384;
+        let command = Command {
+            itt: 9,
+            lun_field: [0; 8],
+            lun: Some(Lun(0)),
+            cdb: [0; 16],
+            expected: 20480,
+            read: true,
+        };
+        let result = ScsiResult::data(vec![1; 20480]);
+        let pdus: Vec<(Pdu, StatSn)> = Answer::new(&params, &command, result).collect();
+        let shape: Vec<(usize, u8, u32, StatSn)> = pdus
+            .iter()
+            .map(|(p, s)| (p.data.len(), p.bhs.flags(), p.bhs.u32_at(40), *s))
+            .collect();
+        assert_eq!(
+            shape,
+            vec![
+                (8192, 0x00, 0, StatSn::Omit),
+                (8192, 0x80, 8192, StatSn::Omit),
+                (4096, 0x81, 16384, StatSn::Advance),
+            ]
+        );
+        assert!(pdus.len() <= Answer::most_pdus(&params, &command));
+        // A failed read answers with a SCSI Response only.
+        let failed = ScsiResult::check(Sense::LBA_OUT_OF_RANGE);
+        let pdus: Vec<_> = Answer::new(&params, &command, failed).collect();
+        assert_eq!(pdus.len(), 1);
+        assert_eq!(pdus[0].0.bhs.opcode(), op::SCSI_RESPONSE);
+        assert_eq!(pdus[0].1, StatSn::Advance);
     }
 }

@@ -7,19 +7,26 @@ use crate::registry::{
 use crate::scsi::reservation::LunReservations;
 use ashlar_core::{check_range, BlockDevice, BlockStatusRun, IoResult};
 use bytes::Bytes;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::Arc;
+use std::time::Duration;
 
 #[derive(Clone)]
 pub(crate) struct MemDevice {
     pub data: Rc<RefCell<Vec<u8>>>,
+    /// How long each read takes (a slow device holds commands in flight).
+    pub read_delay: Rc<Cell<Duration>>,
+    /// Reads that have finished.
+    pub reads_done: Rc<Cell<u32>>,
 }
 
 impl MemDevice {
     pub fn new(size: usize) -> Self {
         MemDevice {
             data: Rc::new(RefCell::new(vec![0; size])),
+            read_delay: Rc::new(Cell::new(Duration::ZERO)),
+            reads_done: Rc::new(Cell::new(0)),
         }
     }
 }
@@ -30,10 +37,28 @@ impl BlockDevice for MemDevice {
     }
     async fn read(&self, offset: u64, length: u32) -> IoResult<Bytes> {
         check_range(offset, u64::from(length), self.size_bytes())?;
+        let delay = self.read_delay.get();
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
         let data = self.data.borrow();
+        self.reads_done.set(self.reads_done.get() + 1);
         Ok(Bytes::copy_from_slice(
             &data[offset as usize..offset as usize + length as usize],
         ))
+    }
+    /// Without a read delay every read is "at hand", so the reader answers it itself.
+    fn read_now(&self, offset: u64, length: u32) -> Option<IoResult<Bytes>> {
+        if !self.read_delay.get().is_zero() {
+            return None;
+        }
+        if let Err(error) = check_range(offset, u64::from(length), self.size_bytes()) {
+            return Some(Err(error));
+        }
+        let data = self.data.borrow();
+        self.reads_done.set(self.reads_done.get() + 1);
+        let range = offset as usize..offset as usize + length as usize;
+        Some(Ok(Bytes::copy_from_slice(&data[range])))
     }
     async fn write(&self, offset: u64, data: Bytes, _fua: bool) -> IoResult<()> {
         check_range(offset, data.len() as u64, self.size_bytes())?;
@@ -71,13 +96,16 @@ pub(crate) fn unit(size: usize) -> LogicalUnit<MemDevice> {
     }
 }
 
-/// One target `iqn.t` open to `iqn.i` (with optional CHAP), one 1 MiB LUN.
+/// One target `iqn.t` open to `iqn.i` (with optional CHAP), one 1 MiB LUN that every
+/// session of the registry shares (device and reservations).
 pub(crate) struct TestRegistry {
     pub access: Access,
     /// What SendTargets discovery sessions must prove.
     pub discovery: Access,
     /// Why the target cannot be served now, if it cannot.
     pub unavailable: Option<TargetUnavailable>,
+    pub device: MemDevice,
+    pub shared: Arc<LunReservations>,
 }
 
 pub(crate) const TARGET: &str = "iqn.t";
@@ -85,10 +113,13 @@ pub(crate) const INITIATOR: &str = "iqn.i";
 
 impl TestRegistry {
     pub fn open() -> Self {
+        let lun = unit(1 << 20);
         TestRegistry {
             access: Access::default(),
             discovery: Access::default(),
             unavailable: None,
+            device: lun.device,
+            shared: lun.shared,
         }
     }
     pub fn chap(user: &str, secret: &str) -> Self {
@@ -100,8 +131,7 @@ impl TestRegistry {
                 }),
                 mutual_chap: None,
             },
-            discovery: Access::default(),
-            unavailable: None,
+            ..TestRegistry::open()
         }
     }
 }
@@ -132,7 +162,11 @@ impl TargetRegistry for TestRegistry {
     }
     fn open_luns(&self, target: &str) -> Result<Vec<LogicalUnit<MemDevice>>, String> {
         if target == TARGET {
-            Ok(vec![unit(1 << 20)])
+            Ok(vec![LogicalUnit {
+                device: self.device.clone(),
+                shared: self.shared.clone(),
+                ..unit(0)
+            }])
         } else {
             Err("no such target".into())
         }
@@ -142,10 +176,17 @@ impl TargetRegistry for TestRegistry {
 /// One login PDU that goes from the operational stage straight to full feature phase with
 /// no authentication: a whole login to [`TARGET`] as [`INITIATOR`].
 pub(crate) fn login_request() -> Vec<u8> {
+    login_request_isid(0)
+}
+
+/// [`login_request`] with `isid` as the last byte of the ISID (sessions differing by it are
+/// different I_T nexuses).
+pub(crate) fn login_request_isid(isid: u8) -> Vec<u8> {
     let mut bhs = Bhs::new(op::LOGIN);
     bhs.0[0] |= 0x40;
     bhs.set_flags(0x80 | (1 << 2) | 3); // operational -> full feature
     bhs.0[8] = 0x80;
+    bhs.0[13] = isid;
     let text = format!("InitiatorName={INITIATOR}\0TargetName={TARGET}\0");
     pdu::encode(&Pdu::new(bhs, Bytes::from(text)), Digests::default()).to_vec()
 }
@@ -171,6 +212,23 @@ pub(crate) fn against_server<T, F>(
 where
     F: std::future::Future<Output = T>,
 {
+    against_server_sessions(registry, limits, 1, |mut streams| {
+        client(streams.pop().expect("one connection"))
+    })
+}
+
+/// Like [`against_server`] with `count` connections to one server (one registry, so the
+/// sessions share the logical unit), given to `client` in the order they were made. The
+/// server ends when every connection has.
+pub(crate) fn against_server_sessions<T, F>(
+    registry: TestRegistry,
+    limits: crate::IscsiLimits,
+    count: usize,
+    client: impl FnOnce(Vec<tokio::net::TcpStream>) -> F,
+) -> (T, ServerEnd)
+where
+    F: std::future::Future<Output = T>,
+{
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -181,11 +239,28 @@ where
         let address = listener.local_addr().unwrap();
         let (_stop, shutdown) = tokio::sync::watch::channel(false);
         let server = tokio::task::spawn_local(async move {
-            let (stream, _) = listener.accept().await.unwrap();
-            crate::serve_connection(stream, Rc::new(registry), limits, shutdown).await
+            let registry = Rc::new(registry);
+            let mut sessions = Vec::new();
+            for _ in 0..count {
+                let (stream, _) = listener.accept().await.unwrap();
+                let serve = crate::serve_connection(
+                    stream,
+                    registry.clone(),
+                    limits.clone(),
+                    shutdown.clone(),
+                );
+                sessions.push(tokio::task::spawn_local(serve));
+            }
+            for session in sessions {
+                // A session that panicked fails the server the same way.
+                let _ = session.await.unwrap();
+            }
         });
-        let stream = tokio::net::TcpStream::connect(address).await.unwrap();
-        let out = client(stream).await;
+        let mut streams = Vec::new();
+        for _ in 0..count {
+            streams.push(tokio::net::TcpStream::connect(address).await.unwrap());
+        }
+        let out = client(streams).await;
         let end = match tokio::time::timeout(std::time::Duration::from_secs(40), server).await {
             Ok(Ok(_)) => ServerEnd::Finished,
             Ok(Err(_)) => ServerEnd::Panicked,

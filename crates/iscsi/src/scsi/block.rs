@@ -4,7 +4,7 @@
 use super::{be16, be32, be64, io_sense, Context, ScsiResult, BLOCK_BYTES};
 use super::{sense::Sense, PHYSICAL_BLOCK_EXPONENT};
 use crate::registry::LogicalUnit;
-use ashlar_core::BlockDevice;
+use ashlar_core::{BlockDevice, IoResult};
 use bytes::{Bytes, BytesMut};
 
 /// Largest byte count handed to one device call by WRITE SAME and UNMAP (the device API
@@ -98,34 +98,77 @@ pub(super) fn read_capacity16<D: BlockDevice>(unit: &LogicalUnit<D>, cdb: &[u8; 
     ScsiResult::allocated(out, allocation)
 }
 
+/// A READ after its checks: either answered already, or the bytes to read.
+enum ReadRange {
+    Answered(ScsiResult),
+    Bytes { offset: u64, length: u32 },
+}
+
+/// Checks a READ's CDB and range against the unit.
+fn read_range<D: BlockDevice>(
+    ctx: &Context<'_, D>,
+    unit: &LogicalUnit<D>,
+    cdb: &[u8; 16],
+) -> ReadRange {
+    let t = transfer(cdb);
+    if t.flags & 0xe0 != 0 {
+        // RDPROTECT without protection information.
+        return ReadRange::Answered(ScsiResult::check(Sense::INVALID_FIELD_IN_CDB));
+    }
+    if let Err(sense) = in_range(unit, t.lba, u64::from(t.blocks)) {
+        return ReadRange::Answered(ScsiResult::check(sense));
+    }
+    if t.blocks == 0 {
+        return ReadRange::Answered(ScsiResult::good());
+    }
+    let length = bytes_of(u64::from(t.blocks));
+    if length > u64::from(ctx.max_transfer) {
+        return ReadRange::Answered(ScsiResult::check(Sense::INVALID_FIELD_IN_CDB));
+    }
+    ReadRange::Bytes {
+        offset: bytes_of(t.lba),
+        // At most max_transfer (a u32), checked above.
+        length: length as u32,
+    }
+}
+
 pub(super) async fn read<D: BlockDevice>(
     ctx: &Context<'_, D>,
     unit: &LogicalUnit<D>,
     cdb: &[u8; 16],
 ) -> ScsiResult {
-    let t = transfer(cdb);
-    if t.flags & 0xe0 != 0 {
-        return ScsiResult::check(Sense::INVALID_FIELD_IN_CDB); // RDPROTECT without protection
-    }
-    if let Err(sense) = in_range(unit, t.lba, u64::from(t.blocks)) {
-        return ScsiResult::check(sense);
-    }
-    if t.blocks == 0 {
-        return ScsiResult::good();
-    }
-    let length = bytes_of(u64::from(t.blocks));
-    if length > u64::from(ctx.max_transfer) {
-        return ScsiResult::check(Sense::INVALID_FIELD_IN_CDB);
-    }
-    let offset = bytes_of(t.lba);
-    let result = match unit.device.read_now(offset, length as u32) {
-        Some(result) => result,
-        None => unit.device.read(offset, length as u32).await,
+    let (offset, length) = match read_range(ctx, unit, cdb) {
+        ReadRange::Answered(result) => return result,
+        ReadRange::Bytes { offset, length } => (offset, length),
     };
+    let result = match unit.device.read_now(offset, length) {
+        Some(result) => result,
+        None => unit.device.read(offset, length).await,
+    };
+    read_result(result, offset, length)
+}
+
+/// A READ answered without waiting (its data is at hand, see `BlockDevice::read_now`), or
+/// `None` when it would have to wait for the device.
+pub(super) fn read_now<D: BlockDevice>(
+    ctx: &Context<'_, D>,
+    unit: &LogicalUnit<D>,
+    cdb: &[u8; 16],
+) -> Option<ScsiResult> {
+    match read_range(ctx, unit, cdb) {
+        ReadRange::Answered(result) => Some(result),
+        ReadRange::Bytes { offset, length } => unit
+            .device
+            .read_now(offset, length)
+            .map(|result| read_result(result, offset, length)),
+    }
+}
+
+fn read_result(result: IoResult<Bytes>, offset: u64, length: u32) -> ScsiResult {
     match result {
-        Ok(data) if data.len() as u64 == length => ScsiResult {
+        Ok(data) if data.len() == length as usize => ScsiResult {
             data_in: data,
-            transfer: length as u32,
+            transfer: length,
             ..ScsiResult::good()
         },
         Ok(data) => {

@@ -159,17 +159,8 @@ pub async fn execute<D: BlockDevice>(
     let Some(unit) = ctx.unit else {
         return ScsiResult::check(Sense::LUN_NOT_SUPPORTED);
     };
-    // A unit attention fails the command that finds it (SAM-5 5.14, UA_INTLCK_CTRL=00),
-    // ahead of any reservation conflict.
-    unit.shared.observe_capacity(unit.device.size_bytes());
-    if let Some(sense) = unit.shared.take_attention(&ctx.nexus.initiator_port) {
-        return ScsiResult::check(sense);
-    }
-    if !unit
-        .shared
-        .allows(&ctx.nexus.initiator_port, access_of(cdb))
-    {
-        return ScsiResult::conflict();
+    if let Some(refused) = refusal(ctx, unit, cdb) {
+        return refused;
     }
     let nexus = ctx.nexus.initiator_port.as_str();
     match opcode {
@@ -215,6 +206,42 @@ pub async fn execute<D: BlockDevice>(
         ),
         _ => ScsiResult::check(Sense::INVALID_OPCODE),
     }
+}
+
+/// Runs a command that needs no waiting, or returns `None` (nothing done) when it would
+/// wait: a READ whose data is at hand ([`BlockDevice::read_now`]). The caller then runs
+/// [`execute`], which gives the same answer.
+pub fn execute_now<D: BlockDevice>(ctx: &Context<'_, D>, cdb: &[u8; 16]) -> Option<ScsiResult> {
+    if !matches!(cdb[0], 0x08 | 0x28 | 0xa8 | 0x88) {
+        return None;
+    }
+    let unit = ctx.unit?;
+    if let Some(refused) = refusal(ctx, unit, cdb) {
+        // The unit attention taken (if that is the refusal) must be reported now.
+        return Some(refused);
+    }
+    block::read_now(ctx, unit, cdb)
+}
+
+/// What stops a command to `unit` before it runs: a unit attention fails the command that
+/// finds it (SAM-5 5.14, UA_INTLCK_CTRL=00, and it is cleared), ahead of any reservation
+/// conflict.
+fn refusal<D: BlockDevice>(
+    ctx: &Context<'_, D>,
+    unit: &LogicalUnit<D>,
+    cdb: &[u8; 16],
+) -> Option<ScsiResult> {
+    unit.shared.observe_capacity(unit.device.size_bytes());
+    if let Some(sense) = unit.shared.take_attention(&ctx.nexus.initiator_port) {
+        return Some(ScsiResult::check(sense));
+    }
+    if !unit
+        .shared
+        .allows(&ctx.nexus.initiator_port, access_of(cdb))
+    {
+        return Some(ScsiResult::conflict());
+    }
+    None
 }
 
 fn pr_result(outcome: PrOutcome, allocation: usize) -> ScsiResult {

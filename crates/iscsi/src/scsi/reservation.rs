@@ -11,11 +11,15 @@
 //! accepted.
 use super::attention::{self, Attentions};
 use super::sense::{status, Sense};
+use crate::abort::{self, AbortRoute, AbortRoutes};
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+
+/// PERSISTENT RESERVE OUT service action PREEMPT AND ABORT.
+const PREEMPT_AND_ABORT: u8 = 5;
 
 /// Registrations one unit keeps; one more is refused with INSUFFICIENT REGISTRATION
 /// RESOURCES.
@@ -500,6 +504,13 @@ pub struct LunReservations {
     /// AND WRITE holds it alone from its read to its write (SBC-3 5.2: atomic).
     pub(crate) write_order: tokio::sync::RwLock<()>,
     saved: Option<Saved>,
+    /// PREEMPT AND ABORTs done so far. A command notes it when it arrives, so an abort
+    /// takes only the commands that arrived before the preemption (later ones see its unit
+    /// attention instead).
+    preemptions: AtomicU64,
+    /// The sessions open to the unit, to order their commands aborted (taken at login,
+    /// logout and PREEMPT AND ABORT only).
+    sessions: Mutex<AbortRoutes>,
 }
 
 impl Default for LunReservations {
@@ -513,6 +524,8 @@ impl Default for LunReservations {
             changes: tokio::sync::Mutex::new(()),
             write_order: tokio::sync::RwLock::new(()),
             saved: None,
+            preemptions: AtomicU64::new(0),
+            sessions: Mutex::new(AbortRoutes::default()),
         }
     }
 }
@@ -557,9 +570,10 @@ impl LunReservations {
     }
 
     /// PERSISTENT RESERVE OUT: saved (when the unit has a backend) before it takes effect
-    /// here; the nexuses it affects get their unit attentions.
+    /// here; the nexuses it affects get their unit attentions. A PREEMPT AND ABORT is
+    /// answered only once the preempted nexuses' earlier commands are aborted.
     pub async fn reserve_out(&self, nexus: &str, cdb: &[u8], params: &[u8]) -> PrOutcome {
-        let _serial = self.changes.lock().await;
+        let serial = self.changes.lock().await;
         let action = cdb[1] & 0x1f;
         let current = self.snapshot();
         let mut outcome = None;
@@ -593,20 +607,52 @@ impl LunReservations {
         } else {
             Vec::new()
         };
+        let preempted = if action == PREEMPT_AND_ABORT && matches!(outcome, PrOutcome::Good(_)) {
+            removed(&before, &after)
+        } else {
+            Vec::new()
+        };
         // Whatever the outcome, the copy here follows what the store holds.
         self.update(|state| state.adopt_saved(after));
         self.post(told);
+        // The preempted nexuses' own PERSISTENT RESERVE OUTs may be queued behind this one,
+        // and their sessions wait for them while aborting.
+        drop(serial);
+        if !preempted.is_empty() {
+            self.abort_preempted(&preempted).await;
+        }
         outcome
     }
 
-    /// An I_T nexus opened a session to the unit.
-    pub fn nexus_joined(&self, nexus: &str) {
-        self.attentions().joined(nexus);
+    /// How many PREEMPT AND ABORTs the unit has seen: a command notes it when it arrives.
+    pub(crate) fn preemptions(&self) -> u64 {
+        self.preemptions.load(Ordering::Acquire)
     }
 
-    /// A session of an I_T nexus ended: what the nexus held only for its lifetime
+    /// Aborts the commands the `preempted` nexuses sent before now, in their sessions on any
+    /// reactor, and waits until they are gone.
+    async fn abort_preempted(&self, preempted: &[String]) {
+        // The unit attentions are posted before the count moves: a command that sees the new
+        // count is not aborted and must find its attention.
+        let before = self.preemptions.fetch_add(1, Ordering::AcqRel) + 1;
+        let routes = self.sessions().of(preempted.iter().map(String::as_str));
+        let late = abort::abort_sessions(routes, before, abort::ABORT_WAIT).await;
+        if late > 0 {
+            tracing::warn!(sessions = late, waited = ?abort::ABORT_WAIT,
+                "PREEMPT AND ABORT: preempted sessions did not abort their commands in time; answering anyway");
+        }
+    }
+
+    /// An I_T nexus opened a session to the unit; `route` reaches its commands.
+    pub(crate) fn nexus_joined(&self, nexus: &str, route: AbortRoute) {
+        self.attentions().joined(nexus);
+        self.sessions().add(nexus, route);
+    }
+
+    /// Session `session` of an I_T nexus ended: what the nexus held only for its lifetime
     /// (RESERVE(6)) is dropped; persistent registrations stay.
-    pub fn nexus_lost(&self, nexus: &str) {
+    pub(crate) fn nexus_lost(&self, nexus: &str, session: u64) {
+        self.sessions().remove(nexus, session);
         let registered = self.update(|state| {
             if state.legacy.as_deref() == Some(nexus) {
                 state.legacy = None;
@@ -678,6 +724,20 @@ impl LunReservations {
     fn attentions(&self) -> std::sync::MutexGuard<'_, Attentions> {
         self.attentions.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    fn sessions(&self) -> std::sync::MutexGuard<'_, AbortRoutes> {
+        self.sessions.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The nexuses registered in `before` and not in `after`.
+fn removed(before: &PrState, after: &PrState) -> Vec<String> {
+    before
+        .registrations
+        .iter()
+        .filter(|b| !after.registrations.iter().any(|a| a.nexus == b.nexus))
+        .map(|b| b.nexus.clone())
+        .collect()
 }
 
 /// Where reservation state lives, one [`LunReservations`] per unit id.
@@ -837,7 +897,7 @@ mod tests {
         assert!(!unit.allows(B, Access::Read));
         assert!(unit.allows(B, Access::Always));
         assert_eq!(unit.update(|s| reserve6(s, B)), PrOutcome::Conflict);
-        unit.nexus_lost(A);
+        unit.nexus_lost(A, 0);
         assert!(unit.allows(B, Access::Write));
     }
 }
