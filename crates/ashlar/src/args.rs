@@ -55,6 +55,21 @@ pub enum Command {
     /// Volume groups: vdisks exported together as one iSCSI target, and who may use them.
     #[command(subcommand)]
     Vg(crate::args_vg::VgCommand),
+    /// The cluster as a whole (nodes started with --etcd).
+    #[command(subcommand)]
+    Cluster(ClusterCommand),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ClusterCommand {
+    /// Nodes up and down, every vdisk's copies and health (ok, rebuilding, under-replicated,
+    /// unavailable, empty), resyncs in progress with their rate and ETA, and the cluster's
+    /// fault tolerance: how many more node failures every vdisk's data survives now.
+    Status {
+        /// Print JSON instead of a report.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// `ashlar node [FLAGS]` runs a node; `ashlar node list` asks a running one about the cluster.

@@ -167,7 +167,7 @@ pub fn run(target: &ApiTarget, command: VdiskCommand) -> Result<()> {
 }
 
 /// Prints the node's answer as JSON when asked to, else as text for people.
-fn print_json_or(value: &Value, json: bool, print_text: fn(&Value)) -> Result<()> {
+pub(crate) fn print_json_or(value: &Value, json: bool, print_text: fn(&Value)) -> Result<()> {
     if json {
         println!("{}", serde_json::to_string_pretty(value)?);
     } else {
@@ -190,7 +190,7 @@ pub fn run_node(target: &ApiTarget, action: NodeAction) -> Result<()> {
 
 /// Disk space rounded to one decimal in the largest fitting binary unit (`251.9G`): exact
 /// sizes (`format_size`) of real filesystems are unreadable.
-fn approximate_size(bytes: u64) -> String {
+pub(crate) fn approximate_size(bytes: u64) -> String {
     const UNITS: [(u32, &str); 5] = [(50, "P"), (40, "T"), (30, "G"), (20, "M"), (10, "K")];
     UNITS
         .iter()

@@ -35,6 +35,7 @@ pub fn router(state: ApiState) -> Router {
         )
         .route("/api/v1/node", get(node_info))
         .route("/api/v1/nodes", get(list_nodes))
+        .route("/api/v1/cluster", get(cluster_status))
         .route("/stats/vdisks", get(vdisk_stats))
         .route("/stats/cache", get(cache_stats))
         .route("/metrics", get(metrics))
@@ -42,7 +43,7 @@ pub fn router(state: ApiState) -> Router {
         .fallback(|| async {
             ApiError(
                 StatusCode::NOT_FOUND,
-                "no such endpoint; see /api/v1/vdisks, /api/v1/nodes, /stats/vdisks, /stats/cache, /metrics"
+                "no such endpoint; see /api/v1/vdisks, /api/v1/nodes, /api/v1/cluster, /stats/vdisks, /stats/cache, /metrics"
                     .into(),
             )
         })
@@ -279,6 +280,21 @@ fn etcd_requests(meta: &NodeMeta) -> Value {
         }
         NodeMeta::Embedded(_) => Value::Null,
     }
+}
+
+async fn cluster_status(State(state): State<ApiState>) -> Result<Json<Value>, ApiError> {
+    if !state.meta.is_clustered() {
+        return Err(ApiError(
+            StatusCode::NOT_FOUND,
+            "this node runs alone (started without --etcd): there is no cluster; `ashlar vdisk \
+             list` and `ashlar node list` describe it"
+                .into(),
+        ));
+    }
+    let status = crate::cluster_status::gather(&state.meta)
+        .await
+        .map_err(|e| ApiError(StatusCode::SERVICE_UNAVAILABLE, e))?;
+    Ok(Json(serde_json::to_value(status).unwrap_or(Value::Null)))
 }
 
 async fn vdisk_stats(State(state): State<ApiState>) -> Json<Value> {

@@ -4,8 +4,10 @@ mod api_token;
 mod args;
 mod args_vg;
 mod client;
+mod client_cluster;
 mod client_vg;
 mod cluster;
+mod cluster_status;
 mod http;
 mod http_vg;
 mod iscsi;
@@ -31,6 +33,7 @@ fn main() {
         },
         args::Command::Vdisk(command) => client::run(&api, command),
         args::Command::Vg(command) => client_vg::run(&api, command),
+        args::Command::Cluster(command) => client_cluster::run(&api, command),
     };
     if let Err(error) = result {
         // One line a user can act on; the chain gives the cause.

@@ -53,6 +53,24 @@ fn replica_records(node: &Node) -> u64 {
         .unwrap_or(0)
 }
 
+/// `ashlar cluster status --json` as `node` answers it.
+fn cluster_status(node: &Node) -> Value {
+    let out = node.cli(&["cluster", "status", "--json"]);
+    out.assert_ok("cluster status --json");
+    serde_json::from_str(&out.stdout).unwrap()
+}
+
+/// The health `cluster status` gives the test's vdisk.
+fn vdisk_health(status: &Value) -> String {
+    status["vdisks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == VDISK)
+        .map(|v| v["health"].as_str().unwrap().to_string())
+        .unwrap_or_else(|| panic!("{status}"))
+}
+
 /// The highest owner epoch the node's replica fence file for the vdisk holds.
 fn fence_epoch(node: &Node, vdisk_dir_name: &str) -> u64 {
     let path = node.data_dir.join("replica-fences").join(vdisk_dir_name);
@@ -205,6 +223,9 @@ fn rf_above_one_needs_a_cluster_and_at_most_three() {
     let out = node.cli(&["vdisk", "create", "x", "--size", "16M", "--rf", "2"]);
     assert!(!out.status.success());
     assert!(out.stderr.contains("needs a cluster"), "{}", out.stderr);
+    let out = node.cli(&["cluster", "status"]);
+    assert!(!out.status.success());
+    assert!(out.stderr.contains("runs alone"), "{}", out.stderr);
     let etcd = EtcdServer::start();
     let clustered = cluster_node(&etcd.url, &[]);
     let out = clustered.cli(&["vdisk", "create", "x", "--size", "16M", "--rf", "4"]);
@@ -285,6 +306,11 @@ fn a_copy_takes_over_a_dead_owner_with_every_write_and_a_new_copy_is_resynced() 
         holder.log()
     );
     assert!(replica_records(other) > 0, "the new copy got nothing");
+    // Full RF again, the finished resync no longer listed.
+    let restored = cluster_status(holder);
+    assert_eq!(vdisk_health(&restored), "ok", "{restored}");
+    assert_eq!(restored["fault_tolerance"], 1, "{restored}");
+    assert_eq!(restored["rebuilding"], 0, "{restored}");
 
     // Writes go on at full RF: through the new owner, onto the new copy.
     let (second, second_data) = pattern(dir.path(), 4);

@@ -16,6 +16,9 @@ pub const OWNERS_PREFIX: &str = "/ashlar/v1/cluster/owners/";
 pub const EPOCHS_PREFIX: &str = "/ashlar/v1/cluster/epochs/";
 /// Persistent per-vdisk placement records (no lease): the nodes holding its copies.
 pub const PLACEMENT_PREFIX: &str = "/ashlar/v1/cluster/placement/";
+/// Resyncs in progress, one record per vdisk (no lease: a record of a node that is down or
+/// no longer owns the vdisk is ignored, and replaced by the next resync).
+pub const RESYNC_PREFIX: &str = "/ashlar/v1/cluster/resync/";
 /// The cluster secret node-to-node connections authenticate with (when not given in a file).
 pub const SECRET_KEY: &str = "/ashlar/v1/cluster/secret";
 
@@ -39,6 +42,22 @@ pub fn epoch_key(vdisk: VdiskId) -> Vec<u8> {
 
 pub fn placement_key(vdisk: VdiskId) -> Vec<u8> {
     format!("{PLACEMENT_PREFIX}{vdisk}").into_bytes()
+}
+
+pub fn resync_key(vdisk: VdiskId) -> Vec<u8> {
+    format!("{RESYNC_PREFIX}{vdisk}").into_bytes()
+}
+
+pub fn resyncs() -> KeyRange {
+    KeyRange::prefix(RESYNC_PREFIX)
+}
+
+pub fn placements() -> KeyRange {
+    KeyRange::prefix(PLACEMENT_PREFIX)
+}
+
+pub fn epochs() -> KeyRange {
+    KeyRange::prefix(EPOCHS_PREFIX)
 }
 
 pub fn members() -> KeyRange {
@@ -87,6 +106,7 @@ mod tests {
             OWNERS_PREFIX,
             EPOCHS_PREFIX,
             PLACEMENT_PREFIX,
+            RESYNC_PREFIX,
             SECRET_KEY,
         ] {
             assert!(prefix.starts_with(ashlar_meta::layout::ROOT));

@@ -13,6 +13,7 @@ pub mod ownership;
 pub mod placement;
 pub mod record;
 pub mod serving;
+pub mod status;
 
 pub use error::{ClaimError, ClusterError, NodeIdError, ReleaseError, ServeError};
 pub use membership::{
@@ -32,3 +33,7 @@ pub use placement::{
 };
 pub use record::{AdvertisedAddresses, DiskRecord, NodeRecord, NODE_RECORD_VERSION};
 pub use serving::{decide_serve, gate_step, GateStep, ServeRefusal};
+pub use status::{
+    cluster_status, ClusterStatus, Health, ResyncRecord, ResyncView, VdiskFacts, VdiskHealth,
+    RESYNC_RECORD_VERSION,
+};

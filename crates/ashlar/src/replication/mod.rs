@@ -25,7 +25,7 @@ use crate::registry::NodeEngine;
 use anyhow::{anyhow, bail, Context, Result};
 use ashlar_cluster::{
     choose_copies, list_nodes, read_placement_revision, record_placement, renew_copies,
-    replace_placement, NodeId, NodeState, NodeStatus,
+    replace_placement, NodeId, NodeState, NodeStatus, ResyncRecord, RESYNC_RECORD_VERSION,
 };
 use ashlar_core::VdiskId;
 use ashlar_meta::{Compare, MetaStore, Txn, TxnOp};
@@ -152,9 +152,29 @@ impl NodeReplication {
             .await
             .map_err(|e| format!("vdisk {name}: waiting for writes in flight: {e}"))?;
         let started = std::time::Instant::now();
-        let data_bytes = resync::resync(shared, vdisk, epoch, &peers)
-            .await
-            .map_err(|e| format!("vdisk {name}: resynchronizing its copies: {e}"))?;
+        let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let record = ResyncRecord {
+            version: RESYNC_RECORD_VERSION,
+            vdisk,
+            node: self.node,
+            epoch,
+            total_bytes: info.size_bytes,
+            done_bytes: 0,
+            started_unix_ms: resync::unix_ms(),
+            updated_unix_ms: resync::unix_ms(),
+        };
+        let stop = Arc::new(tokio::sync::Notify::new());
+        let publisher = tokio::spawn(resync::publish_progress(
+            self.meta.clone(),
+            record,
+            done.clone(),
+            stop.clone(),
+        ));
+        let resynced = resync::resync(shared, vdisk, epoch, &peers, &done).await;
+        stop.notify_one();
+        let _ = publisher.await;
+        let data_bytes =
+            resynced.map_err(|e| format!("vdisk {name}: resynchronizing its copies: {e}"))?;
         tracing::info!(vdisk = name, epoch, copies = ?names(&copies), data_bytes,
             elapsed_ms = started.elapsed().as_millis() as u64,
             "copies resynchronized from this node's; replicating the vdisk's writes to every copy");

@@ -15,13 +15,15 @@ use super::peers::Peer;
 use super::sender::replica_error;
 use super::wire::{self, Message};
 use super::REPLICA_TIMEOUT;
+use ashlar_cluster::ResyncRecord;
 use ashlar_core::VdiskId;
 use ashlar_engine::replication::{ReplicaOp, ReplicaRecord};
 use ashlar_engine::shard::{ShardOp, ShardReply};
 use ashlar_engine::vdisk::VdiskShared;
+use ashlar_meta::MetaStore;
 use bytes::{Bytes, BytesMut};
 use futures_util::stream::{self, StreamExt, TryStreamExt};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// The stream id of a resync (shard controllers' streams are their shard-map epochs, which
@@ -33,12 +35,13 @@ pub const RESYNC_CHUNK_BYTES: u64 = 1 << 20;
 pub const RESYNC_CHUNKS_IN_FLIGHT: usize = 8;
 
 /// Sends the vdisk's whole content to `peers` at ownership `epoch`; returns the bytes of
-/// data (not zeros) sent to each.
+/// data (not zeros) sent to each. `done` counts the bytes of the vdisk gone through.
 pub async fn resync(
     shared: Arc<VdiskShared>,
     vdisk: VdiskId,
     epoch: u64,
     peers: &[Arc<Peer>],
+    done: &AtomicU64,
 ) -> Result<u64, String> {
     if peers.is_empty() {
         return Ok(0);
@@ -76,6 +79,7 @@ pub async fn resync(
                 for result in futures_util::future::join_all(calls).await {
                     result?;
                 }
+                done.fetch_add(length, Ordering::Relaxed);
                 Ok::<u64, String>(data_bytes)
             }
         })
@@ -106,4 +110,47 @@ async fn read_chunk(shared: &VdiskShared, offset: u64, length: u64) -> Result<Re
         return Ok(ReplicaOp::Zero { offset, length });
     }
     Ok(ReplicaOp::Write { offset, data })
+}
+
+/// Keeps the vdisk's resync record in etcd up to date (about once a second) for `cluster
+/// status` until `stop` is notified, then deletes it. An update is never cut short, so no
+/// late write can bring the record back after the delete.
+pub async fn publish_progress<M: MetaStore>(
+    meta: M,
+    mut record: ResyncRecord,
+    done: Arc<AtomicU64>,
+    stop: Arc<tokio::sync::Notify>,
+) {
+    let key = ashlar_cluster::keys::resync_key(record.vdisk);
+    loop {
+        record.done_bytes = done.load(Ordering::Relaxed);
+        record.updated_unix_ms = unix_ms();
+        // Progress is advisory: a failed update is retried at the next tick.
+        let _ = meta
+            .put(key.clone(), ashlar_cluster::record::encode(&record), None)
+            .await;
+        tokio::select! {
+            () = stop.notified() => break,
+            () = tokio::time::sleep(PROGRESS_INTERVAL) => {}
+        }
+    }
+    forget_progress(&meta, record.vdisk).await;
+}
+
+/// Deletes the vdisk's resync record (the resync ended, well or not).
+async fn forget_progress<M: MetaStore>(meta: &M, vdisk: VdiskId) {
+    let key = ashlar_cluster::keys::resync_key(vdisk);
+    if let Err(error) = meta.delete(ashlar_meta::KeyRange::key(key)).await {
+        tracing::warn!(%vdisk, %error, "could not delete the finished resync's progress record");
+    }
+}
+
+/// How often a resync's progress record is updated.
+pub const PROGRESS_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
