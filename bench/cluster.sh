@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# cluster.sh — what replication costs: one etcd and three `ashlar node --etcd` processes on
+# loopback (one disk, two CPUs: every copy shares them, so replication shows as CPU), one
+# vdisk per replication factor (1, 2, 3), each claimed by node 1 and driven through node 1 by
+# fio's nbd engine. For every job: IOPS, p50/p99 latency, CPU-seconds of all three node
+# processes, IOPS per server CPU-second, and the CPU per write relative to RF 1 (issue 7's
+# goal: an RF 3 write costs at most 3.75x an RF 1 write, each copy at most 1.25x a local
+# write).
+#
+#   bench/cluster.sh [OUT_DIR]            (as root; OUT_DIR default bench/results/<date>-<host>)
+#
+# Knobs: ASHLAR_BIN (target/release/ashlar), SIZE (1G per vdisk), RUNTIME (8 s per job),
+# JOBS ("randwrite:1 randwrite:32 randread:32": fio rw and iodepth), RFS ("1 2 3"),
+# BASE_DIR (/var/tmp/ashlar-cluster-bench).
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+ASHLAR_BIN=${ASHLAR_BIN:-$HERE/../target/release/ashlar}
+SIZE=${SIZE:-1G}
+RUNTIME=${RUNTIME:-8}
+JOBS=${JOBS:-"randwrite:1 randwrite:32 randread:32"}
+RFS=${RFS:-"1 2 3"}
+BASE_DIR=${BASE_DIR:-/var/tmp/ashlar-cluster-bench}
+OUT_DIR=${1:-$HERE/results/$(date -u +%Y%m%d-%H%M%S)-$(hostname -s)}
+ETCD_PORT=23791
+
+[ -x "$ASHLAR_BIN" ] || { echo "no binary at $ASHLAR_BIN (cargo build --release -p ashlar)" >&2; exit 1; }
+for tool in etcd fio jq; do
+    command -v "$tool" >/dev/null || { echo "$tool is missing (apt-get install etcd-server fio jq)" >&2; exit 1; }
+done
+rm -rf "$BASE_DIR"
+mkdir -p "$BASE_DIR" "$OUT_DIR"
+PIDS=()
+cleanup() { for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+
+etcd --data-dir "$BASE_DIR/etcd" --listen-client-urls "http://127.0.0.1:$ETCD_PORT" \
+    --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
+    --listen-peer-urls "http://127.0.0.1:$((ETCD_PORT + 1))" > "$BASE_DIR/etcd.log" 2>&1 &
+PIDS+=($!)
+for _ in $(seq 50); do
+    curl -sf "http://127.0.0.1:$ETCD_PORT/health" >/dev/null 2>&1 && break
+    sleep 0.2
+done
+# Node n listens on 2n809 (NBD), 2n810 (HTTP), 2n260 (iSCSI), 2n811 (node-to-node).
+for n in 1 2 3; do
+    "$ASHLAR_BIN" node --data-dir "$BASE_DIR/node$n" --etcd "http://127.0.0.1:$ETCD_PORT" \
+        --advertise 127.0.0.1 --nbd-listen "127.0.0.1:2${n}809" --http-listen "127.0.0.1:2${n}810" \
+        --iscsi-listen "127.0.0.1:2${n}260" --node-listen "127.0.0.1:2${n}811" \
+        --node-lease-ttl-ms 3000 > "$BASE_DIR/node$n.log" 2>&1 &
+    PIDS+=($!)
+done
+NODE_PIDS=("${PIDS[@]:1:3}")
+for n in 1 2 3; do
+    for _ in $(seq 100); do
+        curl -sf "http://127.0.0.1:2${n}810/healthz" >/dev/null 2>&1 && break
+        sleep 0.2
+    done
+done
+for rf in $RFS; do
+    "$ASHLAR_BIN" --server http://127.0.0.1:21810 vdisk create "rf$rf" --size "$SIZE" --rf "$rf" >/dev/null
+    # Fill it (so reads read data) and claim it on node 1.
+    fio --name=fill --ioengine=nbd --uri="nbd://127.0.0.1:21809/rf$rf" --rw=write --bs=1M \
+        --iodepth=8 --output-format=json > /dev/null
+done
+sleep 5 # let the fills drain
+
+cpu_ticks() { local total=0; for pid in "${NODE_PIDS[@]}"; do
+    total=$((total + $(awk '{print $14 + $15}' "/proc/$pid/stat"))); done; echo "$total"; }
+HZ=$(getconf CLK_TCK)
+TSV=$OUT_DIR/cluster.tsv
+printf 'rf\tjob\tiops\tp50_us\tp99_us\tnode_cpu_s\tiops_per_cpu_s\n' > "$TSV"
+for job in $JOBS; do
+    rw=${job%%:*}; qd=${job##*:}
+    for rf in $RFS; do
+        before=$(cpu_ticks)
+        json=$(fio --name="rf$rf" --ioengine=nbd --uri="nbd://127.0.0.1:21809/rf$rf" --rw="$rw" \
+            --bs=4k --iodepth="$qd" --runtime="$RUNTIME" --time_based --output-format=json \
+            2>/dev/null | sed -n '/^{/,$p')
+        after=$(cpu_ticks)
+        side=$([ "$rw" = randread ] && echo read || echo write)
+        iops=$(jq ".jobs[0].$side.iops | floor" <<<"$json")
+        p50=$(jq ".jobs[0].$side.clat_ns.percentile[\"50.000000\"] / 1000 | floor" <<<"$json")
+        p99=$(jq ".jobs[0].$side.clat_ns.percentile[\"99.000000\"] / 1000 | floor" <<<"$json")
+        cpu=$(awk -v t=$((after - before)) -v hz="$HZ" 'BEGIN {printf "%.2f", t / hz}')
+        per_cpu=$(awk -v i="$iops" -v r="$RUNTIME" -v c="$cpu" 'BEGIN {printf "%.0f", i * r / c}')
+        printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$rf" "$rw-qd$qd" "$iops" "$p50" "$p99" "$cpu" "$per_cpu" \
+            | tee -a "$TSV"
+        sleep 3 # drains between jobs
+    done
+done
+# CPU per I/O relative to RF 1, per job.
+{
+    echo "CPU per I/O relative to RF 1 (issue 7 goal for writes: RF 3 <= 3.75x):"
+    awk -F'\t' 'NR > 1 { key = $2; if ($1 == 1) base[key] = $7; rfs[NR] = $1; keys[NR] = key; per[NR] = $7 }
+        END { for (i in keys) if (base[keys[i]] > 0 && per[i] > 0)
+                  printf "  %s rf%s: %.2fx\n", keys[i], rfs[i], base[keys[i]] / per[i] }' "$TSV" | sort
+} | tee "$OUT_DIR/cluster-ratios.txt"
+echo "results in $OUT_DIR"
