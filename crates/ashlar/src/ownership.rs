@@ -447,17 +447,6 @@ impl Clustered {
                      replication no other node holds it. Start that node again to serve it",
                     self.address_of(*node, frontend).await
                 ),
-                ServeRefusal::CopiesElsewhere { copies } => {
-                    let mut holders = Vec::new();
-                    for node in copies {
-                        holders.push(format!("{node}{}", self.address_of(*node, frontend).await));
-                    }
-                    format!(
-                        "vdisk {name}'s copies are on nodes {}; this node holds none: connect \
-                         to one of those",
-                        holders.join(", ")
-                    )
-                }
             },
             other => format!("vdisk {name}: cannot claim ownership: {other}"),
         }

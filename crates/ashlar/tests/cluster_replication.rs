@@ -247,89 +247,87 @@ fn rf_above_one_needs_a_cluster_and_at_most_three() {
 }
 
 #[test]
-fn a_copy_takes_over_a_dead_owner_with_every_write_and_a_new_copy_is_resynced() {
+fn a_node_without_a_copy_takes_over_a_dead_owner_from_the_storage_only_copy() {
     let etcd = EtcdServer::start();
     let mut a = cluster_node(&etcd.url, &[]);
     let b = cluster_node(&etcd.url, &[]);
-    let c = cluster_node(&etcd.url, &[]);
+    let mut c = cluster_node(&etcd.url, &["--storage-only"]);
     a.cli(&["vdisk", "create", VDISK, "--size", "64M", "--rf", "2"])
         .assert_ok("vdisk create --rf 2");
     let dir = tempfile::tempdir().unwrap();
     let (first, first_data) = pattern(dir.path(), 3);
     let (ok, text) = nbdcopy(first.to_str().unwrap(), &a.uri(VDISK));
     assert!(ok, "write through A: {text}");
-    let copies = a.show(VDISK)["ownership"]["copies"].clone();
     let (id_a, id_b, id_c) = (node_id(&a), node_id(&b), node_id(&c));
-    assert_eq!(copies[0], id_a.as_str(), "{copies}");
-    // The other copy is on B or C (whichever had more free space); the third node has none.
-    let (holder, other, holder_id, other_id) = if copies[1] == id_b.as_str() {
-        (&b, &c, &id_b, &id_c)
-    } else {
-        (&c, &b, &id_c, &id_b)
-    };
+    // The default placement: the owner and the storage-only node, which never serves.
+    assert_eq!(
+        a.show(VDISK)["ownership"]["copies"],
+        serde_json::json!([id_a, id_c])
+    );
+    let healthy = cluster_status(&b);
+    assert_eq!(healthy["fault_tolerance"], 1, "{healthy}");
+    assert_eq!(vdisk_health(&healthy), "ok", "{healthy}");
+    let report = b.cli(&["cluster", "status"]);
+    report.assert_ok("cluster status");
+    assert!(
+        report.stdout.contains("fault tolerance: 1 node failure(s)"),
+        "{}",
+        report.stdout
+    );
 
     a.kill9();
     let start = Instant::now();
-    while common::node_state(holder, &id_a) != "down" {
+    while common::node_state(&b, &id_a) != "down" {
         assert!(
             start.elapsed() < Duration::from_secs(30),
             "A never listed down"
         );
         std::thread::sleep(Duration::from_millis(200));
     }
-    // The node without a copy refuses, naming the copies.
-    let out = run_bounded_env("nbdinfo", &[other.uri(VDISK)], &[("LIBNBD_DEBUG", "1")], 30);
-    assert!(!out.status.success());
-    let refusal = String::from_utf8_lossy(&out.stderr);
-    assert!(refusal.contains("copies are on nodes"), "{refusal}");
+    // One copy left: the status says so before anyone takes the vdisk over.
+    let degraded = cluster_status(&b);
+    assert_eq!(degraded["nodes_down"], 1, "{degraded}");
+    assert_eq!(degraded["fault_tolerance"], 0, "{degraded}");
+    assert_eq!(vdisk_health(&degraded), "under-replicated", "{degraded}");
 
-    // The surviving copy takes over: every acknowledged write reads back through it.
+    // The client reconnects to B, which holds no copy: B gets one from the storage-only
+    // node, then serves every acknowledged write.
     let back = dir.path().join("back");
-    let (ok, text) = nbdcopy(&holder.uri(VDISK), back.to_str().unwrap());
-    assert!(
-        ok,
-        "read through the surviving copy: {text}\n{}",
-        holder.log()
-    );
+    let (ok, text) = nbdcopy(&b.uri(VDISK), back.to_str().unwrap());
+    assert!(ok, "read through B: {text}\n{}", b.log());
     assert!(std::fs::read(&back).unwrap()[..PATTERN_BYTES] == first_data[..]);
-    let ownership = holder.show(VDISK)["ownership"].clone();
-    assert_eq!(ownership["owner"], holder_id.as_str(), "{ownership}");
-    // The dead node's copy was replaced by the third node, which got the data first.
+    assert!(b.log().contains("got a copy of the vdisk"), "{}", b.log());
+    let ownership = b.show(VDISK)["ownership"].clone();
+    assert_eq!(ownership["owner"], id_b.as_str(), "{ownership}");
     assert_eq!(
         ownership["copies"],
-        serde_json::json!([holder_id, other_id]),
+        serde_json::json!([id_b, id_c]),
         "{ownership}"
     );
-    assert!(
-        holder.log().contains("copies resynchronized"),
-        "{}",
-        holder.log()
-    );
-    assert!(replica_records(other) > 0, "the new copy got nothing");
-    // Full RF again, the finished resync no longer listed.
-    let restored = cluster_status(holder);
+    let restored = cluster_status(&b);
     assert_eq!(vdisk_health(&restored), "ok", "{restored}");
     assert_eq!(restored["fault_tolerance"], 1, "{restored}");
     assert_eq!(restored["rebuilding"], 0, "{restored}");
 
-    // Writes go on at full RF: through the new owner, onto the new copy.
+    // Writes go on at RF 2, onto the storage-only copy.
+    let records_before = replica_records(&c);
     let (second, second_data) = pattern(dir.path(), 4);
-    let (ok, text) = nbdcopy(second.to_str().unwrap(), &holder.uri(VDISK));
-    assert!(ok, "write through the new owner: {text}\n{}", holder.log());
-    let vdisk_dir = holder.vdisk_dir_name(VDISK);
-    let mut other = if other_id == &id_b { b } else { c };
-    other.sigterm_and_wait();
-    other.restart();
-    other.sigterm_and_wait();
+    let (ok, text) = nbdcopy(second.to_str().unwrap(), &b.uri(VDISK));
+    assert!(ok, "write through B: {text}\n{}", b.log());
     assert!(
-        egroup0_data(&other, &vdisk_dir) == second_data,
-        "the new copy's extent store does not hold the second pattern"
+        replica_records(&c) > records_before,
+        "C got none of B's writes"
     );
-    // The old owner, restarted, is no longer a copy and serves nothing of it.
+    let vdisk_dir = b.vdisk_dir_name(VDISK);
+    c.sigterm_and_wait();
+    c.restart();
+    c.sigterm_and_wait();
+    assert!(
+        egroup0_data(&c, &vdisk_dir) == second_data,
+        "C's extent store does not hold the second pattern"
+    );
+    // The old owner, restarted, finds the vdisk owned by B and serves nothing of it.
     a.restart();
     let out = run_bounded_env("nbdinfo", &[a.uri(VDISK)], &[("LIBNBD_DEBUG", "1")], 30);
-    assert!(
-        !out.status.success(),
-        "the old owner served a vdisk it holds no copy of"
-    );
+    assert!(!out.status.success(), "the old owner served a vdisk B owns");
 }

@@ -114,14 +114,6 @@ fn refusal_text(refusal: &ServeRefusal) -> String {
         ServeRefusal::DataOnDownNode { node } => format!(
             "its data is on node {node}, which is down; without replication no other node holds it"
         ),
-        ServeRefusal::CopiesElsewhere { copies } => format!(
-            "its copies are on nodes {}; this node holds none",
-            copies
-                .iter()
-                .map(|n| n.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        ),
     }
 }
 

@@ -28,16 +28,13 @@ pub enum ServeRefusal {
     /// Nobody owns the vdisk, but its data is on `node`, its last owner: serving it here
     /// would show this node's (empty or stale) copy instead.
     DataOnDownNode { node: NodeId },
-    /// Nobody owns the replicated vdisk, and this node holds none of its copies: they are on
-    /// `copies`.
-    CopiesElsewhere { copies: Vec<NodeId> },
 }
 
 /// Whether `me` may claim a vdisk to serve it, given its current owner record (if any), the
 /// node its highest epoch went to (`last_owner`, `None` if it was never claimed) and its copy
 /// set (`copies`: empty for an unreplicated vdisk or one never claimed). Every acknowledged
-/// write of a replicated vdisk is on every node of its copy set, so any of them may take it
-/// over when nobody owns it.
+/// write of a replicated vdisk is on every node of its copy set, so any node may take it over
+/// when nobody owns it: one holding a copy serves from it, another first gets one.
 ///
 /// An owner record naming `me` is an earlier claim of this same node: a previous run
 /// (killed before its lease ended) or a claim whose lease lapsed while etcd was away. The
@@ -59,12 +56,8 @@ pub fn decide_serve(
             epoch: owner.epoch,
         }),
         (Some(_), _) => Ok(()),
-        (None, _) if !copies.is_empty() => match copies.contains(&me) {
-            true => Ok(()),
-            false => Err(ServeRefusal::CopiesElsewhere {
-                copies: copies.to_vec(),
-            }),
-        },
+        // Replicated: the claimant gets a copy from a node holding one if it has none.
+        (None, _) if !copies.is_empty() => Ok(()),
         (None, Some(last)) if last != me => Err(ServeRefusal::DataOnDownNode { node: last }),
         (None, _) => Ok(()),
     }
@@ -146,13 +139,15 @@ mod tests {
     }
 
     #[test]
-    fn any_copy_holder_takes_over_a_replicated_vdisk_nobody_owns() {
+    fn any_node_takes_over_a_replicated_vdisk_nobody_owns() {
         let (me, a, b) = (node(1), node(2), node(3));
-        // The last owner is down (no owner record): a copy holder may claim.
+        // The last owner is down (no owner record): a copy holder may claim, and so may a
+        // node holding none (it gets a copy first); unlike an unreplicated vdisk's.
         assert_eq!(decide_serve(me, false, None, Some(a), &[a, me]), Ok(()));
+        assert_eq!(decide_serve(me, false, None, Some(a), &[a, b]), Ok(()));
         assert_eq!(
-            decide_serve(me, false, None, Some(a), &[a, b]),
-            Err(ServeRefusal::CopiesElsewhere { copies: vec![a, b] })
+            decide_serve(me, false, None, Some(a), &[]),
+            Err(ServeRefusal::DataOnDownNode { node: a })
         );
         // A live owner still wins.
         assert_eq!(

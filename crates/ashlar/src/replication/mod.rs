@@ -14,6 +14,7 @@
 
 mod fence;
 mod peers;
+mod push;
 mod receiver;
 mod resync;
 mod sender;
@@ -42,6 +43,8 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use wire::Message;
 
+/// How long a node holding a copy may take to send all of it to a claimant without one.
+pub const PUSH_TIMEOUT: Duration = Duration::from_secs(3600);
 /// How long a replica may take to make one record durable before the write fails.
 pub const REPLICA_TIMEOUT: Duration = Duration::from_secs(5);
 /// Copy failures queued for the ownership layer (one per vdisk and epoch is enough; more are
@@ -53,7 +56,7 @@ pub struct NodeReplication {
     node: NodeId,
     engine: Arc<NodeEngine>,
     meta: NodeMeta,
-    peers: Peers,
+    peers: Arc<Peers>,
     failed: mpsc::Sender<CopyFailed>,
     /// This node's own receiver: a claim fences it too, so no record of an older owner is
     /// applied here once this node serves the vdisk.
@@ -75,10 +78,15 @@ impl NodeReplication {
         let config = TransportConfig::new(transport_id(node), secret, TransportLimits::default());
         let transport = Arc::new(TcpTransport::new(config));
         let receiver = ReplicaReceiver::start(engine.clone(), &args.data_dir);
-        let serving = receiver.clone();
+        let peers = Arc::new(Peers::new(transport.clone()));
+        let services = Arc::new(push::Services {
+            engine: engine.clone(),
+            receiver: receiver.clone(),
+            peers: peers.clone(),
+        });
         let handler = handler_fn(move |_peer, payload| {
-            let receiver = serving.clone();
-            async move { receiver.handle(payload).await }
+            let services = services.clone();
+            async move { services.serve(payload).await }
         });
         let server = transport
             .serve(args.node_listen, handler)
@@ -94,7 +102,7 @@ impl NodeReplication {
             node,
             engine,
             meta,
-            peers: Peers::new(transport),
+            peers,
             failed,
             receiver,
             failures: std::sync::Mutex::new(Some(failures)),
@@ -124,14 +132,28 @@ impl NodeReplication {
         let nodes = list_nodes(&self.meta)
             .await
             .map_err(|e| format!("vdisk {name}: listing nodes: {e}"))?;
-        let copies = self.copy_set(name, vdisk, rf, &nodes).await?;
+        let (previous, copies) = self.copy_set(name, vdisk, rf, &nodes).await?;
+        // A claimant that holds no copy (its client moved here, or every copy holder that
+        // could serve is down or storage-only) first gets one from a node that holds it.
+        let source = (!previous.is_empty() && !previous.contains(&self.node))
+            .then(|| previous.iter().find(|n| copies.contains(n)).copied())
+            .map(|found| {
+                found.ok_or_else(|| {
+                    format!(
+                        "vdisk {name}: no node holding a copy ({}) is up",
+                        names(&previous).join(", ")
+                    )
+                })
+            })
+            .transpose()?;
         let mut peers = Vec::new();
         for copy in copies.iter().filter(|n| **n != self.node) {
             let address = copy_address(name, *copy, &nodes)?;
             peers.push(self.peers.peer(*copy, address));
         }
-        let fence = wire::encode(&Message::Fence { vdisk, epoch });
-        self.receiver.handle(fence.clone()).await.map_err(|e| {
+        let fence_message = Message::Fence { vdisk, epoch };
+        let fence = wire::encode(&fence_message);
+        self.receiver.handle(fence_message).await.map_err(|e| {
             format!("vdisk {name}: fencing this node's own copy at epoch {epoch}: {e}")
         })?;
         for peer in &peers {
@@ -151,6 +173,16 @@ impl NodeReplication {
             .settle()
             .await
             .map_err(|e| format!("vdisk {name}: waiting for writes in flight: {e}"))?;
+        if let Some(source) = source {
+            self.pull(name, vdisk, epoch, source, &nodes).await?;
+        }
+        // The source of a pull holds what this node now holds: it needs no resync (but it
+        // takes every write from now on, like every other copy).
+        let resync_targets: Vec<_> = peers
+            .iter()
+            .filter(|peer| Some(peer.node()) != source)
+            .cloned()
+            .collect();
         let started = std::time::Instant::now();
         let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let record = ResyncRecord {
@@ -170,7 +202,7 @@ impl NodeReplication {
             done.clone(),
             stop.clone(),
         ));
-        let resynced = resync::resync(shared, vdisk, epoch, &peers, &done).await;
+        let resynced = resync::resync(shared, vdisk, epoch, &resync_targets, &done).await;
         stop.notify_one();
         let _ = publisher.await;
         let data_bytes =
@@ -178,6 +210,11 @@ impl NodeReplication {
         tracing::info!(vdisk = name, epoch, copies = ?names(&copies), data_bytes,
             elapsed_ms = started.elapsed().as_millis() as u64,
             "copies resynchronized from this node's; replicating the vdisk's writes to every copy");
+        assert_eq!(
+            peers.len() + 1,
+            copies.len(),
+            "every other copy takes every write"
+        );
         let replicator = PeerReplicator::new(epoch, peers, REPLICA_TIMEOUT, self.failed.clone());
         self.engine
             .set_replicator(name, Some(Box::new(replicator)))
@@ -193,7 +230,7 @@ impl NodeReplication {
         vdisk: VdiskId,
         rf: u8,
         nodes: &[NodeStatus],
-    ) -> Result<Vec<NodeId>, String> {
+    ) -> Result<(Vec<NodeId>, Vec<NodeId>), String> {
         let recorded = read_placement_revision(&self.meta, vdisk)
             .await
             .map_err(|e| format!("vdisk {name}: reading its placement: {e}"))?;
@@ -203,10 +240,14 @@ impl NodeReplication {
             let placement = record_placement(&self.meta, vdisk, copies)
                 .await
                 .map_err(|e| format!("vdisk {name}: recording its placement: {e}"))?;
-            self.check_holds_copy(name, &placement.copies)?;
-            return Ok(placement.copies);
+            if !placement.copies.contains(&self.node) {
+                // Another claimant recorded a set first: settle it as a later claim would.
+                return Err(format!(
+                    "vdisk {name}: another node placed its copies meanwhile; try again"
+                ));
+            }
+            return Ok((Vec::new(), placement.copies));
         };
-        self.check_holds_copy(name, &placement.copies)?;
         let renewed = renew_copies(self.node, rf, &placement.copies, nodes)
             .map_err(|e| format!("vdisk {name}: {e}"))?;
         if renewed != placement.copies {
@@ -219,20 +260,38 @@ impl NodeReplication {
                 ));
             }
             tracing::info!(vdisk = name, from = ?names(&placement.copies), to = ?names(&renewed),
-                "copies on nodes that are down replaced");
+                "copy set renewed (this node first, copies on nodes that are down replaced)");
         }
-        Ok(renewed)
+        Ok((placement.copies, renewed))
     }
 
-    fn check_holds_copy(&self, name: &str, copies: &[NodeId]) -> Result<(), String> {
-        if copies.contains(&self.node) {
-            return Ok(());
-        }
-        Err(format!(
-            "vdisk {name}'s copies are on nodes {}; this node holds none, and this version \
-             cannot move a vdisk's copies: connect to one of those nodes",
-            names(copies).join(", ")
-        ))
+    /// Has `source` (which holds a copy and was fenced at `epoch`) send its whole copy here.
+    async fn pull(
+        &self,
+        name: &str,
+        vdisk: VdiskId,
+        epoch: u64,
+        source: NodeId,
+        nodes: &[NodeStatus],
+    ) -> Result<(), String> {
+        let address = copy_address(name, self.node, nodes)?.to_string();
+        let peer = self.peers.peer(source, copy_address(name, source, nodes)?);
+        let push = wire::encode(&Message::Push {
+            vdisk,
+            epoch,
+            target: self.node,
+            address,
+        });
+        let started = std::time::Instant::now();
+        peer.call(push, PUSH_TIMEOUT).await.map_err(|e| {
+            format!(
+                "vdisk {name}: getting a copy from node {source}: {}",
+                replica_error(source, vdisk, e)
+            )
+        })?;
+        tracing::info!(vdisk = name, epoch, %source, elapsed_ms = started.elapsed().as_millis() as u64,
+            "got a copy of the vdisk from a node holding one");
+        Ok(())
     }
 }
 

@@ -10,14 +10,13 @@
 //! this node's own oplog.
 
 use super::fence::{Fences, Verdict};
-use super::wire::{self, Message, FAILED_CODE, FENCED_CODE, MALFORMED_CODE, STALE_CODE};
+use super::wire::{Message, FAILED_CODE, FENCED_CODE, MALFORMED_CODE, STALE_CODE};
 use crate::registry::NodeEngine;
 use ashlar_core::VdiskId;
 use ashlar_engine::replication::ReplicaRecord;
 use ashlar_engine::shard::ShardError;
 use ashlar_engine::vdisk::VdiskShared;
 use ashlar_transport::RemoteError;
-use bytes::Bytes;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::sync::Arc;
@@ -58,9 +57,8 @@ impl ReplicaReceiver {
         ReplicaReceiver { queue }
     }
 
-    /// Answers one request payload.
-    pub async fn handle(&self, payload: Bytes) -> Result<Bytes, RemoteError> {
-        let message = wire::decode(&payload).map_err(|e| remote(MALFORMED_CODE, e))?;
+    /// Answers one record or fence.
+    pub async fn handle(&self, message: Message) -> Result<(), RemoteError> {
         let (answer, answered) = oneshot::channel();
         self.queue
             .send(Incoming { message, answer })
@@ -68,12 +66,11 @@ impl ReplicaReceiver {
             .map_err(|_| remote(FAILED_CODE, "the node is stopping"))?;
         answered
             .await
-            .map_err(|_| remote(FAILED_CODE, "the node is stopping"))??;
-        Ok(Bytes::new())
+            .map_err(|_| remote(FAILED_CODE, "the node is stopping"))?
     }
 }
 
-fn remote(code: u32, message: impl ToString) -> RemoteError {
+pub fn remote(code: u32, message: impl ToString) -> RemoteError {
     RemoteError {
         code,
         message: message.to_string(),
@@ -115,6 +112,9 @@ impl ReceiverLoop {
                     let _ = answer.send(fenced);
                 }
                 Message::Record { epoch, record } => self.record(epoch, record, answer).await,
+                Message::Push { .. } => {
+                    let _ = answer.send(Err(remote(MALFORMED_CODE, "a push is not a record")));
+                }
             }
         }
     }

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! offset size field
-//!      0    1 kind: 1 record, 2 fence
+//!      0    1 kind: 1 record, 2 fence, 3 push
 //!      1    1 version: 1
 //!      2    2 reserved, zero
 //!      4    4 shard index            (record; zero in a fence)
@@ -20,9 +20,14 @@
 //!     72    - data: `length` bytes   (write only)
 //! ```
 //!
+//! A push (a claimant without a copy asks a node holding one to send it everything) has the
+//! target node's id at 24 (16 bytes, u128) and the length of its node-to-node address at 40
+//! (u16); the address (UTF-8, `host:port`) follows the header. Everything else is zero.
+//!
 //! A successful answer is an empty payload; a refusal is the transport's remote error with
 //! one of the `*_CODE` codes below and a message for the log.
 
+use ashlar_cluster::NodeId;
 use ashlar_core::VdiskId;
 use ashlar_engine::replication::{ReplicaOp, ReplicaRecord};
 use bytes::{BufMut, Bytes, BytesMut};
@@ -32,6 +37,7 @@ pub const HEADER_BYTES: usize = 72;
 
 const KIND_RECORD: u8 = 1;
 const KIND_FENCE: u8 = 2;
+const KIND_PUSH: u8 = 3;
 const OP_WRITE: u8 = 1;
 const OP_ZERO: u8 = 2;
 
@@ -52,6 +58,13 @@ pub enum Message {
     Record { epoch: u64, record: ReplicaRecord },
     /// From now on refuse records of epochs below `epoch` (a new owner, before it serves).
     Fence { vdisk: VdiskId, epoch: u64 },
+    /// Send the whole copy, as a resync stream at `epoch`, to node `target` at `address`.
+    Push {
+        vdisk: VdiskId,
+        epoch: u64,
+        target: NodeId,
+        address: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -72,6 +85,8 @@ pub enum WireError {
     Crc { expected: u32, got: u32 },
     #[error("record seq {seq} does not follow prev seq {prev}")]
     Order { seq: u64, prev: u64 },
+    #[error("push to an invalid node id or address")]
+    Target,
 }
 
 pub fn encode(message: &Message) -> Bytes {
@@ -79,6 +94,7 @@ pub fn encode(message: &Message) -> Bytes {
     let (kind, shard, vdisk, epoch) = match message {
         Message::Record { epoch, record } => (KIND_RECORD, record.shard, record.vdisk, *epoch),
         Message::Fence { vdisk, epoch } => (KIND_FENCE, 0, *vdisk, *epoch),
+        Message::Push { vdisk, epoch, .. } => (KIND_PUSH, 0, *vdisk, *epoch),
     };
     out.put_u8(kind);
     out.put_u8(WIRE_VERSION);
@@ -106,6 +122,14 @@ pub fn encode(message: &Message) -> Bytes {
             }
         }
         Message::Fence { .. } => out.put_bytes(0, HEADER_BYTES - 24),
+        Message::Push {
+            target, address, ..
+        } => {
+            out.put_u128_le(target.value());
+            out.put_u16_le(address.len() as u16);
+            out.put_bytes(0, HEADER_BYTES - 42);
+            out.put_slice(address.as_bytes());
+        }
     }
     debug_assert!(out.len() >= HEADER_BYTES);
     out.freeze()
@@ -155,8 +179,27 @@ pub fn decode(payload: &Bytes) -> Result<Message, WireError> {
             Ok(Message::Fence { vdisk, epoch })
         }
         KIND_RECORD => decode_record(payload, vdisk, epoch),
+        KIND_PUSH => decode_push(bytes, vdisk, epoch),
         other => Err(WireError::Kind(other)),
     }
+}
+
+fn decode_push(bytes: &[u8], vdisk: VdiskId, epoch: u64) -> Result<Message, WireError> {
+    if u32_at(bytes, 4) != 0 || bytes[42..HEADER_BYTES].iter().any(|&b| b != 0) {
+        return Err(WireError::Reserved);
+    }
+    let target = u128::from_le_bytes(bytes[24..40].try_into().expect("16 bytes"));
+    let length = usize::from(u16::from_le_bytes([bytes[40], bytes[41]]));
+    let address = &bytes[HEADER_BYTES..];
+    if address.len() != length {
+        return Err(WireError::Target);
+    }
+    Ok(Message::Push {
+        vdisk,
+        epoch,
+        target: NodeId::new(target).ok_or(WireError::Target)?,
+        address: String::from_utf8(address.to_vec()).map_err(|_| WireError::Target)?,
+    })
 }
 
 fn decode_record(payload: &Bytes, vdisk: VdiskId, epoch: u64) -> Result<Message, WireError> {
@@ -242,7 +285,13 @@ mod tests {
             vdisk: VdiskId(5),
             epoch: 3,
         };
-        for message in [write_record(), zero, fence] {
+        let push = Message::Push {
+            vdisk: VdiskId(5),
+            epoch: 4,
+            target: NodeId::new(0xabc).unwrap(),
+            address: "10.0.0.3:10811".into(),
+        };
+        for message in [write_record(), zero, fence, push] {
             let bytes = encode(&message);
             assert_eq!(decode(&bytes), Ok(message));
         }

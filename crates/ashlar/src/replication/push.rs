@@ -1,0 +1,59 @@
+//! Serving node-to-node requests: records and fences go to the receiver loop; a push (a
+//! claimant that holds no copy asks this node, which holds one, for all of it) runs as a
+//! resync from this node's copy to the claimant, outside the loop since it takes as long as
+//! reading the vdisk.
+
+use super::peers::Peers;
+use super::receiver::{remote, ReplicaReceiver};
+use super::resync::resync;
+use super::wire::{self, Message, FAILED_CODE, MALFORMED_CODE};
+use crate::registry::NodeEngine;
+use ashlar_transport::RemoteError;
+use bytes::Bytes;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+pub struct Services {
+    pub engine: Arc<NodeEngine>,
+    pub receiver: ReplicaReceiver,
+    pub peers: Arc<Peers>,
+}
+
+impl Services {
+    pub async fn serve(&self, payload: Bytes) -> Result<Bytes, RemoteError> {
+        let message = wire::decode(&payload).map_err(|e| remote(MALFORMED_CODE, e))?;
+        match message {
+            Message::Push {
+                vdisk,
+                epoch,
+                target,
+                address,
+            } => {
+                // Fenced at the claim's epoch first: no older owner's record lands here while
+                // (or after) the copy is read.
+                self.receiver
+                    .handle(Message::Fence { vdisk, epoch })
+                    .await?;
+                let failed = |e: String| remote(FAILED_CODE, format!("vdisk {vdisk}: {e}"));
+                let address = address
+                    .parse()
+                    .map_err(|_| failed(format!("bad push address {address}")))?;
+                let shared = self
+                    .engine
+                    .replica_target(vdisk)
+                    .await
+                    .map_err(|e| failed(e.to_string()))?;
+                shared.settle().await.map_err(|e| failed(e.to_string()))?;
+                let peer = self.peers.peer(target, address);
+                let done = AtomicU64::new(0);
+                let sent = resync(shared, vdisk, epoch, &[peer], &done)
+                    .await
+                    .map_err(failed)?;
+                tracing::info!(%vdisk, epoch, %target, data_bytes = sent,
+                    "sent this node's copy to the node taking the vdisk over");
+            }
+            other => self.receiver.handle(other).await?,
+        }
+        Ok(Bytes::new())
+    }
+}
