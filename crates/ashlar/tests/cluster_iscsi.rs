@@ -6,7 +6,8 @@
 //! (the data is on the dead node only) while it still claims and serves a group of its own;
 //! the owner restarted claims again at epoch 2 with its data intact. An owner whose lease
 //! lapsed (etcd frozen) answers LUN I/O with CHECK CONDITION / NOT READY at once, and the
-//! same session works again after the node claims the vdisk again.
+//! same session works again after the node claims the vdisk again. A replicated target fails
+//! over: its owner killed, a login at another node serves every acknowledged write.
 
 mod common;
 // Shared with other test binaries, each of which uses a part of it.
@@ -221,4 +222,45 @@ fn an_owner_whose_lease_lapsed_fails_lun_io_until_it_claims_again() {
     let owned = ownership(&a, "shared");
     assert!(owned["owner_epoch"].as_u64() > Some(1), "{owned}");
     assert!(a.log().contains("claiming the vdisk again"), "{}", a.log());
+}
+
+#[test]
+fn a_replicated_target_fails_over_to_another_node_with_every_write() {
+    let etcd = EtcdServer::start();
+    let mut a = cluster_node(&etcd.url, &[]);
+    let b = cluster_node(&etcd.url, &[]);
+    let _c = cluster_node(&etcd.url, &["--storage-only"]);
+    a.cli(&["vdisk", "create", "mirrored", "--size", "8M", "--rf", "2"])
+        .assert_ok("vdisk create --rf 2");
+    a.cli(&["vg", "create", "db"]).assert_ok("vg create");
+    a.cli(&["vg", "add-disk", "db", "mirrored"])
+        .assert_ok("vg add-disk");
+    a.cli(&["vg", "attach", "db", "--initiator", QEMU_INITIATOR])
+        .assert_ok("vg attach");
+    // B started before the group existed: it learns groups when it starts.
+    let mut b = b;
+    b.sigterm_and_wait();
+    b.restart();
+    let (id_a, id_b) = (node_id(&a), node_id(&b));
+
+    let dir = tempfile::tempdir().unwrap();
+    let first = pattern_file(dir.path(), 5);
+    write_lun(&first, &url(&a, "db")).assert_ok("write through A");
+    assert_eq!(ownership(&b, "mirrored")["owner"], id_a.as_str());
+
+    // A dies mid-life: the initiator logs in again at B's portal. B takes the target over
+    // (getting the vdisk's copy from the storage-only node) with every acknowledged write.
+    a.kill9();
+    assert!(
+        wait_until(Duration::from_secs(20), || node_state(&b, &id_a) == "down"),
+        "A not listed down"
+    );
+    compare_lun(&first, &url(&b, "db")).assert_ok("read through B after A died");
+    let owned = ownership(&b, "mirrored");
+    assert_eq!(owned["owner"], id_b.as_str(), "{owned}");
+    // Writes go on through B, at RF 2.
+    let second = pattern_file(dir.path(), 6);
+    write_lun(&second, &url(&b, "db")).assert_ok("write through B");
+    compare_lun(&second, &url(&b, "db")).assert_ok("read back through B");
+    assert_eq!(owned["copies"].as_array().map(Vec::len), Some(2), "{owned}");
 }
