@@ -272,6 +272,10 @@ async fn serve(args: NodeArgs, api_token_file: Option<PathBuf>) -> Result<()> {
             engine.clone(),
         )
         .await?;
+        tokio::spawn(crate::deletions::follow_deletions(
+            engine.clone(),
+            meta.clone(),
+        ));
         crate::ownership::NodeOwnership::clustered(
             &engine,
             meta.clone(),

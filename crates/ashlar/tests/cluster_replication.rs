@@ -331,3 +331,38 @@ fn a_node_without_a_copy_takes_over_a_dead_owner_from_the_storage_only_copy() {
     let out = run_bounded_env("nbdinfo", &[a.uri(VDISK)], &[("LIBNBD_DEBUG", "1")], 30);
     assert!(!out.status.success(), "the old owner served a vdisk B owns");
 }
+
+#[test]
+fn deleting_a_replicated_vdisk_removes_every_copy() {
+    let etcd = EtcdServer::start();
+    let a = cluster_node(&etcd.url, &[]);
+    let c = cluster_node(&etcd.url, &["--storage-only"]);
+    a.cli(&["vdisk", "create", VDISK, "--size", "64M", "--rf", "2"])
+        .assert_ok("vdisk create --rf 2");
+    let dir = tempfile::tempdir().unwrap();
+    let (first, _) = pattern(dir.path(), 7);
+    let (ok, text) = nbdcopy(first.to_str().unwrap(), &a.uri(VDISK));
+    assert!(ok, "write through A: {text}");
+    let vdisk_dir = a.vdisk_dir_name(VDISK);
+    let copy_data = [
+        c.data_dir.join("disk0/extents").join(&vdisk_dir),
+        c.data_dir.join("disk0/oplog").join(&vdisk_dir),
+    ];
+    assert!(copy_data.iter().any(|p| p.exists()), "C holds no data");
+    assert!(replica_records(&c) > 0);
+
+    a.cli(&["vdisk", "delete", VDISK]).assert_ok("vdisk delete");
+    let start = Instant::now();
+    while copy_data.iter().any(|p| p.exists()) {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "C still holds the deleted vdisk's data:\n{}",
+            c.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let listed = c.cli(&["vdisk", "list", "--json"]);
+    listed.assert_ok("vdisk list");
+    assert!(!listed.stdout.contains(VDISK), "{}", listed.stdout);
+    assert!(c.log().contains("deleted on another node"), "{}", c.log());
+}

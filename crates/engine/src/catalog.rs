@@ -159,18 +159,24 @@ pub async fn tombstones<M: MetaStore>(
         .range(KeyRange::Prefix(TOMBSTONE_PREFIX.as_bytes().to_vec()), None)
         .await
         .map_err(meta_error)?;
-    kvs.iter()
-        .map(|kv| {
-            let key = String::from_utf8_lossy(&kv.key);
-            key.strip_prefix(TOMBSTONE_PREFIX)
-                .and_then(|hex| u64::from_str_radix(hex, 16).ok())
-                .map(VdiskId)
-                .ok_or_else(|| CatalogError::Corrupt {
-                    key: key.into_owned(),
-                    reason: "tombstone key does not end in a vdisk id".into(),
-                })
+    kvs.iter().map(|kv| tombstone_id(&kv.key)).collect()
+}
+
+/// The keys of tombstones, for a watch: another node deleting a vdisk writes one.
+pub fn tombstone_range() -> KeyRange {
+    KeyRange::Prefix(TOMBSTONE_PREFIX.as_bytes().to_vec())
+}
+
+/// The vdisk a tombstone key names.
+pub fn tombstone_id(key: &[u8]) -> Result<VdiskId, CatalogError> {
+    let key = String::from_utf8_lossy(key);
+    key.strip_prefix(TOMBSTONE_PREFIX)
+        .and_then(|hex| u64::from_str_radix(hex, 16).ok())
+        .map(VdiskId)
+        .ok_or_else(|| CatalogError::Corrupt {
+            key: key.clone().into_owned(),
+            reason: "tombstone key does not end in a vdisk id".into(),
         })
-        .collect()
 }
 
 /// Forgets the tombstone once the vdisk's data is gone.

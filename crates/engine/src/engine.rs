@@ -707,6 +707,42 @@ impl<M: MetaStore> Engine<M> {
             return Err(error.into());
         }
         lock(&self.vdisks).remove(name);
+        self.remove_local_data(&record, &shared).await?;
+        catalog::remove_tombstone(&self.meta, record.id).await?;
+        tracing::info!(vdisk = name, id = %record.id, "vdisk deleted");
+        Ok(())
+    }
+
+    /// Another node deleted vdisk `id` (its tombstone appeared): this node drops its own
+    /// copy of it, if it has one, whatever its connections (they fail from now on). The
+    /// tombstone is left to the node that wrote it. True if there was something to drop.
+    pub async fn forget_deleted(&self, id: VdiskId) -> Result<bool, EngineError> {
+        let _control = self.control.lock().await;
+        let entry = {
+            let mut vdisks = lock(&self.vdisks);
+            let name = vdisks
+                .iter()
+                .find(|(_, e)| e.record.id == id)
+                .map(|(name, _)| name.clone());
+            name.and_then(|name| vdisks.remove(&name))
+        };
+        let Some(entry) = entry else {
+            return Ok(false);
+        };
+        entry.shared.closing.store(true, Ordering::Relaxed);
+        self.remove_local_data(&entry.record, &entry.shared).await?;
+        tracing::info!(vdisk = %entry.record.name, %id,
+            "vdisk deleted on another node; this node's copy removed");
+        Ok(true)
+    }
+
+    /// Stops the vdisk's shards (dropping their oplogs) and removes its files on every disk.
+    async fn remove_local_data(
+        &self,
+        record: &VdiskRecord,
+        shared: &VdiskShared,
+    ) -> Result<(), EngineError> {
+        let name = &record.name;
         let map = shared.map.load_full();
         if let Err(error) = retire_all(&map.shards, true).await {
             tracing::warn!(vdisk = name, %error, "shards did not stop cleanly during delete");
@@ -718,8 +754,6 @@ impl<M: MetaStore> Engine<M> {
         extent_store::remove_vdisk_data(&self.config.fs, &self.config.disks, record.id)
             .await
             .map_err(|e| EngineError::Storage(format!("removing data of '{name}': {e}")))?;
-        catalog::remove_tombstone(&self.meta, record.id).await?;
-        tracing::info!(vdisk = name, id = %record.id, "vdisk deleted");
         Ok(())
     }
 
