@@ -173,6 +173,7 @@ pub struct RecordSource {
 impl RecordSource {
     pub fn new(args: &NodeArgs, node_id: NodeId, disks: &[Disk]) -> Result<Self> {
         let host = advertised_host(args)?;
+        check_reachable(&host, args.node_listen)?;
         let at = |listen: SocketAddr| host_port(&host, listen.port());
         Ok(RecordSource {
             node_id,
@@ -208,13 +209,32 @@ fn advertised_host(args: &NodeArgs) -> Result<String> {
         return Ok(args.http_listen.ip().to_string());
     };
     if host.parse::<SocketAddr>().is_ok() {
-        bail!("--advertise {host}: give the host only; the ports come from --http-listen, --nbd-listen and --iscsi-listen");
+        bail!("--advertise {host}: give the host only; the ports come from --http-listen, --nbd-listen, --iscsi-listen and --node-listen");
     }
     let host = host.trim_start_matches('[').trim_end_matches(']');
     if host.is_empty() || host.contains(['/', ' ']) {
         bail!("--advertise {host:?}: expected a host name or an IP address");
     }
     Ok(host.to_string())
+}
+
+/// Other nodes connect to the advertised host at `--node-listen`'s port: a node advertising
+/// an address beyond loopback while listening on loopback could never be reached, and its
+/// replicated writes would fail on every other node. Refused at start instead.
+fn check_reachable(host: &str, node_listen: SocketAddr) -> Result<()> {
+    let advertised_beyond_loopback = host
+        .parse::<IpAddr>()
+        .map(|ip| !ip.is_loopback())
+        .unwrap_or(host != "localhost");
+    if advertised_beyond_loopback && node_listen.ip().is_loopback() {
+        bail!(
+            "--node-listen {node_listen} is a loopback address but --advertise {host} is not: \
+             other nodes could not reach this one for replication; give --node-listen \
+             {}",
+            host_port(host, node_listen.port())
+        );
+    }
+    Ok(())
 }
 
 fn host_port(host: &str, port: u16) -> String {
@@ -306,6 +326,23 @@ mod tests {
         assert_eq!(host_port("10.0.0.1", 10810), "10.0.0.1:10810");
         assert_eq!(host_port("node1.example", 3260), "node1.example:3260");
         assert_eq!(host_port("fe80::1", 10809), "[fe80::1]:10809");
+    }
+
+    #[test]
+    fn a_node_listener_others_cannot_reach_is_refused() {
+        let loopback: SocketAddr = "127.0.0.1:10811".parse().unwrap();
+        assert!(check_reachable("127.0.0.1", loopback).is_ok());
+        assert!(check_reachable("localhost", loopback).is_ok());
+        assert!(check_reachable("10.0.0.2", "10.0.0.2:10811".parse().unwrap()).is_ok());
+        assert!(check_reachable("10.0.0.2", "0.0.0.0:10811".parse().unwrap()).is_ok());
+        let error = check_reachable("10.0.0.2", loopback)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("give --node-listen 10.0.0.2:10811"),
+            "{error}"
+        );
+        assert!(check_reachable("node1.example", loopback).is_err());
     }
 
     #[test]
