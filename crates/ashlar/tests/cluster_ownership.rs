@@ -4,7 +4,7 @@
 //! refuses (the data is only on the dead node); the owner restarted claims it again at epoch
 //! 2 and the data reads back; an owner cut off from etcd stops serving once its lease is no
 //! longer surely valid and claims again (higher epoch) when etcd answers; and steady client
-//! I/O makes no etcd requests.
+//! I/O makes no etcd requests, on the owner or (replicated) on the copy.
 
 mod common;
 // Shared with other test binaries, each of which uses a part of it.
@@ -215,13 +215,29 @@ fn steady_client_io_makes_no_etcd_requests() {
     let etcd = EtcdServer::start();
     let a = cluster_node(&etcd.url, &[]);
     a.create_vdisk(VDISK, "64M");
-    let (ok, text) = nbdinfo(&a);
+    steady_io_without_etcd(&a, &[&a]);
+}
+
+#[test]
+fn steady_replicated_io_makes_no_etcd_requests_on_either_copy() {
+    let etcd = EtcdServer::start();
+    let a = cluster_node(&etcd.url, &[]);
+    let c = cluster_node(&etcd.url, &["--storage-only"]);
+    a.cli(&["vdisk", "create", VDISK, "--size", "64M", "--rf", "2"])
+        .assert_ok("vdisk create --rf 2");
+    steady_io_without_etcd(&a, &[&a, &c]);
+}
+
+/// Opens the vdisk on `owner`, then runs fio for 2 s and for 6 s and checks that the etcd
+/// requests each of `nodes` makes meanwhile do not grow with the I/O count.
+fn steady_io_without_etcd(owner: &Node, nodes: &[&Node]) {
+    let (ok, text) = nbdinfo(owner);
     assert!(ok, "{text}");
     let fio = |secs: &str| {
         let run = run_fio(&[
             "--name=steady".to_string(),
             "--ioengine=nbd".to_string(),
-            format!("--uri={}", a.uri(VDISK)),
+            format!("--uri={}", owner.uri(VDISK)),
             "--rw=randrw".to_string(),
             "--bs=4k".to_string(),
             "--iodepth=8".to_string(),
@@ -233,18 +249,25 @@ fn steady_client_io_makes_no_etcd_requests() {
         let job = &run.jobs()[0];
         job["read"]["total_ios"].as_u64().unwrap() + job["write"]["total_ios"].as_u64().unwrap()
     };
-    let before = etcd_requests(&a);
+    let requests = || nodes.iter().map(|n| etcd_requests(n)).collect::<Vec<u64>>();
+    let before = requests();
     let short = fio("2");
-    let middle = etcd_requests(&a);
+    let middle = requests();
     let long = fio("6");
-    let after = etcd_requests(&a);
+    let after = requests();
     assert!(short > 1000 && long > short, "ios {short} then {long}");
     // Keep-alives (every TTL/3) and one open's lookup are all there is: a few per second,
     // however many I/Os ran.
     let per_second = |requests: u64, secs: u64| requests as f64 / secs as f64;
-    assert!(
-        per_second(middle - before, 2) < 10.0 && per_second(after - middle, 6) < 10.0,
-        "etcd requests {before} -> {middle} -> {after} for {short} and {long} I/Os"
-    );
-    assert!(after - middle < long / 100, "requests scale with I/O");
+    for i in 0..nodes.len() {
+        assert!(
+            per_second(middle[i] - before[i], 2) < 10.0
+                && per_second(after[i] - middle[i], 6) < 10.0,
+            "node {i}: etcd requests {} -> {} -> {} for {short} and {long} I/Os",
+            before[i],
+            middle[i],
+            after[i]
+        );
+        assert!(after[i] - middle[i] < long / 100, "requests scale with I/O");
+    }
 }
