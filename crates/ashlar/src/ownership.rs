@@ -549,6 +549,8 @@ async fn reclaim_after_copy_failures(
     mut failures: tokio::sync::mpsc::Receiver<CopyFailed>,
 ) {
     while let Some(failed) = failures.recv().await {
+        // The reason of the last failed attempt: a new one is a warning, a repeat is not.
+        let mut last_reason = String::new();
         loop {
             let held = lock(&cluster.held)
                 .get(&failed.vdisk)
@@ -560,8 +562,10 @@ async fn reclaim_after_copy_failures(
                 break; // claimed again since that failure
             }
             wanted.gate.close();
-            tracing::warn!(vdisk = %wanted.name, epoch,
-                "a copy failed; claiming the vdisk again to resynchronize or replace its copies");
+            if last_reason.is_empty() {
+                tracing::warn!(vdisk = %wanted.name, epoch,
+                    "a copy failed; claiming the vdisk again to resynchronize or replace its copies");
+            }
             match cluster.claim(wanted, frontend).await {
                 Ok(()) => break,
                 Err(refused) if refused.refusal.is_some() => {
@@ -569,7 +573,11 @@ async fn reclaim_after_copy_failures(
                     break;
                 }
                 Err(refused) => {
-                    tracing::warn!(reason = %refused.message, "claiming again failed; retrying");
+                    if refused.message != last_reason {
+                        tracing::warn!(reason = %refused.message,
+                            "claiming again failed; retrying every {RECLAIM_RETRY:?}");
+                        last_reason = refused.message;
+                    }
                     tokio::time::sleep(RECLAIM_RETRY).await;
                 }
             }
