@@ -97,6 +97,15 @@ fn egroup0_data(node: &Node, vdisk_dir_name: &str) -> Vec<u8> {
     bytes[start..start + PATTERN_BYTES].to_vec()
 }
 
+/// Stops `node`, starts it again (its oplog drains into its extent store at start) and stops
+/// it, then checks that its extent store holds `data` in egroup 0, byte for byte.
+fn assert_copy_holds(node: &mut Node, vdisk_dir_name: &str, data: &[u8], what: &str) {
+    node.sigterm_and_wait();
+    node.restart();
+    node.sigterm_and_wait();
+    assert!(egroup0_data(node, vdisk_dir_name) == data, "{what}");
+}
+
 #[test]
 fn rf2_writes_reach_the_copy_node_which_is_resynced_or_replaced_when_it_fails() {
     let etcd = EtcdServer::start();
@@ -139,12 +148,11 @@ fn rf2_writes_reach_the_copy_node_which_is_resynced_or_replaced_when_it_fails() 
 
     // C's copy is complete: stopped, restarted (its oplog drains into its extent store at
     // start) and stopped again, its extent store holds the pattern byte for byte.
-    c.sigterm_and_wait();
-    c.restart();
-    c.sigterm_and_wait();
-    assert!(
-        egroup0_data(&c, &vdisk_dir) == first_data,
-        "C's extent store does not hold what the client wrote"
+    assert_copy_holds(
+        &mut c,
+        &vdisk_dir,
+        &first_data,
+        "C's extent store does not hold what the client wrote",
     );
 
     // C restarted: it may have missed records, so it refuses A's stream; A claims the vdisk
@@ -168,12 +176,11 @@ fn rf2_writes_reach_the_copy_node_which_is_resynced_or_replaced_when_it_fails() 
         serde_json::json!([node_id(&a), node_id(&c)]),
         "{ownership}"
     );
-    c.sigterm_and_wait();
-    c.restart();
-    c.sigterm_and_wait();
-    assert!(
-        egroup0_data(&c, &vdisk_dir) == second_data,
-        "C's extent store does not hold the second pattern"
+    assert_copy_holds(
+        &mut c,
+        &vdisk_dir,
+        &second_data,
+        "C's extent store does not hold the second pattern",
     );
 
     // C down for good: A replaces it by B (the only other node up), copies everything to B,
@@ -190,12 +197,11 @@ fn rf2_writes_reach_the_copy_node_which_is_resynced_or_replaced_when_it_fails() 
     let (ok, text) = nbdcopy(&a.uri(VDISK), back.to_str().unwrap());
     assert!(ok, "read through A: {text}");
     assert!(std::fs::read(&back).unwrap()[..PATTERN_BYTES] == third_data[..]);
-    b.sigterm_and_wait();
-    b.restart();
-    b.sigterm_and_wait();
-    assert!(
-        egroup0_data(&b, &vdisk_dir) == third_data,
-        "B's extent store does not hold the third pattern"
+    assert_copy_holds(
+        &mut b,
+        &vdisk_dir,
+        &third_data,
+        "B's extent store does not hold the third pattern",
     );
 }
 
@@ -319,12 +325,11 @@ fn a_node_without_a_copy_takes_over_a_dead_owner_from_the_storage_only_copy() {
         "C got none of B's writes"
     );
     let vdisk_dir = b.vdisk_dir_name(VDISK);
-    c.sigterm_and_wait();
-    c.restart();
-    c.sigterm_and_wait();
-    assert!(
-        egroup0_data(&c, &vdisk_dir) == second_data,
-        "C's extent store does not hold the second pattern"
+    assert_copy_holds(
+        &mut c,
+        &vdisk_dir,
+        &second_data,
+        "C's extent store does not hold the second pattern",
     );
     // The old owner, restarted, finds the vdisk owned by B and serves nothing of it.
     a.restart();
