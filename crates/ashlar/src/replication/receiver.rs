@@ -15,7 +15,7 @@ use crate::registry::NodeEngine;
 use ashlar_core::VdiskId;
 use ashlar_engine::replication::ReplicaRecord;
 use ashlar_engine::shard::ShardError;
-use ashlar_engine::vdisk::VdiskShared;
+use ashlar_engine::vdisk::{VdiskShared, SHARD_RANGE_BYTES};
 use ashlar_transport::RemoteError;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
@@ -192,13 +192,16 @@ impl ReceiverLoop {
     /// Queues the record on the local copy's shard; answers when the shard is done with it.
     async fn apply(&mut self, record: ReplicaRecord, answer: Answer) {
         let vdisk = record.vdisk;
-        let (offset, _) = record.op.range();
+        let (offset, length) = record.op.range();
         let op = record.op.into_shard_op();
         let queued = match self.target(vdisk).await {
-            Ok(shared) => shared
-                .enqueue_replica(op, offset)
-                .await
-                .map_err(|e| e.to_string()),
+            Ok(shared) => match check_record_range(&shared, offset, length) {
+                Ok(()) => shared
+                    .enqueue_replica(op, offset)
+                    .await
+                    .map_err(|e| e.to_string()),
+                Err(reason) => Err(reason),
+            },
             Err(e) => Err(e),
         };
         let reply = match queued {
@@ -237,6 +240,25 @@ impl ReceiverLoop {
         self.targets.insert(vdisk, shared.clone());
         Ok(shared)
     }
+}
+
+/// A record lies inside the vdisk and inside one shard range (as every owner's oplog record
+/// does): anything else would reach a shard controller with a request it never takes from a
+/// client, so it is refused here.
+fn check_record_range(shared: &VdiskShared, offset: u64, length: u64) -> Result<(), String> {
+    let size = shared.size_bytes.load(std::sync::atomic::Ordering::Relaxed);
+    let end = offset.checked_add(length).filter(|end| *end <= size);
+    let Some(end) = end.filter(|_| length > 0) else {
+        return Err(format!(
+            "record [{offset}, +{length}) is empty or outside the vdisk's {size} bytes"
+        ));
+    };
+    if offset / SHARD_RANGE_BYTES != (end - 1) / SHARD_RANGE_BYTES {
+        return Err(format!(
+            "record [{offset}, +{length}) crosses a {SHARD_RANGE_BYTES}-byte shard range"
+        ));
+    }
+    Ok(())
 }
 
 fn fenced(vdisk: VdiskId, epoch: u64, highest: u64) -> RemoteError {
