@@ -420,24 +420,28 @@ fn dropped_in_flight_operations_do_not_corrupt() {
                 data[at as usize..][..65536]
             );
         }
-        // Every abandoned operation gives its slot and buffer back once it completes.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            reap_completions();
-            let stats = thread_stats().unwrap();
-            assert!(stats.bounce_bytes_allocated <= stats.bounce_bytes_limit);
-            if stats.in_flight_ops == 0 {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "abandoned operations never finished"
-            );
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        wait_for_abandoned_operations().await;
         let tail = read_vec(&file, 9 << 20, 7 << 20).await;
         assert_eq!(tail, data[9 << 20..]);
     });
+}
+
+/// Every abandoned operation gives its slot and buffer back once it completes.
+async fn wait_for_abandoned_operations() {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        reap_completions();
+        let stats = thread_stats().unwrap();
+        assert!(stats.bounce_bytes_allocated <= stats.bounce_bytes_limit);
+        if stats.in_flight_ops == 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "abandoned operations never finished"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
 }
 
 /// A thread that ends with operations in flight (futures dropped, or leaked) waits for the
@@ -477,16 +481,26 @@ fn dropped_waiters_for_admission_leave_no_trace() {
         let mut a = vec![0u8; 16384];
         let mut b = vec![0u8; 16384];
         let mut c = vec![0u8; 16384];
-        {
-            let mut first = pin!(file.read_at(&mut a, 0));
-            let mut second = pin!(file.read_at(&mut b, 16384));
-            let mut third = pin!(file.read_at(&mut c, 32768));
-            let _ = poll_once(first.as_mut());
-            let _ = poll_once(second.as_mut());
-            assert!(poll_once(third.as_mut()).is_pending());
-            assert_eq!(thread_stats().unwrap().waiting_for_admission, 1);
+        // A read that completes inside its first poll gives its grant back at once, and the
+        // third is admitted: try again until the first two both have to wait.
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            assert!(attempts <= 100, "the first two reads never both waited");
+            wait_for_abandoned_operations().await;
+            {
+                let mut first = pin!(file.read_at(&mut a, 0));
+                let mut second = pin!(file.read_at(&mut b, 16384));
+                let mut third = pin!(file.read_at(&mut c, 32768));
+                if poll_once(first.as_mut()).is_ready() || poll_once(second.as_mut()).is_ready() {
+                    continue;
+                }
+                assert!(poll_once(third.as_mut()).is_pending());
+                assert_eq!(thread_stats().unwrap().waiting_for_admission, 1);
+            }
+            assert_eq!(thread_stats().unwrap().waiting_for_admission, 0);
+            break;
         }
-        assert_eq!(thread_stats().unwrap().waiting_for_admission, 0);
         assert_eq!(
             read_vec(&file, 4096, 4096).await,
             pattern(1 << 20, 8)[4096..8192]

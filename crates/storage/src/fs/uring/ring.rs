@@ -359,10 +359,13 @@ impl State {
         }
     }
 
-    /// `leaving` no longer waits: if it was the leader, wake another waiting future to take
-    /// over (an operation's future first, else the first waiter for admission).
+    /// `leaving` no longer waits: if it was the leader, or nobody leads (a future woken to
+    /// take over found its own operation done), wake another waiting future to take over (an
+    /// operation's future first, else the first waiter for admission). Without the second
+    /// case the lead could end with a future that never waits again, leaving completions
+    /// nobody reaps.
     fn hand_off(&mut self, leaving: Leader) {
-        if self.leader != Some(leaving) {
+        if self.leader.is_some() && self.leader != Some(leaving) {
             return;
         }
         self.leader = None;
