@@ -226,6 +226,14 @@ pub struct NodeArgs {
     /// and keeps it in etcd, where every node reads it: then whoever can read etcd can join.
     #[arg(long, value_name = "FILE", requires = "etcd")]
     pub cluster_secret_file: Option<PathBuf>,
+    /// A client of a vdisk another node owns is served here by forwarding its requests to
+    /// the owner; after this many seconds of forwarded I/O without a pause over 5 s, this
+    /// node asks the owner to hand the vdisk over (only for vdisks with 2 or 3 copies, and
+    /// only while no client of the owner itself uses it), so ownership follows the client.
+    /// 0 never moves a vdisk.
+    #[arg(long, default_value_t = 30, value_name = "SECONDS", requires = "etcd")]
+    pub migrate_after_s: u64,
+
     /// Mark the node storage-only: it holds replicas of other nodes' vdisks (chosen before
     /// other nodes when copies are placed) and never owns vdisks or serves clients.
     #[arg(long, requires = "etcd")]

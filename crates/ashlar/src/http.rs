@@ -147,6 +147,13 @@ async fn show_vdisk(
     State(state): State<ApiState>,
     Path(name): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
+    if state.meta.is_clustered() {
+        // Another node may have created it since this one started: any node shows any
+        // vdisk of the cluster (and may serve it).
+        if let Err(error) = state.engine.learn(&name).await {
+            tracing::warn!(vdisk = %name, %error, "could not start a vdisk from the catalog");
+        }
+    }
     let info = state.engine.vdisk(&name)?;
     Ok(Json(vdisk_json(&state, info).await?))
 }

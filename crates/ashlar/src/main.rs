@@ -9,6 +9,7 @@ mod client_vg;
 mod cluster;
 mod cluster_status;
 mod deletions;
+mod forwarding;
 mod http;
 mod http_vg;
 mod iscsi;

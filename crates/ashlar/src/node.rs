@@ -2,6 +2,7 @@
 
 use crate::api_token::{node_token, require_token, ApiAuth, TokenSource, TOKEN_ENV};
 use crate::args::NodeArgs;
+use crate::forwarding::NodeDevice;
 use crate::http::{router, ApiState};
 use crate::ownership::NodeOwnership;
 use crate::registry::{EngineRegistry, NodeEngine};
@@ -9,7 +10,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use ashlar_core::{format_size, parse_size};
 use ashlar_engine::reactor::{default_reactor_count, ReactorId};
 use ashlar_engine::vdisk::ConnectionGuard;
-use ashlar_engine::{Engine, EngineConfig, EngineError, VdiskHandle};
+use ashlar_engine::{Engine, EngineConfig, EngineError};
 use ashlar_nbd::{resume_connection, serve_or_hand_over, Handover, NbdLimits, RequestBudget};
 use ashlar_storage::disk::{Disk, Tier};
 use ashlar_storage::fs::{NodeFs, UringConfig};
@@ -276,14 +277,18 @@ async fn serve(args: NodeArgs, api_token_file: Option<PathBuf>) -> Result<()> {
             engine.clone(),
             meta.clone(),
         ));
-        crate::ownership::NodeOwnership::clustered(
+        let replication = Arc::new(replication);
+        let ownership = crate::ownership::NodeOwnership::clustered(
             &engine,
             meta.clone(),
             node_id,
             args.storage_only,
             registration.subscribe_lease(),
-            Arc::new(replication),
-        )
+            replication.clone(),
+            (args.migrate_after_s > 0).then(|| Duration::from_secs(args.migrate_after_s)),
+        );
+        replication.set_ownership(ownership.clone());
+        ownership
     } else {
         crate::ownership::NodeOwnership::default()
     };
@@ -619,10 +624,14 @@ async fn accept_loop(
             ));
             tracing::debug!(%peer, "NBD client connected");
             let mut target = None;
-            let stay = |device: &VdiskHandle| {
-                target = device
+            let stay = |device: &NodeDevice| {
+                // A forwarded connection's requests leave the node anyway: it stays.
+                let Some(handle) = device.local_handle() else {
+                    return true;
+                };
+                target = handle
                     .better_reactor()
-                    .map(|reactor| (reactor, device.count_while_moving()));
+                    .map(|reactor| (reactor, handle.count_while_moving()));
                 target.is_none()
             };
             let served =

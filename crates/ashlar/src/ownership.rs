@@ -21,6 +21,7 @@
 //! On a single node (`--etcd` not given) none of this exists: gates are open for good.
 
 use crate::cluster::NodeMeta;
+use crate::forwarding::Migrations;
 use crate::registry::NodeEngine;
 use crate::replication::{CopyFailed, NodeReplication};
 use ashlar_cluster::{
@@ -36,9 +37,20 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
 
 /// The node's ownership layer; `None` inside on a single node.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct NodeOwnership {
     cluster: Option<Arc<Clustered>>,
+    /// Forwarded I/O per vdisk, which moves vdisks here (never on a single node).
+    migrations: Arc<Migrations>,
+}
+
+impl Default for NodeOwnership {
+    fn default() -> Self {
+        NodeOwnership {
+            cluster: None,
+            migrations: Arc::new(Migrations::new(None)),
+        }
+    }
 }
 
 struct Clustered {
@@ -141,6 +153,17 @@ pub enum GroupNotServed {
     NotServing(#[from] NotServing),
 }
 
+/// Who serves a client of a vdisk on this node.
+pub enum ServedBy {
+    /// This node holds the claim.
+    Here,
+    /// Another live node owns the vdisk: requests are forwarded to it.
+    Owner {
+        node: NodeId,
+        peer: Arc<crate::replication::Peer>,
+    },
+}
+
 /// What `vdisk show`/`list` say about a vdisk's ownership.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct OwnershipView {
@@ -170,6 +193,7 @@ impl NodeOwnership {
         storage_only: bool,
         lease: watch::Receiver<LeaseStatus>,
         replication: Arc<NodeReplication>,
+        migrate_after: Option<std::time::Duration>,
     ) -> Self {
         engine.require_ownership();
         let cluster = Arc::new(Clustered {
@@ -188,6 +212,20 @@ impl NodeOwnership {
         }
         NodeOwnership {
             cluster: Some(cluster),
+            migrations: Arc::new(Migrations::new(migrate_after)),
+        }
+    }
+
+    /// The node's forwarded I/O per vdisk.
+    pub fn migrations(&self) -> &Migrations {
+        &self.migrations
+    }
+
+    /// Runs `work` on the control runtime (where the etcd client lives), detached.
+    pub fn spawn_on_control(&self, work: impl Future<Output = ()> + Send + 'static) {
+        match &self.cluster {
+            Some(cluster) => drop(cluster.control.spawn(work)),
+            None => drop(tokio::spawn(work)),
         }
     }
 
@@ -211,6 +249,71 @@ impl NodeOwnership {
         cluster
             .on_control(move |cluster| async move { cluster.claim(wanted, frontend).await })
             .await
+    }
+
+    /// Where a client of `name` on this node is served: here (claimed as
+    /// [`NodeOwnership::ensure_serving`] does), or by the live node that owns it, reached over
+    /// the node-to-node protocol (`docs/forwarding.md`). Called from any runtime.
+    pub async fn route(
+        &self,
+        engine: &NodeEngine,
+        name: &str,
+        frontend: Frontend,
+    ) -> Result<ServedBy, NotServing> {
+        let refused = match self.ensure_serving(engine, name, frontend).await {
+            Ok(()) => return Ok(ServedBy::Here),
+            Err(refused) => refused,
+        };
+        let (Some(cluster), Some(ServeRefusal::OwnedElsewhere { owner, .. })) =
+            (&self.cluster, &refused.refusal)
+        else {
+            return Err(refused);
+        };
+        let owner = *owner;
+        let cluster = cluster.clone();
+        let address = self
+            .cluster
+            .as_ref()
+            .expect("clustered")
+            .control
+            .spawn(async move { cluster.addresses_of(owner).await })
+            .await
+            .ok()
+            .flatten()
+            .and_then(|addresses| addresses.node.parse().ok());
+        let Some(address) = address else {
+            return Err(NotServing {
+                message: format!(
+                    "{} (its node-to-node address is unknown, so this node cannot forward to it)",
+                    refused.message
+                ),
+                refusal: refused.refusal,
+            });
+        };
+        let replication = &self.cluster.as_ref().expect("clustered").replication;
+        Ok(ServedBy::Owner {
+            node: owner,
+            peer: replication.peer(owner, address),
+        })
+    }
+
+    /// Gives up this node's claim on `vdisk` so that another node can claim it at once (a
+    /// forwarder that carries the vdisk's clients, `docs/forwarding.md`): the gate shuts,
+    /// writes in flight finish, then the claim is released in etcd.
+    pub async fn hand_over(
+        &self,
+        vdisk: VdiskId,
+        shared: Arc<ashlar_engine::vdisk::VdiskShared>,
+    ) -> Result<(), String> {
+        let Some(cluster) = &self.cluster else {
+            return Err("a single node has nobody to hand a vdisk over to".into());
+        };
+        let work = cluster.clone();
+        cluster
+            .control
+            .spawn(async move { work.hand_over(vdisk, shared).await })
+            .await
+            .map_err(|e| format!("handing over failed: {e}"))?
     }
 
     /// Makes sure this node may serve every vdisk of a volume group (an iSCSI target's
@@ -359,6 +462,30 @@ impl Clustered {
         }
     }
 
+    async fn hand_over(
+        &self,
+        vdisk: VdiskId,
+        shared: Arc<ashlar_engine::vdisk::VdiskShared>,
+    ) -> Result<(), String> {
+        let _one_at_a_time = self.claiming.lock().await;
+        let Some(held) = lock(&self.held).remove(&vdisk) else {
+            return Err(format!("vdisk {vdisk}: this node does not own it"));
+        };
+        held.wanted.gate.close();
+        let name = &held.wanted.name;
+        if let Err(error) = shared.settle().await {
+            // The claim is released anyway: the next owner resynchronizes every copy from
+            // its own, and this node's gate stays shut.
+            tracing::warn!(vdisk = %name, %error, "writes in flight did not settle before the hand-over");
+        }
+        release(&self.meta, &held.claim)
+            .await
+            .map_err(|e| format!("vdisk {name}: releasing its claim: {e}"))?;
+        tracing::info!(vdisk = %name, epoch = %held.claim.epoch,
+            "handed the vdisk over to the node that carries its clients; forwarding to it from now on");
+        Ok(())
+    }
+
     /// Claims a volume group's vdisks in LUN order, unless another node serves the group.
     /// In order, and stopping at the first refusal, so two nodes that race to claim one
     /// group never end up owning a part each: the one that wins the first LUN gets all.
@@ -439,7 +566,7 @@ impl Clustered {
                 ),
                 ServeRefusal::OwnedElsewhere { owner, epoch } => format!(
                     "vdisk {name} is owned by node {owner}{} (epoch {epoch}); connect there \
-                     (this version does not forward I/O between nodes)",
+                     (or to any other node, which forwards to it)",
                     self.address_of(*owner, frontend).await
                 ),
                 ServeRefusal::DataOnDownNode { node } => format!(

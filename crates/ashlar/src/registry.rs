@@ -1,6 +1,8 @@
-//! Connects the NBD front-end to the engine: export names are vdisk names.
+//! Connects the NBD front-end to the engine: export names are vdisk names. In a cluster a
+//! vdisk another node owns is forwarded to it (`forwarding::NodeDevice`).
 
-use crate::ownership::{Frontend, NodeOwnership};
+use crate::forwarding::NodeDevice;
+use crate::ownership::NodeOwnership;
 use ashlar_engine::vdisk::ConnectionGuard;
 use ashlar_engine::{Engine, VdiskHandle};
 use ashlar_nbd::{ExportInfo, ExportRegistry};
@@ -42,7 +44,7 @@ impl EngineRegistry {
 }
 
 impl ExportRegistry for EngineRegistry {
-    type Device = VdiskHandle;
+    type Device = NodeDevice;
 
     fn list_exports(&self) -> Vec<ExportInfo> {
         self.engine
@@ -59,14 +61,16 @@ impl ExportRegistry for EngineRegistry {
     }
 
     /// The empty name (the NBD default export) means the only vdisk, when there is one.
-    /// In a cluster the vdisk is claimed first (or the open refused, naming its owner).
-    async fn open_export(&self, name: &str) -> Result<VdiskHandle, String> {
+    /// In a cluster the vdisk is claimed first, or forwarded to the node that owns it (or
+    /// the open refused, saying why).
+    async fn open_export(&self, name: &str) -> Result<NodeDevice, String> {
         if let Some(guard) = self.moved.borrow_mut().take() {
             // The connection was served on another reactor of this node a moment ago.
             if guard.is_closing() {
                 return Err(format!("vdisk {name} is being deleted"));
             }
-            return Ok(VdiskHandle::from_moved(guard));
+            let handle = VdiskHandle::from_moved(guard);
+            return NodeDevice::moved(self.engine.clone(), self.ownership.clone(), handle);
         }
         let name = if name.is_empty() {
             let vdisks = self.engine.list_vdisks();
@@ -82,10 +86,6 @@ impl ExportRegistry for EngineRegistry {
         } else {
             name.to_string()
         };
-        self.ownership
-            .ensure_serving(&self.engine, &name, Frontend::Nbd)
-            .await
-            .map_err(|refused| refused.message)?;
-        self.engine.open(&name).map_err(|e| e.to_string())
+        NodeDevice::open(self.engine.clone(), self.ownership.clone(), &name).await
     }
 }

@@ -65,7 +65,7 @@ fn pattern_file(dir: &Path) -> std::path::PathBuf {
 }
 
 #[test]
-fn the_first_opener_owns_a_vdisk_and_others_refuse_it() {
+fn the_first_opener_owns_a_vdisk_and_other_nodes_forward_to_it() {
     let etcd = EtcdServer::start();
     let mut a = cluster_node(&etcd.url, &[]);
     // Created before B starts: a node loads the shared catalog when it starts.
@@ -109,13 +109,10 @@ fn the_first_opener_owns_a_vdisk_and_others_refuse_it() {
         shown.stdout
     );
 
+    // A client of B is forwarded to A (docs/forwarding.md); B does not take the vdisk.
     let (ok, text) = nbdinfo(&b);
-    assert!(!ok, "B must refuse a vdisk A owns: {text}");
-    assert!(
-        text.contains(&format!("owned by node {id_a}"))
-            && text.contains(&format!("127.0.0.1:{}", a.nbd_port)),
-        "the refusal names the owner and its address: {text}"
-    );
+    assert!(ok, "B forwards a vdisk A owns: {text}");
+    assert_eq!(ownership(&b)["owner"], id_a.as_str());
     let table = a.cli(&["node", "list", "--json"]);
     let nodes: Value = serde_json::from_str(&table.stdout).unwrap();
     for node in nodes.as_array().unwrap() {

@@ -122,8 +122,10 @@ pub async fn replace_placement<M: MetaStore>(
 }
 
 /// The copy set a node taking a vdisk over (or claiming it again) serves with: itself first,
-/// then the other copies that are up, then, in place of those that are down, the best other
-/// nodes that are up (as [`choose_copies`] ranks them); `rf` nodes in all.
+/// then the other copies that are up (best first, as [`choose_copies`] ranks nodes: a
+/// claimant from outside the set drops the least preferred one, never a storage-only copy
+/// before a serving node's), then, in place of those that are down, the best other nodes
+/// that are up; `rf` nodes in all.
 pub fn renew_copies(
     me: NodeId,
     rf: u8,
@@ -135,10 +137,20 @@ pub fn renew_copies(
             .iter()
             .any(|n| n.record.node_id == *node && n.state == NodeState::Up)
     };
+    let ranked = ranked_others(me, nodes);
+    let mut kept: Vec<NodeId> = copies
+        .iter()
+        .filter(|n| **n != me && up(n))
+        .copied()
+        .collect();
+    if kept.len() >= usize::from(rf) {
+        // A claimant from outside the set: the least preferred copy makes room for it.
+        kept.sort_by_key(|n| ranked.iter().position(|r| r == n).unwrap_or(usize::MAX));
+    }
     let mut renewed = vec![me];
-    renewed.extend(copies.iter().filter(|n| **n != me && up(n)).copied());
+    renewed.extend(kept);
     renewed.truncate(usize::from(rf));
-    for candidate in ranked_others(me, nodes) {
+    for candidate in ranked {
         if renewed.len() >= usize::from(rf) {
             break;
         }
@@ -264,6 +276,12 @@ mod tests {
         assert_eq!(
             renew_copies(id(1), 3, &[id(4), id(1), id(3)], &nodes),
             Ok(vec![id(1), id(4), id(3)])
+        );
+        // A claimant from outside the set (its client moved there): the storage-only copy
+        // stays, the serving node's copy makes room.
+        assert_eq!(
+            renew_copies(id(4), 2, &[id(1), id(3)], &nodes),
+            Ok(vec![id(4), id(3)])
         );
         let two = [node(1, true, false, 1), node(2, false, false, 1)];
         assert_eq!(

@@ -900,7 +900,8 @@ impl<M: MetaStore> Engine<M> {
         Ok(shared)
     }
 
-    fn shared_by_id(&self, id: VdiskId) -> Result<Option<Arc<VdiskShared>>, EngineError> {
+    /// The shared state of vdisk `id` if this node runs it (`None` if it has not started it).
+    pub fn shared_by_id(&self, id: VdiskId) -> Result<Option<Arc<VdiskShared>>, EngineError> {
         let vdisks = lock(&self.vdisks);
         let Some(entry) = vdisks.values().find(|e| e.record.id == id) else {
             return Ok(None);

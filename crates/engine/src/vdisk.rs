@@ -123,6 +123,12 @@ impl VdiskShared {
         Ok(())
     }
 
+    /// The reactor whose shard serves `offset` (`None` off the reactors, in tests): where a
+    /// request that arrives off the reactors is cheapest to run.
+    pub fn reactor_for(&self, offset: u64) -> Option<ReactorId> {
+        self.map.load().shard_for(offset).reactor
+    }
+
     pub fn shard_count(&self) -> usize {
         self.map.load().shards.len()
     }

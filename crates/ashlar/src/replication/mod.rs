@@ -22,6 +22,7 @@ pub mod wire;
 
 use crate::args::NodeArgs;
 use crate::cluster::NodeMeta;
+use crate::forwarding::ForwardServer;
 use crate::registry::NodeEngine;
 use anyhow::{anyhow, bail, Context, Result};
 use ashlar_cluster::{
@@ -33,6 +34,7 @@ use ashlar_meta::{Compare, MetaStore, Txn, TxnOp};
 use ashlar_transport::{
     handler_fn, ClusterSecret, Server, TcpTransport, Transport, TransportConfig, TransportLimits,
 };
+pub use peers::Peer;
 use peers::{transport_id, Peers};
 use receiver::ReplicaReceiver;
 pub use sender::CopyFailed;
@@ -61,6 +63,8 @@ pub struct NodeReplication {
     /// This node's own receiver: a claim fences it too, so no record of an older owner is
     /// applied here once this node serves the vdisk.
     receiver: ReplicaReceiver,
+    /// Runs requests other nodes forward to this one.
+    forward: Arc<ForwardServer>,
     /// Taken once by the ownership layer, which claims a vdisk again when a copy failed.
     failures: std::sync::Mutex<Option<mpsc::Receiver<CopyFailed>>>,
     _server: Server,
@@ -79,8 +83,10 @@ impl NodeReplication {
         let transport = Arc::new(TcpTransport::new(config));
         let receiver = ReplicaReceiver::start(engine.clone(), &args.data_dir);
         let peers = Arc::new(Peers::new(transport.clone()));
+        let forward = Arc::new(ForwardServer::new(engine.clone()));
         let services = Arc::new(push::Services {
             engine: engine.clone(),
+            forward: forward.clone(),
             receiver: receiver.clone(),
             peers: peers.clone(),
         });
@@ -105,9 +111,20 @@ impl NodeReplication {
             peers,
             failed,
             receiver,
+            forward,
             failures: std::sync::Mutex::new(Some(failures)),
             _server: server,
         })
+    }
+
+    /// Lets forwarders ask this node to hand vdisks over (once the ownership layer exists).
+    pub fn set_ownership(&self, ownership: crate::ownership::NodeOwnership) {
+        self.forward.set_ownership(ownership);
+    }
+
+    /// The connection to `node` at its node-to-node `address` (made on first use).
+    pub fn peer(&self, node: NodeId, address: SocketAddr) -> Arc<Peer> {
+        self.peers.peer(node, address)
     }
 
     /// The copy failures of the vdisks this node owns, for the one task that claims them

@@ -7,6 +7,7 @@ use super::peers::Peers;
 use super::receiver::{remote, ReplicaReceiver};
 use super::resync::resync;
 use super::wire::{self, Message, FAILED_CODE, MALFORMED_CODE};
+use crate::forwarding::ForwardServer;
 use crate::registry::NodeEngine;
 use ashlar_transport::RemoteError;
 use bytes::Bytes;
@@ -15,12 +16,17 @@ use std::sync::Arc;
 
 pub struct Services {
     pub engine: Arc<NodeEngine>,
+    /// Client requests forwarded by other nodes (`docs/forwarding.md`).
+    pub forward: Arc<ForwardServer>,
     pub receiver: ReplicaReceiver,
     pub peers: Arc<Peers>,
 }
 
 impl Services {
     pub async fn serve(&self, payload: Bytes) -> Result<Bytes, RemoteError> {
+        if crate::forwarding::wire::is_forwarding(&payload) {
+            return self.forward.serve(payload).await;
+        }
         let message = wire::decode(&payload).map_err(|e| remote(MALFORMED_CODE, e))?;
         match message {
             Message::Push {
