@@ -234,6 +234,12 @@ pub struct NodeArgs {
     #[arg(long, default_value_t = 30, value_name = "SECONDS", requires = "etcd")]
     pub migrate_after_s: u64,
 
+    /// A replicated vdisk with a copy on a node that has been down this many seconds gets
+    /// the copy replaced by a live node and filled from the survivors (the curator), even
+    /// if no client writes to it. Writes to a vdisk whose copy failed restore it at once.
+    #[arg(long, default_value_t = 60, value_name = "SECONDS", requires = "etcd")]
+    pub rereplicate_after_s: u64,
+
     /// Mark the node storage-only: it holds replicas of other nodes' vdisks (chosen before
     /// other nodes when copies are placed) and never owns vdisks or serves clients.
     #[arg(long, requires = "etcd")]

@@ -8,6 +8,7 @@ mod client_cluster;
 mod client_vg;
 mod cluster;
 mod cluster_status;
+mod curator;
 mod deletions;
 mod forwarding;
 mod http;

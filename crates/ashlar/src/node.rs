@@ -288,6 +288,15 @@ async fn serve(args: NodeArgs, api_token_file: Option<PathBuf>) -> Result<()> {
             (args.migrate_after_s > 0).then(|| Duration::from_secs(args.migrate_after_s)),
         );
         replication.set_ownership(ownership.clone());
+        if !args.storage_only {
+            tokio::spawn(crate::curator::run(
+                engine.clone(),
+                meta.clone(),
+                ownership.clone(),
+                node_id,
+                Duration::from_secs(args.rereplicate_after_s),
+            ));
+        }
         ownership
     } else {
         crate::ownership::NodeOwnership::default()

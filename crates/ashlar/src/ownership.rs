@@ -311,9 +311,56 @@ impl NodeOwnership {
         let work = cluster.clone();
         cluster
             .control
-            .spawn(async move { work.hand_over(vdisk, shared).await })
+            .spawn(async move {
+                work.hand_over(
+                    vdisk,
+                    shared,
+                    "a node that carries its clients asked for it",
+                )
+                .await
+            })
             .await
             .map_err(|e| format!("handing over failed: {e}"))?
+    }
+
+    /// Restores a replicated vdisk's copy count (the curator, `crate::curator`): claims it
+    /// again, which renews its copy set (copies on nodes that are down replaced) and
+    /// resynchronizes the new copies before its gate opens; with `release`, gives the claim
+    /// up afterwards (nobody owned the vdisk, and nobody asked this node to serve it).
+    pub async fn restore_copies(
+        &self,
+        engine: &NodeEngine,
+        name: &str,
+        release: bool,
+    ) -> Result<(), String> {
+        let Some(cluster) = &self.cluster else {
+            return Ok(());
+        };
+        learn(engine, name).await;
+        let wanted = Wanted::of(engine, name).map_err(|e| e.message)?;
+        let shared = engine.vdisk_shared(name).map_err(|e| e.to_string())?;
+        let vdisk = wanted.vdisk;
+        cluster
+            .on_control(move |cluster| async move {
+                let frontend = lock(&cluster.held)
+                    .get(&vdisk)
+                    .map_or(Frontend::Nbd, |held| held.frontend);
+                wanted.gate.close();
+                cluster.claim(wanted, frontend).await?;
+                if release {
+                    cluster
+                        .hand_over(vdisk, shared, "its copies are restored")
+                        .await
+                        .map_err(NotServing::for_now)?;
+                }
+                Ok(())
+            })
+            .await
+            .map_err(|e: NotServing| e.message)?;
+        if release {
+            let _ = engine.set_replicator(name, None);
+        }
+        Ok(())
     }
 
     /// Makes sure this node may serve every vdisk of a volume group (an iSCSI target's
@@ -462,10 +509,13 @@ impl Clustered {
         }
     }
 
+    /// Gives the claim on `vdisk` up (`why` goes to the log): gate shut, writes settled,
+    /// claim released in etcd.
     async fn hand_over(
         &self,
         vdisk: VdiskId,
         shared: Arc<ashlar_engine::vdisk::VdiskShared>,
+        why: &str,
     ) -> Result<(), String> {
         let _one_at_a_time = self.claiming.lock().await;
         let Some(held) = lock(&self.held).remove(&vdisk) else {
@@ -481,8 +531,8 @@ impl Clustered {
         release(&self.meta, &held.claim)
             .await
             .map_err(|e| format!("vdisk {name}: releasing its claim: {e}"))?;
-        tracing::info!(vdisk = %name, epoch = %held.claim.epoch,
-            "handed the vdisk over to the node that carries its clients; forwarding to it from now on");
+        tracing::info!(vdisk = %name, epoch = %held.claim.epoch, why,
+            "released the vdisk's claim (handed the vdisk over); its clients here are forwarded to the next owner");
         Ok(())
     }
 

@@ -375,3 +375,85 @@ fn deleting_a_replicated_vdisk_removes_every_copy() {
     assert!(!listed.stdout.contains(VDISK), "{}", listed.stdout);
     assert!(c.log().contains("deleted on another node"), "{}", c.log());
 }
+
+/// The curator: a vdisk nobody writes to, whose owner died, gets its second copy back from
+/// the survivor within `--rereplicate-after-s`, so a second failure later loses nothing.
+#[test]
+fn the_curator_restores_a_lost_copy_before_the_next_failure() {
+    let etcd = EtcdServer::start();
+    let curator = ["--rereplicate-after-s", "1"];
+    let mut a = cluster_node(&etcd.url, &curator);
+    let b = cluster_node(&etcd.url, &curator);
+    let d = cluster_node(&etcd.url, &curator);
+    let mut c = cluster_node(&etcd.url, &["--storage-only"]);
+    a.cli(&["vdisk", "create", VDISK, "--size", "64M", "--rf", "2"])
+        .assert_ok("vdisk create --rf 2");
+    let dir = tempfile::tempdir().unwrap();
+    let (first, first_data) = pattern(dir.path(), 7);
+    let (ok, text) = nbdcopy(first.to_str().unwrap(), &a.uri(VDISK));
+    assert!(ok, "write through A: {text}");
+    let (id_a, id_c) = (node_id(&a), node_id(&c));
+    assert_eq!(
+        a.show(VDISK)["ownership"]["copies"],
+        serde_json::json!([id_a, id_c])
+    );
+
+    // The owner dies and no client comes back: the curator leader (B or D) restores the
+    // second copy from the storage-only node's, then leaves the vdisk unowned.
+    a.kill9();
+    let start = Instant::now();
+    let restored = loop {
+        let ownership = b.show(VDISK)["ownership"].clone();
+        let copies = ownership["copies"].as_array().cloned().unwrap_or_default();
+        if copies.len() == 2 && !copies.contains(&serde_json::json!(id_a)) {
+            break ownership;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the copy on the dead owner was never replaced: {ownership}\nB:\n{}\nD:\n{}",
+            b.log(),
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    assert!(
+        restored["copies"]
+            .as_array()
+            .unwrap()
+            .contains(&serde_json::json!(id_c)),
+        "the storage-only copy stays: {restored}"
+    );
+    assert!(
+        b.log().contains("curator: copies restored")
+            || d.log().contains("curator: copies restored"),
+        "B:\n{}\nD:\n{}",
+        b.log(),
+        d.log()
+    );
+    let start = Instant::now();
+    while !b.show(VDISK)["ownership"]["owner"].is_null() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the curator kept the vdisk it restored: {}",
+            b.show(VDISK)["ownership"]
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let status = cluster_status(&b);
+    assert_eq!(vdisk_health(&status), "ok", "{status}");
+
+    // Now the storage-only node dies too: the restored copy holds every write.
+    c.kill9();
+    let start = Instant::now();
+    while common::node_state(&b, &id_c) != "down" {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "C never listed down"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let back = dir.path().join("back");
+    let (ok, text) = nbdcopy(&b.uri(VDISK), back.to_str().unwrap());
+    assert!(ok, "read through B after A and C died: {text}\n{}", b.log());
+    assert!(std::fs::read(&back).unwrap()[..PATTERN_BYTES] == first_data[..]);
+}

@@ -351,6 +351,26 @@ pub struct NodeStatus {
     pub vdisks_owned: usize,
 }
 
+impl NodeStatus {
+    /// A node with an empty record (no addresses, no disks) in `state`: for decision logic
+    /// that needs only ids and states, and its tests.
+    pub fn bare(node_id: NodeId, state: NodeState) -> NodeStatus {
+        NodeStatus {
+            record: NodeRecord {
+                version: crate::record::NODE_RECORD_VERSION,
+                node_id,
+                addresses: Default::default(),
+                storage_only: false,
+                disks: Vec::new(),
+                software_version: String::new(),
+                started_at_unix_ms: 0,
+            },
+            state,
+            vdisks_owned: 0,
+        }
+    }
+}
+
 /// Every member and live node, with the vdisks each owns, read at one revision.
 pub async fn list_nodes<M: MetaStore>(store: &M) -> Result<Vec<NodeStatus>, ClusterError> {
     let response = store

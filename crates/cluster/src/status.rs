@@ -178,26 +178,13 @@ fn resync_view(record: &ResyncRecord) -> ResyncView {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::record::{AdvertisedAddresses, NodeRecord, NODE_RECORD_VERSION};
 
     fn id(n: u128) -> NodeId {
         NodeId::new(n).unwrap()
     }
 
     fn node(n: u128, up: bool) -> NodeStatus {
-        NodeStatus {
-            record: NodeRecord {
-                version: NODE_RECORD_VERSION,
-                node_id: id(n),
-                addresses: AdvertisedAddresses::default(),
-                storage_only: false,
-                disks: Vec::new(),
-                software_version: String::new(),
-                started_at_unix_ms: 0,
-            },
-            state: if up { NodeState::Up } else { NodeState::Down },
-            vdisks_owned: 0,
-        }
+        NodeStatus::bare(id(n), if up { NodeState::Up } else { NodeState::Down })
     }
 
     fn vdisk(n: u64, rf: u8, owner: Option<u128>, copies: &[u128]) -> VdiskFacts {

@@ -1,0 +1,223 @@
+//! The curator's re-replication (cluster mode): a replicated vdisk with a copy on a node that
+//! has been down for `--rereplicate-after-s` gets its full copy count back from the copies
+//! that survive, whether or not a client writes to it (`docs/replication.md`, "Curator").
+//!
+//! Each node scans every few seconds. The owner of such a vdisk claims it again, which renews
+//! its copy set (the down node replaced by the best live node) and resynchronizes the new
+//! copy before the gate opens again. A vdisk nobody owns is restored by one node, the
+//! *curator leader* (the serving node that is up with the lowest id): it claims the vdisk,
+//! which does the same, then gives the claim up again. Writes to an owned vdisk fail while
+//! its claim is renewed (as after a failed copy); without a client nothing waits.
+
+use crate::cluster::NodeMeta;
+use crate::ownership::NodeOwnership;
+use crate::registry::NodeEngine;
+use ashlar_cluster::{list_nodes, read_ownership, read_placement, NodeId, NodeState, NodeStatus};
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How often a node looks for vdisks with copies on nodes that are down.
+pub const CURATOR_SCAN_INTERVAL: Duration = Duration::from_secs(2);
+
+/// What this node does about one vdisk with a copy on a node down for too long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Restore {
+    /// Someone else's job (another node owns it, or another node leads).
+    Nothing,
+    /// This node owns it: claim it again, which replaces the copy.
+    Reclaim,
+    /// Nobody owns it and this node leads: claim it to replace the copy, then release.
+    ClaimAndRelease,
+}
+
+/// The rule, as a pure function of what the scan read.
+pub fn restore_action(
+    me: NodeId,
+    leader: Option<NodeId>,
+    owner: Option<NodeId>,
+    copies: &[NodeId],
+    overdue: &HashSet<NodeId>,
+) -> Restore {
+    if !copies.iter().any(|copy| overdue.contains(copy)) {
+        return Restore::Nothing;
+    }
+    match owner {
+        Some(owner) if owner == me => Restore::Reclaim,
+        Some(_) => Restore::Nothing,
+        None if leader == Some(me) => Restore::ClaimAndRelease,
+        None => Restore::Nothing,
+    }
+}
+
+/// The serving node that is up with the lowest id: it restores vdisks nobody owns.
+pub fn curator_leader(nodes: &[NodeStatus]) -> Option<NodeId> {
+    nodes
+        .iter()
+        .filter(|n| n.state == NodeState::Up && !n.record.storage_only)
+        .map(|n| n.record.node_id)
+        .min()
+}
+
+/// Nodes seen down, and since when (by this node's clock: the first scan that saw it).
+#[derive(Default)]
+pub struct DownSince(HashMap<NodeId, Instant>);
+
+impl DownSince {
+    /// Updates from one listing; returns the nodes down for at least `after` at `now`.
+    pub fn update(
+        &mut self,
+        nodes: &[NodeStatus],
+        now: Instant,
+        after: Duration,
+    ) -> HashSet<NodeId> {
+        for node in nodes {
+            let id = node.record.node_id;
+            if node.state == NodeState::Up {
+                self.0.remove(&id);
+            } else {
+                self.0.entry(id).or_insert(now);
+            }
+        }
+        self.0
+            .iter()
+            .filter(|(_, since)| now.duration_since(**since) >= after)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+}
+
+/// Scans for as long as the node runs.
+pub async fn run(
+    engine: Arc<NodeEngine>,
+    meta: NodeMeta,
+    ownership: NodeOwnership,
+    me: NodeId,
+    after: Duration,
+) {
+    let mut down = DownSince::default();
+    // A failed restore is logged once per vdisk until it succeeds.
+    let mut failing: HashSet<String> = HashSet::new();
+    loop {
+        tokio::time::sleep(CURATOR_SCAN_INTERVAL).await;
+        let nodes = match list_nodes(&meta).await {
+            Ok(nodes) => nodes,
+            Err(error) => {
+                tracing::debug!(%error, "curator: listing nodes failed; next scan");
+                continue;
+            }
+        };
+        let overdue = down.update(&nodes, Instant::now(), after);
+        if overdue.is_empty() {
+            failing.clear();
+            continue;
+        }
+        let leader = curator_leader(&nodes);
+        let records = match ashlar_engine::catalog::list(&meta).await {
+            Ok(records) => records,
+            Err(error) => {
+                tracing::debug!(%error, "curator: listing vdisks failed; next scan");
+                continue;
+            }
+        };
+        for record in records.iter().filter(|r| r.replication_factor > 1) {
+            let Ok(Some(placement)) = read_placement(&meta, record.id).await else {
+                continue;
+            };
+            let Ok(state) = read_ownership(&meta, record.id).await else {
+                continue;
+            };
+            let owner = state.owner.map(|(owner, _)| owner.node);
+            let action = restore_action(me, leader, owner, &placement.copies, &overdue);
+            if action == Restore::Nothing {
+                continue;
+            }
+            let down_copies: Vec<String> = placement
+                .copies
+                .iter()
+                .filter(|c| overdue.contains(c))
+                .map(|c| c.to_string())
+                .collect();
+            tracing::info!(vdisk = %record.name, down = ?down_copies, ?action,
+                "curator: a copy has been on a node that is down for {after:?}; restoring the vdisk's copies");
+            let release = action == Restore::ClaimAndRelease;
+            match ownership
+                .restore_copies(&engine, &record.name, release)
+                .await
+            {
+                Ok(()) => {
+                    failing.remove(&record.name);
+                    tracing::info!(vdisk = %record.name, "curator: copies restored");
+                }
+                Err(message) => {
+                    if failing.insert(record.name.clone()) {
+                        tracing::warn!(vdisk = %record.name, reason = %message,
+                            "curator: could not restore the vdisk's copies; trying again at the next scan");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(n: u128) -> NodeId {
+        NodeId::new(n).unwrap()
+    }
+
+    #[test]
+    fn the_owner_or_else_the_leader_restores_and_nobody_else() {
+        let (me, other, down) = (id(1), id(2), id(3));
+        let overdue: HashSet<NodeId> = [down].into();
+        let copies = [me, down];
+        assert_eq!(
+            restore_action(me, Some(other), Some(me), &copies, &overdue),
+            Restore::Reclaim
+        );
+        assert_eq!(
+            restore_action(me, Some(me), Some(other), &copies, &overdue),
+            Restore::Nothing
+        );
+        assert_eq!(
+            restore_action(me, Some(me), None, &[other, down], &overdue),
+            Restore::ClaimAndRelease
+        );
+        assert_eq!(
+            restore_action(me, Some(other), None, &[other, down], &overdue),
+            Restore::Nothing
+        );
+        // Every copy on a node that is up (or not down long enough): nothing to do.
+        assert_eq!(
+            restore_action(me, Some(me), Some(me), &[me, other], &overdue),
+            Restore::Nothing
+        );
+    }
+
+    #[test]
+    fn a_node_is_overdue_only_after_the_delay_and_forgotten_when_up() {
+        let status = |n: u128, up: bool| {
+            NodeStatus::bare(id(n), if up { NodeState::Up } else { NodeState::Down })
+        };
+        let after = Duration::from_secs(60);
+        let start = Instant::now();
+        let mut down = DownSince::default();
+        assert!(down
+            .update(&[status(1, true), status(2, false)], start, after)
+            .is_empty());
+        let later = start + Duration::from_secs(61);
+        assert_eq!(
+            down.update(&[status(1, true), status(2, false)], later, after),
+            [id(2)].into()
+        );
+        // Back up: forgotten; down again: the delay starts over.
+        assert!(down.update(&[status(2, true)], later, after).is_empty());
+        assert!(down.update(&[status(2, false)], later, after).is_empty());
+        assert_eq!(
+            curator_leader(&[status(5, true), status(3, true), status(2, false)]),
+            Some(id(3))
+        );
+    }
+}
