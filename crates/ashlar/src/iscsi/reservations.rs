@@ -231,26 +231,35 @@ impl<M: MetaStore> MetaReservations<M> {
         unit.reload_from(self.backend.read(unit_id)).await
     }
 
-    /// Reads again every unit this node holds a copy of.
+    /// Reads again every unit that has a record, and every unit this node holds a copy of
+    /// (its record may be gone).
     async fn reload_all(&self) -> Result<(), ReservationError> {
-        let ids: Vec<u64> = self.units().keys().copied().collect();
+        let kvs = self
+            .backend
+            .meta
+            .range(KeyRange::prefix(RESERVATIONS_PREFIX), None)
+            .await
+            .map_err(store_error)?;
+        let mut ids: Vec<u64> = self.units().keys().copied().collect();
+        for kv in kvs {
+            ids.push(unit_of_key(&kv.key)?);
+        }
+        ids.sort_unstable();
+        ids.dedup();
         for unit_id in ids {
-            self.reload(unit_id).await?;
+            self.follow(unit_id).await?;
         }
         Ok(())
     }
 
-    /// Reads unit `unit_id` again if this node holds a copy (a unit it never served is
-    /// read when it first serves it).
-    async fn reload_known(&self, unit_id: u64) -> Result<(), ReservationError> {
-        let known = self.units().get(&unit_id).cloned();
-        if let Some(unit) = known {
-            if unit.reload_from(self.backend.read(unit_id)).await? {
-                tracing::info!(
-                    unit = unit_id,
-                    "persistent reservations of the unit changed on another node; following them"
-                );
-            }
+    /// Reads unit `unit_id` again after its record changed (or may have); says so when that
+    /// changed the copy here.
+    async fn follow(&self, unit_id: u64) -> Result<(), ReservationError> {
+        if self.reload(unit_id).await? {
+            tracing::info!(
+                unit = unit_id,
+                "persistent reservations of the unit changed through another node; following them"
+            );
         }
         Ok(())
     }
@@ -261,9 +270,9 @@ const WATCH_RETRY: Duration = Duration::from_secs(1);
 
 /// Cluster mode: keeps every unit's copy here equal to its record in the store, for as long
 /// as the node runs (spawned on the control runtime). Each change to a record (a PERSISTENT
-/// RESERVE OUT through any node) makes this node read that record again; each time the watch
-/// starts, every copy is read again, so a change made while it was not watching is not
-/// missed.
+/// RESERVE OUT through any node) makes this node read that record again (holding a copy of
+/// the unit from then on); each time the watch starts, every record and copy is read again,
+/// so a change made while it was not watching is not missed.
 pub async fn follow_changes<M: MetaStore>(reservations: Arc<MetaReservations<M>>) {
     let mut last_error = String::new();
     loop {
@@ -292,7 +301,7 @@ async fn follow_once<M: MetaStore>(
     loop {
         let event = watch.next_event().await.map_err(store_error)?;
         match unit_of_key(&event.kv.key) {
-            Ok(unit_id) => reservations.reload_known(unit_id).await?,
+            Ok(unit_id) => reservations.follow(unit_id).await?,
             Err(error) => {
                 tracing::warn!(%error, "ignoring a reservation record that names no unit")
             }
@@ -429,6 +438,20 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         assert_eq!(unit.snapshot().registrations[0].key, 0xaa);
+        // A unit this node never held is followed too: its first session finds the state.
+        reserve_out(&first.unit(7), "iqn.a,i,0x01", 0, 0, 0xdd).await;
+        while second
+            .units()
+            .get(&7)
+            .is_none_or(|u| u.snapshot().registrations.is_empty())
+        {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "never followed unit 7"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(second.unit(7).snapshot().registrations[0].key, 0xdd);
         follower.abort();
     }
 }
