@@ -7,7 +7,9 @@
 //! - A login to a target that nobody owns is redirected (0x0101) to the preferred node when
 //!   that is another node, up, not storage-only, and able to claim every vdisk of the group
 //!   (`decide_serve`: a replicated vdisk, or one whose data is there). Otherwise the login is
-//!   served where it lands, as before.
+//!   served where it lands, as before; so is it when the target is still unowned
+//!   [`PREFERRED_CLAIM_GRACE`] after the first such redirection (the preferred node cannot
+//!   claim it), so a preferred node that is up but broken does not keep the target away.
 //! - With `--iscsi-failback-after-s N` (N > 0), a node serving a target whose preferred node
 //!   is another one hands the target back once it has seen that node up for N seconds
 //!   (the same run of it, continuously; checked every second): logins to the target wait,
@@ -43,6 +45,10 @@ const CHECK_EVERY: Duration = Duration::from_secs(1);
 const SESSIONS_END_WAIT: Duration = Duration::from_secs(35);
 /// Longest a login waits for a hand-back of its target to finish.
 const LOGIN_WAIT: Duration = Duration::from_secs(40);
+/// How long after a login was first redirected to a target's preferred node that node must
+/// have claimed the target; if nobody owns it by then, logins here are served here (the
+/// preferred node is up but cannot serve it, or the initiators went away).
+const PREFERRED_CLAIM_GRACE: Duration = Duration::from_secs(10);
 
 /// Longest `--iscsi-failback-after-s` accepted (a day).
 pub const MAX_FAILBACK_AFTER_S: u64 = 86_400;
@@ -209,6 +215,9 @@ pub struct Failback {
     /// Targets being handed back: their logins wait until it is done.
     handing_back: Mutex<HashSet<String>>,
     handed_back: tokio::sync::Notify,
+    /// Targets nobody owned whose logins were redirected to their preferred node, and when
+    /// that began (see [`PREFERRED_CLAIM_GRACE`]).
+    redirected: Mutex<HashMap<String, Instant>>,
 }
 
 impl Failback {
@@ -225,6 +234,7 @@ impl Failback {
             sessions,
             handing_back: Mutex::new(HashSet::new()),
             handed_back: tokio::sync::Notify::new(),
+            redirected: Mutex::new(HashMap::new()),
         }
     }
 
@@ -234,6 +244,10 @@ impl Failback {
 
     fn handing_back(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
         self.handing_back.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn redirected(&self) -> std::sync::MutexGuard<'_, HashMap<String, Instant>> {
+        self.redirected.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Waits while `target` is being handed back (bounded), so that a login made meanwhile
@@ -305,12 +319,33 @@ impl Failback {
         let Some(units) = self.units(engine, group).await? else {
             return Ok(None);
         };
-        Ok(login_goes_to(self.node, Some(status), &units)
-            .map(|node| (node, status.record.addresses.iscsi.clone())))
+        let target = group.iqn();
+        let mut redirected = self.redirected();
+        if units.iter().any(|unit| unit.owner.is_some()) {
+            redirected.remove(&target); // the owner rule decides; the preferred node claimed
+            return Ok(None);
+        }
+        let Some(node) = login_goes_to(self.node, Some(status), &units) else {
+            return Ok(None);
+        };
+        let since = *redirected
+            .entry(target.clone())
+            .or_insert_with(Instant::now);
+        if since.elapsed() > PREFERRED_CLAIM_GRACE {
+            redirected.remove(&target);
+            tracing::warn!(%target, %preferred, grace = ?PREFERRED_CLAIM_GRACE,
+                "logins to the target were redirected to its preferred node, which has not \
+                 claimed it; serving the target here instead");
+            return Ok(None);
+        }
+        Ok(Some((node, status.record.addresses.iscsi.clone())))
     }
 
     /// After a login claimed `group` here: makes this node its preferred node if it has none.
     pub async fn claimed(&self, group: &str) {
+        // A redirection to the preferred node before this claim is history now.
+        self.redirected()
+            .remove(&crate::volume_groups::target_iqn(group));
         match record_preferred(&self.meta, group, self.node).await {
             Ok(true) => tracing::info!(%group, node = %self.node,
                 "this node is now the iSCSI target's preferred node (the first to serve it)"),
@@ -376,17 +411,22 @@ impl Failback {
         up_since: &mut UpSince,
         kept: &mut HashSet<String>,
     ) -> Result<Vec<(VolumeGroupRecord, NodeId, Duration)>, FailbackError> {
+        let mut elsewhere = Vec::new();
+        for group in served {
+            match read_preferred(&self.meta, &group.name).await? {
+                Some(preferred) if preferred != self.node => elsewhere.push((group, preferred)),
+                _ => {}
+            }
+        }
+        if elsewhere.is_empty() {
+            *up_since = UpSince::default();
+            return Ok(Vec::new());
+        }
         let nodes = list_nodes(&self.meta).await.map_err(store_error)?;
         let now = Instant::now();
         up_since.observe(&nodes, now);
         let mut due = Vec::new();
-        for group in served {
-            let Some(preferred) = read_preferred(&self.meta, &group.name).await? else {
-                continue;
-            };
-            if preferred == self.node {
-                continue;
-            }
+        for (group, preferred) in elsewhere {
             let Some(up_for) = up_since.up_for(preferred, now) else {
                 continue;
             };
@@ -427,6 +467,7 @@ impl Failback {
     ) {
         let target = group.iqn();
         self.handing_back().insert(target.clone());
+        self.redirected().remove(&target);
         let told = self.sessions.end_target(&target);
         tracing::info!(%target, %preferred, up_for_s = up_for.as_secs(), sessions = told,
             "failback: the target's preferred node is up; handing the target back to it \
