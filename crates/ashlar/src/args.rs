@@ -257,6 +257,13 @@ pub struct NodeArgs {
     /// and its commands aborted (1 to 3600).
     #[arg(long, default_value_t = 10, value_name = "SECONDS")]
     pub iscsi_nop_timeout_s: u64,
+    /// Cluster mode, failback: a node serving an iSCSI target whose preferred node (the
+    /// first node that served it) is another one hands the target back once it has seen
+    /// that node up for this many seconds: the target's sessions here end, its vdisks are
+    /// released, and the initiators' next logins are redirected to the preferred node.
+    /// Only targets whose vdisks are all replicated move. 0 = never (at most 86400).
+    #[arg(long, default_value_t = 120, value_name = "SECONDS")]
+    pub iscsi_failback_after_s: u64,
     /// Create this vdisk at startup if it does not exist yet (e.g. demo:8G). Repeatable.
     #[arg(long = "ensure-vdisk", value_name = "NAME:SIZE")]
     pub ensure_vdisks: Vec<String>,

@@ -1,8 +1,9 @@
 //! Connects the iSCSI front-end to the engine: one target per volume group, its vdisks as
 //! LUNs, claimed (in a cluster) as an initiator logs in; the accept loop of the iSCSI
 //! portal; the limits from the command line; persistent reservations in the MetaStore
-//! (`reservations`).
+//! (`reservations`); each target's preferred node and failback to it (`failback`).
 
+pub mod failback;
 pub mod reservations;
 
 use crate::args::NodeArgs;
@@ -18,6 +19,7 @@ use ashlar_iscsi::{
     resume, serve_or_hand_over, Access, ChapCredentials, DataBudget, Handover, IscsiLimits,
     LogicalUnit, NopSettings, Refusal, ReservationStore, TargetRegistry, TargetUnavailable,
 };
+use failback::Failback;
 use reservations::MetaReservations;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
@@ -109,6 +111,38 @@ pub struct IscsiRegistry {
     pub reservations: Arc<MetaReservations<crate::cluster::NodeMeta>>,
     /// In a cluster, a target is served only once this node holds its vdisks' claims.
     pub ownership: NodeOwnership,
+    /// In a cluster: the preferred-node rule at login, and failback.
+    pub failback: Option<Arc<Failback>>,
+}
+
+impl IscsiRegistry {
+    /// Whether this node serves every vdisk of the group now (all gates open).
+    fn serves_all(&self, disks: &[String]) -> bool {
+        let now = std::time::Instant::now();
+        disks.iter().all(|name| {
+            self.engine
+                .serve_gate(name)
+                .is_ok_and(|(_, gate)| gate.admits(now))
+        })
+    }
+
+    /// Cluster mode, at a login: reads the units' reservation records again, so commands
+    /// are checked against what the store holds (another node may have served them).
+    async fn reload_reservations(&self, disks: &[String]) -> Result<(), String> {
+        for name in disks {
+            let info = self.engine.vdisk(name).map_err(|e| e.to_string())?;
+            let changed = self
+                .reservations
+                .reload(info.id.0)
+                .await
+                .map_err(|e| format!("vdisk {name}: {e}"))?;
+            if changed {
+                tracing::info!(vdisk = %name,
+                    "persistent reservations read again from the metadata store at login (changed elsewhere)");
+            }
+        }
+        Ok(())
+    }
 }
 
 impl TargetRegistry for IscsiRegistry {
@@ -141,33 +175,66 @@ impl TargetRegistry for IscsiRegistry {
     }
 
     /// In a cluster: claims the group's vdisks, or redirects the login to the node that
-    /// owns them, or turns it away (logged: the initiator sees only the status).
+    /// owns them (or to the target's preferred node when nobody does), or turns it away
+    /// (logged: the initiator sees only the status). Then reads the units' persistent
+    /// reservations again, before the login is answered.
     async fn prepare_target(&self, target: &str) -> Result<(), TargetUnavailable> {
         let Some(group) = self.groups.by_iqn(target) else {
             return Ok(()); // removed since it was authorized: the session finds no target
         };
+        let mut fresh = false;
+        if let Some(failback) = &self.failback {
+            failback.wait_hand_back(target).await;
+            fresh = !self.serves_all(&group.disks);
+            if fresh {
+                match failback.login_redirect(&self.engine, &group).await {
+                    Ok(None) => {}
+                    Ok(Some((node, address))) => {
+                        tracing::info!(%target, preferred = %node, portal = %address,
+                            "iSCSI login redirected to the target's preferred node (nobody serves the target)");
+                        return Err(TargetUnavailable::MovedTemporarily { address });
+                    }
+                    Err(error) => {
+                        tracing::warn!(%target, %error,
+                            "iSCSI login refused (service unavailable): cannot read the target's preferred node");
+                        return Err(TargetUnavailable::ServiceUnavailable);
+                    }
+                }
+            }
+        }
         let served = self
             .ownership
             .ensure_serving_group(&self.engine, &group.disks)
             .await;
         match served {
-            Ok(()) => Ok(()),
+            Ok(()) => {}
             Err(GroupNotServed::ServedBy {
                 node,
                 addresses: Some(addresses),
             }) => {
                 tracing::info!(%target, owner = %node, portal = %addresses.iscsi,
                     "iSCSI login redirected to the node that owns the target's vdisks");
-                Err(TargetUnavailable::MovedTemporarily {
+                return Err(TargetUnavailable::MovedTemporarily {
                     address: addresses.iscsi,
-                })
+                });
             }
             Err(refused) => {
                 tracing::warn!(%target, reason = %refused,
                     "iSCSI login refused (service unavailable): this node cannot serve the target now");
-                Err(TargetUnavailable::ServiceUnavailable)
+                return Err(TargetUnavailable::ServiceUnavailable);
             }
         }
+        if let Some(failback) = &self.failback {
+            if fresh {
+                failback.claimed(&group.name).await;
+            }
+            if let Err(error) = self.reload_reservations(&group.disks).await {
+                tracing::warn!(%target, %error,
+                    "iSCSI login refused (service unavailable): cannot read the target's persistent reservations");
+                return Err(TargetUnavailable::ServiceUnavailable);
+            }
+        }
+        Ok(())
     }
 
     fn open_luns(&self, target: &str) -> Result<Vec<LogicalUnit<VdiskHandle>>, String> {
@@ -250,11 +317,31 @@ fn move_session(moving: MovingSession, target: ReactorId) {
 }
 
 /// What the portal's targets are made of: the node's vdisks, its volume groups, and (in a
-/// cluster) the ownership layer that claims a target's vdisks at login.
+/// cluster) the ownership layer that claims a target's vdisks at login, with this node's
+/// id and failback setting.
 pub struct Targets {
     pub engine: Arc<NodeEngine>,
     pub groups: NodeVolumeGroups,
     pub ownership: NodeOwnership,
+    pub cluster: Option<ClusterTargets>,
+}
+
+/// The cluster part of [`Targets`].
+pub struct ClusterTargets {
+    pub node: ashlar_cluster::NodeId,
+    /// `None`: no failback (`--iscsi-failback-after-s 0`).
+    pub failback_after: Option<Duration>,
+}
+
+/// `--iscsi-failback-after-s`: `None` when 0 (failback off).
+pub fn failback_after(args: &NodeArgs) -> Result<Option<Duration>> {
+    if args.iscsi_failback_after_s > failback::MAX_FAILBACK_AFTER_S {
+        bail!(
+            "--iscsi-failback-after-s must be at most {}",
+            failback::MAX_FAILBACK_AFTER_S
+        );
+    }
+    Ok((args.iscsi_failback_after_s > 0).then(|| Duration::from_secs(args.iscsi_failback_after_s)))
 }
 
 /// Accepts iSCSI connections and serves each on a reactor, round-robin (one session per
@@ -273,13 +360,33 @@ pub async fn accept_loop(
         engine,
         groups,
         ownership,
+        cluster,
     } = targets;
     let reservations = Arc::new(load_reservations(&groups, shutdown.clone()).await?);
+    let failback = cluster.map(|cluster| {
+        // Every node's copy of the reservations follows the store.
+        tokio::spawn(reservations::follow_changes(reservations.clone()));
+        let failback = Arc::new(Failback::new(
+            groups.meta().clone(),
+            cluster.node,
+            cluster.failback_after,
+            limits.sessions.clone(),
+        ));
+        if failback.enabled() {
+            tokio::spawn(
+                failback
+                    .clone()
+                    .run(engine.clone(), groups.clone(), ownership.clone()),
+            );
+        }
+        failback
+    });
     let registry = IscsiRegistry {
         engine,
         groups,
         reservations,
         ownership,
+        failback,
     };
     let mut next_reactor = 0usize;
     let mut refusals = Refusals::new("iSCSI session", "--iscsi-max-sessions");

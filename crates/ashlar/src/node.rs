@@ -233,6 +233,7 @@ async fn serve(args: NodeArgs, api_token_file: Option<PathBuf>) -> Result<()> {
         return Ok(());
     };
     let iscsi_limits = crate::iscsi::iscsi_limits(&args)?;
+    let failback_after = crate::iscsi::failback_after(&args)?;
     if args.iscsi_max_sessions == 0 {
         bail!("--iscsi-max-sessions must be at least 1");
     }
@@ -265,7 +266,8 @@ async fn serve(args: NodeArgs, api_token_file: Option<PathBuf>) -> Result<()> {
     let registration = crate::cluster::register(&meta, &record_source, &args).await?;
     // In a cluster, no vdisk serves I/O before this node claims it (gates close here,
     // before any listener accepts).
-    let ownership = if meta.is_clustered() {
+    let is_clustered = meta.is_clustered();
+    let ownership = if is_clustered {
         let replication = crate::replication::NodeReplication::start(
             &args,
             node_id,
@@ -363,6 +365,10 @@ async fn serve(args: NodeArgs, api_token_file: Option<PathBuf>) -> Result<()> {
             engine: engine.clone(),
             groups,
             ownership,
+            cluster: is_clustered.then_some(crate::iscsi::ClusterTargets {
+                node: node_id,
+                failback_after,
+            }),
         },
         iscsi_limits,
         shutdown_rx.clone(),

@@ -428,6 +428,46 @@ impl NodeOwnership {
         }
     }
 
+    /// Failback: gives up this node's claims on `names` (a volume group's vdisks) so that
+    /// another node can claim them at once. Each vdisk's gate shuts (its I/O here fails
+    /// from now on), its writes in flight settle, and its owner key is deleted; the epoch
+    /// stays, so the next claim raises it. A vdisk this node does not hold is skipped.
+    pub async fn hand_back(&self, engine: &NodeEngine, names: &[String]) -> Result<(), NotServing> {
+        let Some(cluster) = &self.cluster else {
+            return Ok(());
+        };
+        let mut settling = Vec::new();
+        for name in names {
+            let shared = engine
+                .vdisk_shared(name)
+                .map_err(|e| NotServing::for_now(format!("vdisk {name}: {e}")))?;
+            settling.push((name.clone(), shared));
+        }
+        cluster
+            .on_control(move |cluster| async move {
+                // No claim of these vdisks runs meanwhile (a login's or the lease follower's).
+                let _one_at_a_time = cluster.claiming.lock().await;
+                for (name, shared) in settling {
+                    let vdisk = shared.id;
+                    let Some(held) = lock(&cluster.held).remove(&vdisk) else {
+                        continue;
+                    };
+                    held.wanted.gate.close();
+                    if let Err(error) = shared.settle().await {
+                        tracing::warn!(vdisk = %name, %error,
+                            "writes in flight did not settle before the hand-back; releasing anyway");
+                    }
+                    match release(&cluster.meta, &held.claim).await {
+                        Ok(()) => tracing::info!(vdisk = %name, epoch = %held.claim.epoch,
+                            "released vdisk ownership (hand-back); another node may claim it now"),
+                        Err(error) => tracing::info!(vdisk = %name, %error, "nothing to release"),
+                    }
+                }
+                Ok(())
+            })
+            .await
+    }
+
     /// After `vdisk delete`: gives up this node's claim on it, if any.
     pub async fn released(&self, vdisk: VdiskId) {
         let Some(cluster) = &self.cluster else {

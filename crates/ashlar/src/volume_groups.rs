@@ -270,7 +270,12 @@ impl<M: MetaStore + Clone> VolumeGroups<M> {
         Ok(record)
     }
 
+    /// Deletes the group's record, and first its target's preferred-node record (a group
+    /// created again under the name starts without one).
     pub async fn delete(&self, name: &str) -> Result<(), VgError> {
+        crate::iscsi::failback::forget_preferred(&self.meta, name)
+            .await
+            .map_err(meta_error)?;
         let deleted = self
             .meta
             .delete(ashlar_meta::KeyRange::key(volume_group_key(name)))

@@ -7,7 +7,11 @@
 //! the owner restarted claims again at epoch 2 with its data intact. An owner whose lease
 //! lapsed (etcd frozen) answers LUN I/O with CHECK CONDITION / NOT READY at once, and the
 //! same session works again after the node claims the vdisk again. A replicated target fails
-//! over: its owner killed, a login at another node serves every acknowledged write.
+//! over: its owner killed, a login at another node serves every acknowledged write, and a
+//! persistent reservation made through the old owner holds there. Failback: once the
+//! target's preferred node (the first that served it) is up again for the configured time,
+//! the node serving the target ends its sessions and releases it, and the initiator's next
+//! login is redirected to the preferred node, which serves every acknowledged write.
 
 mod common;
 // Shared with other test binaries, each of which uses a part of it.
@@ -15,7 +19,10 @@ mod common;
 #[path = "../../meta/tests/common/etcd_server.rs"]
 mod etcd_server;
 
-use common::iscsi::{login, open, target_iqn, LoginError, LoginSpec, Session, INITIATOR};
+use ashlar_iscsi::pdu::{op, NO_TAG};
+use common::iscsi::{
+    login, open, open_isid, target_iqn, LoginError, LoginSpec, Session, INITIATOR,
+};
 use common::{
     cluster_node, node_id, node_state, ownership, run_bounded, wait_until, CmdOut, Node, Rng,
     CLUSTER_LEASE_TTL_MS,
@@ -29,6 +36,15 @@ const QEMU_INITIATOR: &str = "iqn.2008-11.org.linux-kvm";
 const VDISK_SIZE: usize = 8 << 20;
 const GOOD: u8 = 0x00;
 const CHECK_CONDITION: u8 = 0x02;
+const RESERVATION_CONFLICT: u8 = 0x18;
+/// PERSISTENT RESERVE OUT service actions and the WRITE EXCLUSIVE type.
+const PR_REGISTER: u8 = 0;
+const PR_RESERVE: u8 = 1;
+const PR_RELEASE: u8 = 2;
+const WRITE_EXCLUSIVE: u8 = 1;
+/// PERSISTENT RESERVE IN service actions.
+const PR_READ_KEYS: u8 = 0;
+const PR_READ_RESERVATION: u8 = 1;
 
 fn url(node: &Node, group: &str) -> String {
     format!(
@@ -71,6 +87,20 @@ fn write_lun(file: &Path, lun_url: &str) -> CmdOut {
 fn compare_lun(file: &Path, lun_url: &str) -> CmdOut {
     let file = file.to_str().unwrap();
     qemu_img(&["compare", "-f", "raw", "-F", "raw", file, lun_url])
+}
+
+/// Volume group `db` of one new vdisk `mirrored` kept at RF 2, attached to qemu's and the
+/// test's initiator.
+fn replicated_group(node: &Node) {
+    node.cli(&["vdisk", "create", "mirrored", "--size", "8M", "--rf", "2"])
+        .assert_ok("vdisk create --rf 2");
+    node.cli(&["vg", "create", "db"]).assert_ok("vg create");
+    node.cli(&["vg", "add-disk", "db", "mirrored"])
+        .assert_ok("vg add-disk");
+    for initiator in [QEMU_INITIATOR, INITIATOR] {
+        node.cli(&["vg", "attach", "db", "--initiator", initiator])
+            .assert_ok("vg attach");
+    }
 }
 
 /// A login of the test initiator to `group`'s target at `node`.
@@ -225,18 +255,12 @@ fn an_owner_whose_lease_lapsed_fails_lun_io_until_it_claims_again() {
 }
 
 #[test]
-fn a_replicated_target_fails_over_to_another_node_with_every_write() {
+fn a_replicated_target_fails_over_to_another_node_with_every_write_and_its_reservations() {
     let etcd = EtcdServer::start();
     let mut a = cluster_node(&etcd.url, &[]);
     let b = cluster_node(&etcd.url, &[]);
     let _c = cluster_node(&etcd.url, &["--storage-only"]);
-    a.cli(&["vdisk", "create", "mirrored", "--size", "8M", "--rf", "2"])
-        .assert_ok("vdisk create --rf 2");
-    a.cli(&["vg", "create", "db"]).assert_ok("vg create");
-    a.cli(&["vg", "add-disk", "db", "mirrored"])
-        .assert_ok("vg add-disk");
-    a.cli(&["vg", "attach", "db", "--initiator", QEMU_INITIATOR])
-        .assert_ok("vg attach");
+    replicated_group(&a);
     // B started before the group existed: it learns groups when it starts.
     let mut b = b;
     b.sigterm_and_wait();
@@ -247,6 +271,18 @@ fn a_replicated_target_fails_over_to_another_node_with_every_write() {
     let first = pattern_file(dir.path(), 5);
     write_lun(&first, &url(&a, "db")).assert_ok("write through A");
     assert_eq!(ownership(&b, "mirrored")["owner"], id_a.as_str());
+    let first_block = std::fs::read(&first).unwrap()[..4096].to_vec();
+
+    // Through A, after B started (B's copy of the reservations, loaded at its start, does
+    // not hold this): the test initiator registers a key and reserves WRITE EXCLUSIVE.
+    let mut holder = login_to(&a, "db").expect("login at A");
+    assert_eq!(
+        holder.pr_out(0, PR_REGISTER, 0, 0, PR_KEY, false).status,
+        GOOD
+    );
+    let reserve = holder.pr_out(0, PR_RESERVE, WRITE_EXCLUSIVE, PR_KEY, 0, false);
+    assert_eq!(reserve.status, GOOD, "{reserve:?}");
+    drop(holder);
 
     // A dies mid-life: the initiator logs in again at B's portal. B takes the target over
     // (getting the vdisk's copy from the storage-only node) with every acknowledged write.
@@ -255,6 +291,47 @@ fn a_replicated_target_fails_over_to_another_node_with_every_write() {
         wait_until(Duration::from_secs(20), || node_state(&b, &id_a) == "down"),
         "A not listed down"
     );
+    // The holder's I_T nexus (same initiator, same ISID) logs in at B, which claims the
+    // target; another nexus of the same initiator (another ISID) holds no registration.
+    let mut holder = login_to(&b, "db").expect("login at B after A died");
+    assert_eq!(ownership(&b, "mirrored")["owner"], id_b.as_str());
+    let mut other = open_isid(b.iscsi_port, INITIATOR, &target_iqn("db"), 2);
+    let refused = other.write16(0, 0, &first_block);
+    assert_eq!(
+        refused.status, RESERVATION_CONFLICT,
+        "the reservation made through A holds on B: {refused:?}"
+    );
+    assert_eq!(
+        holder.write16(0, 0, &first_block).status,
+        GOOD,
+        "the holder writes"
+    );
+    // Both nexuses read the same registration and reservation back.
+    for session in [&mut holder, &mut other] {
+        let keys = session.pr_in(0, PR_READ_KEYS);
+        assert_eq!(keys.status, GOOD);
+        assert_eq!(be32(&keys.data[4..8]), 8, "one key: {:?}", keys.data);
+        assert_eq!(be64(&keys.data[8..16]), PR_KEY);
+        let reservation = session.pr_in(0, PR_READ_RESERVATION);
+        assert_eq!(reservation.status, GOOD);
+        assert_eq!(
+            be32(&reservation.data[4..8]),
+            16,
+            "a reservation: {:?}",
+            reservation.data
+        );
+        assert_eq!(be64(&reservation.data[8..16]), PR_KEY);
+        assert_eq!(reservation.data[21] & 0x0f, WRITE_EXCLUSIVE, "its type");
+    }
+    // The holder lets go (release, unregister), so qemu's writes below are not refused.
+    let release = holder.pr_out(0, PR_RELEASE, WRITE_EXCLUSIVE, PR_KEY, 0, false);
+    assert_eq!(release.status, GOOD, "{release:?}");
+    assert_eq!(
+        holder.pr_out(0, PR_REGISTER, 0, PR_KEY, 0, false).status,
+        GOOD
+    );
+    drop((holder, other));
+
     compare_lun(&first, &url(&b, "db")).assert_ok("read through B after A died");
     let owned = ownership(&b, "mirrored");
     assert_eq!(owned["owner"], id_b.as_str(), "{owned}");
@@ -263,4 +340,124 @@ fn a_replicated_target_fails_over_to_another_node_with_every_write() {
     write_lun(&second, &url(&b, "db")).assert_ok("write through B");
     compare_lun(&second, &url(&b, "db")).assert_ok("read back through B");
     assert_eq!(owned["copies"].as_array().map(Vec::len), Some(2), "{owned}");
+}
+
+/// The reservation key the test initiator registers.
+const PR_KEY: u64 = 0x00ab_cdef_0123_4567;
+
+fn be32(bytes: &[u8]) -> u32 {
+    u32::from_be_bytes(bytes.try_into().unwrap())
+}
+
+fn be64(bytes: &[u8]) -> u64 {
+    u64::from_be_bytes(bytes.try_into().unwrap())
+}
+
+/// Waits until the target closes the session's connection, answering its NOP-In pings
+/// meanwhile; false if it is still open after `limit`.
+fn closed_by_target_within(session: &mut Session, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        match session.raw.recv() {
+            Ok(pdu) if pdu.bhs.opcode() == op::NOP_IN && pdu.bhs.itt() == NO_TAG => {
+                session.answer_ping(&pdu)
+            }
+            Ok(pdu) => panic!("unexpected PDU on an idle session: {:?}", pdu.bhs),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => return true, // end of stream or reset: closed
+        }
+    }
+    false
+}
+
+#[test]
+fn a_target_fails_back_to_its_preferred_node_once_that_node_is_up_again() {
+    let etcd = EtcdServer::start();
+    let failback = ["--iscsi-failback-after-s", "3"];
+    let a = cluster_node(&etcd.url, &failback);
+    let mut b = cluster_node(&etcd.url, &failback);
+    let mut c = cluster_node(&etcd.url, &failback);
+    replicated_group(&a);
+    // B and C started before the group existed: they learn groups when they start.
+    for node in [&mut b, &mut c] {
+        node.sigterm_and_wait();
+        node.restart();
+    }
+    let (id_b, id_c) = (node_id(&b), node_id(&c));
+
+    // The first login, at B, makes B the target's preferred node.
+    let dir = tempfile::tempdir().unwrap();
+    let first = pattern_file(dir.path(), 7);
+    write_lun(&first, &url(&b, "db")).assert_ok("write through B");
+    assert_eq!(ownership(&a, "mirrored")["owner"], id_b.as_str());
+    assert!(b.log().contains("preferred node"), "{}", b.log());
+
+    // B dies: the initiator's login at C's portal fails the target over to C, where every
+    // acknowledged write is, and writes go on there.
+    b.kill9();
+    assert!(
+        wait_until(Duration::from_secs(20), || node_state(&c, &id_b) == "down"),
+        "B not listed down"
+    );
+    let mut session = login_to(&c, "db").expect("login at C after B died");
+    let read = session.read16(0, 0, 8);
+    assert_eq!(read.status, GOOD);
+    assert_eq!(read.data, std::fs::read(&first).unwrap()[..4096]);
+    let second = pattern_file(dir.path(), 8);
+    write_lun(&second, &url(&c, "db")).assert_ok("write through C");
+    let owned = ownership(&a, "mirrored");
+    assert_eq!(owned["owner"], id_c.as_str(), "{owned}");
+    let failover_epoch = owned["owner_epoch"].as_u64().unwrap();
+
+    // B comes back. Once C has seen it up for 3 s, C hands the target back: it ends the
+    // session (the connection closes once its commands are answered) and releases the
+    // vdisk. The hand-written initiator has no reconnect logic of its own, so the test
+    // logs it in again at the portal it uses, C's, as open-iscsi or libiscsi would after
+    // the connection dropped: C redirects it to B, which claims the target.
+    b.restart();
+    assert!(
+        closed_by_target_within(&mut session, Duration::from_secs(40)),
+        "C never ended the session:\n{}",
+        c.log()
+    );
+    assert!(c.log().contains("handing the target back"), "{}", c.log());
+    // A login made while C releases the target waits for it; the release is logged.
+    assert!(
+        wait_until(Duration::from_secs(10), || c
+            .log()
+            .contains("target handed back")),
+        "{}",
+        c.log()
+    );
+    match login_to(&c, "db") {
+        Err(LoginError::Redirected { status, address }) => {
+            assert_eq!(status, 0x0101, "target moved temporarily");
+            assert_eq!(address, format!("127.0.0.1:{}", b.iscsi_port));
+        }
+        Err(other) => panic!("C must redirect the login to B: {other:?}"),
+        Ok(_) => panic!("C still serves a target it handed back"),
+    }
+    let mut session = login_to(&b, "db").expect("login at B after the hand-back");
+    let read = session.read16(0, 0, 8);
+    assert_eq!(read.status, GOOD);
+    assert_eq!(
+        read.data,
+        std::fs::read(&second).unwrap()[..4096],
+        "B serves the writes made through C"
+    );
+    drop(session);
+    let owned = ownership(&a, "mirrored");
+    assert_eq!(owned["owner"], id_b.as_str(), "{owned}");
+    assert!(
+        owned["owner_epoch"].as_u64() > Some(failover_epoch),
+        "{owned}"
+    );
+    // libiscsi (qemu-img) configured with C's portal is redirected to B and reads every
+    // acknowledged write.
+    compare_lun(&second, &url(&c, "db")).assert_ok("read through C's portal after failback");
+    assert_eq!(ownership(&a, "mirrored")["owner"], id_b.as_str());
 }

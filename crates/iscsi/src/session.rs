@@ -302,9 +302,9 @@ async fn serve_session<R: TargetRegistry, Rd: AsyncBufRead + Unpin>(
         held: BTreeMap::new(),
         text_pending: None,
     };
-    let replaced = registration.as_ref().map(|r| r.replaced.clone());
+    let ending = registration.as_ref().map(|r| r.ending.clone());
     let ended = feature
-        .run(&mut reader, shutdown, replaced, dead, &mut log)
+        .run(&mut reader, shutdown, ending, dead, &mut log)
         .await;
     if let Some(pinger) = pinger {
         pinger.abort();
@@ -878,18 +878,18 @@ impl<R: TargetRegistry> FullFeature<R> {
         &mut self,
         reader: &mut Rd,
         mut shutdown: watch::Receiver<bool>,
-        replaced: Option<std::sync::Arc<Notify>>,
+        ending: Option<std::sync::Arc<crate::reinstate::Ending>>,
         dead: Rc<Notify>,
         log: &mut ViolationLog,
     ) -> Result<(), IscsiError> {
         let max_data = self.session.params.target_max_recv_data_segment;
-        let replaced = async move {
-            match replaced {
-                Some(notify) => notify.notified().await,
+        let ending = async move {
+            match ending {
+                Some(ending) => ending.ended().await,
                 None => std::future::pending().await,
             }
         };
-        tokio::pin!(replaced);
+        tokio::pin!(ending);
         // Made once, not per PDU: each would register with its notifier again.
         let session = self.session.clone();
         let stop = shutdown.wait_for(|stop| *stop);
@@ -900,8 +900,13 @@ impl<R: TargetRegistry> FullFeature<R> {
             let next = tokio::select! {
                 biased;
                 _ = &mut stop => return Ok(()),
-                _ = &mut replaced => {
-                    tracing::info!(peer = log.peer(), "iSCSI session reinstated by a new login; ending the old one");
+                target_moved = &mut ending => {
+                    if target_moved {
+                        tracing::info!(peer = log.peer(), target = %self.session.target_name,
+                            "iSCSI session ended: its target moved to another node; running commands finish, then the connection closes and the initiator logs in again");
+                    } else {
+                        tracing::info!(peer = log.peer(), "iSCSI session reinstated by a new login; ending the old one");
+                    }
                     return Ok(());
                 }
                 _ = &mut closed => return Ok(()),

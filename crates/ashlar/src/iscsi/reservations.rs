@@ -4,6 +4,9 @@
 //! `/ashlar/v1/iscsi-reservations/<vdisk id>`, changed with compare-and-swap transactions
 //! like the volume group records. The node keeps a copy per unit in memory that I/O checks
 //! (never the store); a PERSISTENT RESERVE OUT is answered only after its change is saved.
+//! In a cluster the copy follows the store: it is read again whenever a login claims the
+//! unit's vdisk here ([`MetaReservations::reload`], before the login is answered) and
+//! whenever the record changes ([`follow_changes`], a watch of the records).
 //!
 //! RESERVE(6) reservations end with their I_T nexus and are never saved.
 
@@ -15,6 +18,7 @@ use ashlar_meta::{Compare, KeyRange, MetaStore, Txn, TxnOp};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 /// Prefix of the reservation records.
 pub const RESERVATIONS_PREFIX: &str = "/ashlar/v1/iscsi-reservations/";
@@ -22,6 +26,15 @@ pub const RESERVATIONS_PREFIX: &str = "/ashlar/v1/iscsi-reservations/";
 /// The key of unit `unit_id` (zero-padded, so keys sort by id).
 fn unit_key(unit_id: u64) -> Vec<u8> {
     format!("{RESERVATIONS_PREFIX}{unit_id:020}").into_bytes()
+}
+
+/// The unit id a record's key names.
+fn unit_of_key(key: &[u8]) -> Result<u64, ReservationError> {
+    let id_text = String::from_utf8_lossy(key.get(RESERVATIONS_PREFIX.len()..).unwrap_or(&[]));
+    id_text.parse().map_err(|_| ReservationError::Corrupt {
+        unit_id: 0,
+        reason: format!("key {id_text:?} is not a unit id"),
+    })
 }
 
 /// What the MetaStore holds for a unit (format version 1 of the JSON record).
@@ -117,6 +130,19 @@ struct MetaBackend<M> {
 }
 
 impl<M: MetaStore> MetaBackend<M> {
+    /// The saved state of `unit_id` (empty if it has no record).
+    async fn read(&self, unit_id: u64) -> Result<PrState, ReservationError> {
+        match self
+            .meta
+            .get(&unit_key(unit_id))
+            .await
+            .map_err(store_error)?
+        {
+            Some(kv) => decode(unit_id, &kv.value),
+            None => Ok(PrState::default()),
+        }
+    }
+
     async fn update_record(
         &self,
         unit_id: u64,
@@ -182,11 +208,7 @@ impl<M: MetaStore> MetaReservations<M> {
         let backend = Arc::new(MetaBackend { meta });
         let mut units = HashMap::new();
         for kv in kvs {
-            let id_text = String::from_utf8_lossy(&kv.key[RESERVATIONS_PREFIX.len()..]);
-            let unit_id: u64 = id_text.parse().map_err(|_| ReservationError::Corrupt {
-                unit_id: 0,
-                reason: format!("key {id_text:?} is not a unit id"),
-            })?;
+            let unit_id = unit_of_key(&kv.key)?;
             let state = decode(unit_id, &kv.value)?;
             let unit = LunReservations::saved(unit_id, state, backend.clone());
             units.insert(unit_id, Arc::new(unit));
@@ -199,6 +221,91 @@ impl<M: MetaStore> MetaReservations<M> {
 
     fn units(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<LunReservations>>> {
         self.units.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Reads unit `unit_id`'s saved state again and makes it the one its I/O is checked
+    /// against (the unit is created here if this node never served it). Returns whether the
+    /// state here changed.
+    pub async fn reload(&self, unit_id: u64) -> Result<bool, ReservationError> {
+        let unit = self.unit(unit_id);
+        unit.reload_from(self.backend.read(unit_id)).await
+    }
+
+    /// Reads again every unit that has a record, and every unit this node holds a copy of
+    /// (its record may be gone).
+    async fn reload_all(&self) -> Result<(), ReservationError> {
+        let kvs = self
+            .backend
+            .meta
+            .range(KeyRange::prefix(RESERVATIONS_PREFIX), None)
+            .await
+            .map_err(store_error)?;
+        let mut ids: Vec<u64> = self.units().keys().copied().collect();
+        for kv in kvs {
+            ids.push(unit_of_key(&kv.key)?);
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        for unit_id in ids {
+            self.follow(unit_id).await?;
+        }
+        Ok(())
+    }
+
+    /// Reads unit `unit_id` again after its record changed (or may have); says so when that
+    /// changed the copy here.
+    async fn follow(&self, unit_id: u64) -> Result<(), ReservationError> {
+        if self.reload(unit_id).await? {
+            tracing::info!(
+                unit = unit_id,
+                "persistent reservations of the unit changed through another node; following them"
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Pause before watching the records again after the watch failed (etcd away).
+const WATCH_RETRY: Duration = Duration::from_secs(1);
+
+/// Cluster mode: keeps every unit's copy here equal to its record in the store, for as long
+/// as the node runs (spawned on the control runtime). Each change to a record (a PERSISTENT
+/// RESERVE OUT through any node) makes this node read that record again (holding a copy of
+/// the unit from then on); each time the watch starts, every record and copy is read again,
+/// so a change made while it was not watching is not missed.
+pub async fn follow_changes<M: MetaStore>(reservations: Arc<MetaReservations<M>>) {
+    let mut last_error = String::new();
+    loop {
+        if let Err(error) = follow_once(&reservations).await {
+            let error = error.to_string();
+            if error != last_error {
+                tracing::warn!(%error,
+                    "watch of iSCSI persistent reservations ended; watching again every {WATCH_RETRY:?}");
+                last_error = error;
+            }
+        }
+        tokio::time::sleep(WATCH_RETRY).await;
+    }
+}
+
+async fn follow_once<M: MetaStore>(
+    reservations: &MetaReservations<M>,
+) -> Result<(), ReservationError> {
+    let meta = &reservations.backend.meta;
+    let revision = meta.current_revision().await.map_err(store_error)?;
+    reservations.reload_all().await?;
+    let mut watch = meta
+        .watch(KeyRange::prefix(RESERVATIONS_PREFIX), Some(revision.next()))
+        .await
+        .map_err(store_error)?;
+    loop {
+        let event = watch.next_event().await.map_err(store_error)?;
+        match unit_of_key(&event.kv.key) {
+            Ok(unit_id) => reservations.follow(unit_id).await?,
+            Err(error) => {
+                tracing::warn!(%error, "ignoring a reservation record that names no unit")
+            }
+        }
     }
 }
 
@@ -280,5 +387,71 @@ mod tests {
         let keys: Vec<u64> = state.registrations.iter().map(|r| r.key).collect();
         assert_eq!(keys, vec![0xaa, 0xbb]);
         assert_eq!(state.generation, 2);
+    }
+
+    #[tokio::test]
+    async fn a_reload_adopts_what_another_node_saved() {
+        let dir = tempfile::tempdir().unwrap();
+        let meta = EmbeddedMetaStore::open(&dir.path().join("meta.redb")).unwrap();
+        let first = MetaReservations::load(meta.clone()).await.unwrap();
+        let second = MetaReservations::load(meta).await.unwrap();
+        // The second node holds an (empty) copy of unit 4 and a RESERVE(6) holder of its own.
+        second
+            .unit(4)
+            .update(|s| s.legacy = Some("iqn.c,i,0x03".into()));
+        reserve_out(&first.unit(4), "iqn.a,i,0x01", 0, 0, 0xaa).await;
+        reserve_out(&first.unit(4), "iqn.a,i,0x01", 1, 0xaa, 0).await;
+        assert_eq!(second.unit(4).snapshot().reservation, None, "stale");
+        assert!(second.reload(4).await.unwrap(), "the copy changed");
+        let unit = second.unit(4);
+        let state = unit.snapshot();
+        assert_eq!(state.reservation.map(|r| r.kind), Some(1));
+        assert_eq!(state.registrations[0].key, 0xaa);
+        assert_eq!(
+            state.legacy.as_deref(),
+            Some("iqn.c,i,0x03"),
+            "RESERVE(6) kept"
+        );
+        unit.update(|s| s.legacy = None);
+        assert!(!unit.allows("iqn.b,i,0x02", Access::Write));
+        assert!(unit.allows("iqn.a,i,0x01", Access::Write));
+        assert!(!second.reload(4).await.unwrap(), "nothing new");
+        // A unit the second node never held is read from the store too.
+        reserve_out(&first.unit(5), "iqn.a,i,0x01", 0, 0, 0xcc).await;
+        second.reload(5).await.unwrap();
+        assert_eq!(second.unit(5).snapshot().registrations[0].key, 0xcc);
+    }
+
+    #[tokio::test]
+    async fn the_watch_follows_changes_made_elsewhere() {
+        let dir = tempfile::tempdir().unwrap();
+        let meta = EmbeddedMetaStore::open(&dir.path().join("meta.redb")).unwrap();
+        let first = MetaReservations::load(meta.clone()).await.unwrap();
+        let second = Arc::new(MetaReservations::load(meta).await.unwrap());
+        let unit = second.unit(6);
+        let follower = tokio::spawn(follow_changes(second.clone()));
+        reserve_out(&first.unit(6), "iqn.a,i,0x01", 0, 0, 0xaa).await;
+        reserve_out(&first.unit(6), "iqn.a,i,0x01", 1, 0xaa, 0).await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while unit.allows("iqn.b,i,0x02", Access::Write) {
+            assert!(tokio::time::Instant::now() < deadline, "never followed");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(unit.snapshot().registrations[0].key, 0xaa);
+        // A unit this node never held is followed too: its first session finds the state.
+        reserve_out(&first.unit(7), "iqn.a,i,0x01", 0, 0, 0xdd).await;
+        while second
+            .units()
+            .get(&7)
+            .is_none_or(|u| u.snapshot().registrations.is_empty())
+        {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "never followed unit 7"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(second.unit(7).snapshot().registrations[0].key, 0xdd);
+        follower.abort();
     }
 }

@@ -624,6 +624,24 @@ impl LunReservations {
         outcome
     }
 
+    /// Makes the saved state that `read` reads (again, from where the backend saves it) the
+    /// state here (RESERVE(6) stays): another node may have changed it. Ordered with this
+    /// node's PERSISTENT RESERVE OUTs (`read` runs after those before it finished and before
+    /// those after it start), so a read never undoes a newer change made here. Returns
+    /// whether the state here changed.
+    pub async fn reload_from(
+        &self,
+        read: impl Future<Output = Result<PrState, ReservationError>>,
+    ) -> Result<bool, ReservationError> {
+        let _serial = self.changes.lock().await;
+        let stored = read.await?;
+        Ok(self.update(|state| {
+            let before = state.clone();
+            state.adopt_saved(stored);
+            *state != before
+        }))
+    }
+
     /// How many PREEMPT AND ABORTs the unit has seen: a command notes it when it arrives.
     pub(crate) fn preemptions(&self) -> u64 {
         self.preemptions.load(Ordering::Acquire)
