@@ -448,19 +448,9 @@ impl NodeOwnership {
                 // No claim of these vdisks runs meanwhile (a login's or the lease follower's).
                 let _one_at_a_time = cluster.claiming.lock().await;
                 for (name, shared) in settling {
-                    let vdisk = shared.id;
-                    let Some(held) = lock(&cluster.held).remove(&vdisk) else {
-                        continue;
-                    };
-                    held.wanted.gate.close();
-                    if let Err(error) = shared.settle().await {
-                        tracing::warn!(vdisk = %name, %error,
-                            "writes in flight did not settle before the hand-back; releasing anyway");
-                    }
-                    match release(&cluster.meta, &held.claim).await {
-                        Ok(()) => tracing::info!(vdisk = %name, epoch = %held.claim.epoch,
-                            "released vdisk ownership (hand-back); another node may claim it now"),
-                        Err(error) => tracing::info!(vdisk = %name, %error, "nothing to release"),
+                    let why = "failback: handed back to the target's preferred node";
+                    if let Err(error) = cluster.give_up(shared, why).await {
+                        tracing::info!(vdisk = %name, %error, "nothing to release");
                     }
                 }
                 Ok(())
@@ -558,22 +548,37 @@ impl Clustered {
         why: &str,
     ) -> Result<(), String> {
         let _one_at_a_time = self.claiming.lock().await;
-        let Some(held) = lock(&self.held).remove(&vdisk) else {
-            return Err(format!("vdisk {vdisk}: this node does not own it"));
+        if self.give_up(shared, why).await? {
+            Ok(())
+        } else {
+            Err(format!("vdisk {vdisk}: this node does not own it"))
+        }
+    }
+
+    /// Gate shut, writes settled, claim released; false if this node held no claim. The
+    /// caller holds `claiming`, so no claim of the vdisk runs meanwhile.
+    async fn give_up(
+        &self,
+        shared: Arc<ashlar_engine::vdisk::VdiskShared>,
+        why: &str,
+    ) -> Result<bool, String> {
+        let Some(held) = lock(&self.held).remove(&shared.id) else {
+            return Ok(false);
         };
         held.wanted.gate.close();
         let name = &held.wanted.name;
         if let Err(error) = shared.settle().await {
             // The claim is released anyway: the next owner resynchronizes every copy from
             // its own, and this node's gate stays shut.
-            tracing::warn!(vdisk = %name, %error, "writes in flight did not settle before the hand-over");
+            tracing::warn!(vdisk = %name, %error, why,
+                "writes in flight did not settle before the claim was released");
         }
         release(&self.meta, &held.claim)
             .await
             .map_err(|e| format!("vdisk {name}: releasing its claim: {e}"))?;
         tracing::info!(vdisk = %name, epoch = %held.claim.epoch, why,
-            "released the vdisk's claim (handed the vdisk over); its clients here are forwarded to the next owner");
-        Ok(())
+            "released the vdisk's claim (handed the vdisk over); another node may claim it now, and clients here are forwarded to it");
+        Ok(true)
     }
 
     /// Claims a volume group's vdisks in LUN order, unless another node serves the group.
