@@ -91,6 +91,23 @@ pub enum NodeAction {
         #[arg(long)]
         json: bool,
     },
+    /// Empty a node before removing it: it stops claiming vdisks and getting new copies, its
+    /// claims are given up and every copy it holds is rebuilt on other nodes (by the
+    /// curators). Shows progress until the node holds nothing. Refused while the node holds
+    /// the only copy of a vdisk (replication factor 1).
+    Drain {
+        /// The node's id (`ashlar node list`).
+        node: String,
+        /// Stop draining: the node may claim vdisks and get copies again.
+        #[arg(long)]
+        cancel: bool,
+        /// Ask for the drain and return at once (follow it with `ashlar cluster status`).
+        #[arg(long, conflicts_with = "cancel")]
+        no_wait: bool,
+        /// Give up waiting (the drain goes on) after this many seconds.
+        #[arg(long, default_value_t = 3600, value_name = "SECONDS")]
+        timeout_s: u64,
+    },
 }
 
 #[derive(Args, Debug)]

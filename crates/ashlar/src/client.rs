@@ -176,14 +176,27 @@ pub(crate) fn print_json_or(value: &Value, json: bool, print_text: fn(&Value)) -
     Ok(())
 }
 
-/// `ashlar node list`: the cluster's nodes as the node at `--server` sees them.
+/// `ashlar node list` (the cluster's nodes as the node at `--server` sees them) and
+/// `ashlar node drain`.
 pub fn run_node(target: &ApiTarget, action: NodeAction) -> Result<()> {
-    let client = Client::new(target)?;
     match action {
         NodeAction::List { json } => {
+            let client = Client::new(target)?;
             let nodes = client.request("GET", "/api/v1/nodes", None)?;
             print_json_or(&nodes, json, print_nodes)?;
         }
+        NodeAction::Drain {
+            node,
+            cancel,
+            no_wait,
+            timeout_s,
+        } => crate::drain::run_cli(
+            target,
+            &node,
+            cancel,
+            no_wait,
+            std::time::Duration::from_secs(timeout_s),
+        )?,
     }
     Ok(())
 }
@@ -214,11 +227,14 @@ fn print_nodes(nodes: &Value) {
     );
     for node in nodes.as_array().into_iter().flatten() {
         // The node answering marks itself, so an operator knows which one `--server` reached.
-        let local = if node["local"].as_bool() == Some(true) {
-            " (this node)"
+        let mut local = if node["local"].as_bool() == Some(true) {
+            " (this node)".to_string()
         } else {
-            ""
+            String::new()
         };
+        if node["draining"].as_bool() == Some(true) {
+            local.push_str(" (draining)");
+        }
         println!(
             "{:<32} {:<22} {:<5} {:<12} {:>5} {:>10} {:>10} {:>6}{local}",
             node["node_id"].as_str().unwrap_or(""),

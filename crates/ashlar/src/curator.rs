@@ -29,9 +29,12 @@ pub enum Restore {
     Reclaim,
     /// Nobody owns it and this node leads: claim it to replace the copy, then release.
     ClaimAndRelease,
+    /// This node owns it but is being drained: give the claim up, so the leader moves it.
+    Release,
 }
 
 /// The rule, as a pure function of what the scan read.
+/// `overdue`: nodes down long enough, and draining nodes (whose copies move at once).
 pub fn restore_action(
     me: NodeId,
     leader: Option<NodeId>,
@@ -39,22 +42,28 @@ pub fn restore_action(
     copies: &[NodeId],
     overdue: &HashSet<NodeId>,
 ) -> Restore {
+    let owned_here = owner == Some(me);
+    if owned_here && overdue.contains(&me) {
+        // Draining (this node is up): its claims go first, then its copies.
+        return Restore::Release;
+    }
     if !copies.iter().any(|copy| overdue.contains(copy)) {
         return Restore::Nothing;
     }
     match owner {
-        Some(owner) if owner == me => Restore::Reclaim,
+        Some(_) if owned_here => Restore::Reclaim,
         Some(_) => Restore::Nothing,
         None if leader == Some(me) => Restore::ClaimAndRelease,
         None => Restore::Nothing,
     }
 }
 
-/// The serving node that is up with the lowest id: it restores vdisks nobody owns.
+/// The serving node that is up and not draining with the lowest id: it restores vdisks
+/// nobody owns.
 pub fn curator_leader(nodes: &[NodeStatus]) -> Option<NodeId> {
     nodes
         .iter()
-        .filter(|n| n.state == NodeState::Up && !n.record.storage_only)
+        .filter(|n| n.state == NodeState::Up && !n.record.storage_only && !n.draining)
         .map(|n| n.record.node_id)
         .min()
 }
@@ -107,7 +116,13 @@ pub async fn run(
                 continue;
             }
         };
-        let overdue = down.update(&nodes, Instant::now(), after);
+        let mut overdue = down.update(&nodes, Instant::now(), after);
+        overdue.extend(
+            nodes
+                .iter()
+                .filter(|n| n.draining)
+                .map(|n| n.record.node_id),
+        );
         if overdue.is_empty() {
             failing.clear();
             continue;
@@ -138,13 +153,25 @@ pub async fn run(
                 .filter(|c| overdue.contains(c))
                 .map(|c| c.to_string())
                 .collect();
-            tracing::info!(vdisk = %record.name, down = ?down_copies, ?action,
-                "curator: a copy has been on a node that is down for {after:?}; restoring the vdisk's copies");
-            let release = action == Restore::ClaimAndRelease;
-            match ownership
-                .restore_copies(&engine, &record.name, release)
-                .await
-            {
+            tracing::info!(vdisk = %record.name, moving_from = ?down_copies, ?action,
+                "curator: a copy is on a node down for {after:?} or being drained; restoring the vdisk's copies");
+            let done = match action {
+                Restore::Release => ownership
+                    .hand_back(
+                        &engine,
+                        std::slice::from_ref(&record.name),
+                        "this node is being drained",
+                    )
+                    .await
+                    .map_err(|e| e.message),
+                _ => {
+                    let release = action == Restore::ClaimAndRelease;
+                    ownership
+                        .restore_copies(&engine, &record.name, release)
+                        .await
+                }
+            };
+            match done {
                 Ok(()) => {
                     failing.remove(&record.name);
                     tracing::info!(vdisk = %record.name, "curator: copies restored");
@@ -188,6 +215,12 @@ mod tests {
         assert_eq!(
             restore_action(me, Some(other), None, &[other, down], &overdue),
             Restore::Nothing
+        );
+        // This node owns it and is being drained (listed as overdue itself): release.
+        let draining: HashSet<NodeId> = [me].into();
+        assert_eq!(
+            restore_action(me, Some(other), Some(me), &[me, other], &draining),
+            Restore::Release
         );
         // Every copy on a node that is up (or not down long enough): nothing to do.
         assert_eq!(

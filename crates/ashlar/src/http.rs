@@ -9,7 +9,7 @@ use ashlar_engine::{EngineError, VdiskInfo};
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -35,6 +35,10 @@ pub fn router(state: ApiState) -> Router {
         )
         .route("/api/v1/node", get(node_info))
         .route("/api/v1/nodes", get(list_nodes))
+        .route(
+            "/api/v1/nodes/{id}/drain",
+            post(crate::drain::start).delete(crate::drain::cancel),
+        )
         .route("/api/v1/cluster", get(cluster_status))
         .route("/stats/vdisks", get(vdisk_stats))
         .route("/stats/cache", get(cache_stats))
@@ -258,10 +262,16 @@ async fn list_nodes(State(state): State<ApiState>) -> Result<Json<Value>, ApiErr
 }
 
 fn node_json(status: NodeStatus, local: bool, vdisks_owned: usize) -> Value {
-    let NodeStatus { record, state, .. } = status;
+    let NodeStatus {
+        record,
+        state,
+        draining,
+        ..
+    } = status;
     json!({
         "node_id": record.node_id,
         "state": state,
+        "draining": draining,
         "local": local,
         "addresses": record.addresses,
         "storage_only": record.storage_only,

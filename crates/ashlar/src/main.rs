@@ -10,6 +10,7 @@ mod cluster;
 mod cluster_status;
 mod curator;
 mod deletions;
+mod drain;
 mod forwarding;
 mod http;
 mod http_vg;

@@ -432,7 +432,12 @@ impl NodeOwnership {
     /// another node can claim them at once. Each vdisk's gate shuts (its I/O here fails
     /// from now on), its writes in flight settle, and its owner key is deleted; the epoch
     /// stays, so the next claim raises it. A vdisk this node does not hold is skipped.
-    pub async fn hand_back(&self, engine: &NodeEngine, names: &[String]) -> Result<(), NotServing> {
+    pub async fn hand_back(
+        &self,
+        engine: &NodeEngine,
+        names: &[String],
+        why: &'static str,
+    ) -> Result<(), NotServing> {
         let Some(cluster) = &self.cluster else {
             return Ok(());
         };
@@ -448,7 +453,6 @@ impl NodeOwnership {
                 // No claim of these vdisks runs meanwhile (a login's or the lease follower's).
                 let _one_at_a_time = cluster.claiming.lock().await;
                 for (name, shared) in settling {
-                    let why = "failback: handed back to the target's preferred node";
                     if let Err(error) = cluster.give_up(shared, why).await {
                         tracing::info!(vdisk = %name, %error, "nothing to release");
                     }
@@ -503,6 +507,9 @@ impl Clustered {
                  serves nothing now; try again when it is back"
             )));
         }
+        if let Some(refused) = self.refuse_while_draining(&wanted, frontend).await {
+            return Err(refused);
+        }
         match claim_to_serve(
             &self.meta,
             wanted.vdisk,
@@ -537,6 +544,43 @@ impl Clustered {
                 },
             }),
         }
+    }
+
+    /// A node being drained claims nothing: it forwards to the owner if there is one, else
+    /// refuses. `None`: not draining (or the drain record could not be read: the claim goes
+    /// on, as it would have before the drain was asked).
+    async fn refuse_while_draining(
+        &self,
+        wanted: &Wanted,
+        frontend: Frontend,
+    ) -> Option<NotServing> {
+        if !ashlar_cluster::is_draining(&self.meta, self.node)
+            .await
+            .unwrap_or(false)
+        {
+            return None;
+        }
+        let name = &wanted.name;
+        if let Ok(state) = read_ownership(&self.meta, wanted.vdisk).await {
+            if let Some((owner, _)) = state.owner.filter(|(o, _)| o.node != self.node) {
+                let refusal = ServeRefusal::OwnedElsewhere {
+                    owner: owner.node,
+                    epoch: owner.epoch,
+                };
+                let error = ServeError::Refused {
+                    vdisk: wanted.vdisk,
+                    refusal: refusal.clone(),
+                };
+                return Some(NotServing {
+                    message: self.refusal_text(name, &error, frontend).await,
+                    refusal: Some(refusal),
+                });
+            }
+        }
+        Some(NotServing::for_now(format!(
+            "vdisk {name}: node {} is being drained (`ashlar node drain`) and claims no vdisk;              connect to another node",
+            self.node
+        )))
     }
 
     /// Gives the claim on `vdisk` up (`why` goes to the log): gate shut, writes settled,

@@ -19,6 +19,8 @@ pub const PLACEMENT_PREFIX: &str = "/ashlar/v1/cluster/placement/";
 /// Resyncs in progress, one record per vdisk (no lease: a record of a node that is down or
 /// no longer owns the vdisk is ignored, and replaced by the next resync).
 pub const RESYNC_PREFIX: &str = "/ashlar/v1/cluster/resync/";
+/// Draining nodes, one record each (no lease: a drain lasts until it is cancelled).
+pub const DRAINS_PREFIX: &str = "/ashlar/v1/cluster/drain/";
 /// The cluster secret node-to-node connections authenticate with (when not given in a file).
 pub const SECRET_KEY: &str = "/ashlar/v1/cluster/secret";
 
@@ -46,6 +48,14 @@ pub fn placement_key(vdisk: VdiskId) -> Vec<u8> {
 
 pub fn resync_key(vdisk: VdiskId) -> Vec<u8> {
     format!("{RESYNC_PREFIX}{vdisk}").into_bytes()
+}
+
+pub fn drain_key(node: NodeId) -> Vec<u8> {
+    format!("{DRAINS_PREFIX}{node}").into_bytes()
+}
+
+pub fn drains() -> KeyRange {
+    KeyRange::prefix(DRAINS_PREFIX)
 }
 
 pub fn resyncs() -> KeyRange {

@@ -5,6 +5,7 @@
 //!
 //! Key layout, record formats and the claim transaction: docs/cluster-metadata.md.
 
+pub mod drain;
 mod error;
 pub mod keys;
 pub mod membership;
@@ -15,6 +16,7 @@ pub mod record;
 pub mod serving;
 pub mod status;
 
+pub use drain::{cancel_drain, draining_nodes, is_draining, start_drain, DrainRecord};
 pub use error::{ClaimError, ClusterError, NodeIdError, ReleaseError, ServeError};
 pub use membership::{
     keep_registered, list_nodes, register, remove_member, KeepAliveOutcome, KeepAliveState,

@@ -349,6 +349,9 @@ pub struct NodeStatus {
     pub record: NodeRecord,
     pub state: NodeState,
     pub vdisks_owned: usize,
+    /// An operator asked for the node to be emptied (`ashlar node drain`): it claims no
+    /// vdisk and gets no new copy.
+    pub draining: bool,
 }
 
 impl NodeStatus {
@@ -367,6 +370,7 @@ impl NodeStatus {
             },
             state,
             vdisks_owned: 0,
+            draining: false,
         }
     }
 }
@@ -378,9 +382,15 @@ pub async fn list_nodes<M: MetaStore>(store: &M) -> Result<Vec<NodeStatus>, Clus
             TxnOp::get(keys::members()),
             TxnOp::get(keys::live_nodes()),
             TxnOp::get(keys::owners()),
+            TxnOp::get(keys::drains()),
         ]))
         .await?;
-    let [members, live, owners] = gets::<3>(response.results)?;
+    let [members, live, owners, drains] = gets::<4>(response.results)?;
+    let mut draining = std::collections::BTreeSet::new();
+    for kv in &drains {
+        let drain: crate::drain::DrainRecord = record::decode(&kv.key, &kv.value)?;
+        draining.insert(drain.node);
+    }
     let mut owned: BTreeMap<NodeId, usize> = BTreeMap::new();
     for kv in &owners {
         let owner: record::OwnerRecord = record::decode(&kv.key, &kv.value)?;
@@ -395,6 +405,7 @@ pub async fn list_nodes<M: MetaStore>(store: &M) -> Result<Vec<NodeStatus>, Clus
             nodes.insert(
                 record.node_id,
                 NodeStatus {
+                    draining: draining.contains(&record.node_id),
                     record,
                     state,
                     vdisks_owned,

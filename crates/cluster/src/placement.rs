@@ -58,13 +58,13 @@ pub fn choose_copies(
     Ok(copies)
 }
 
-/// The nodes other than `me` that are up, best first for a new copy: storage-only nodes
+/// The nodes other than `me` that are up and not draining, best first for a new copy: storage-only nodes
 /// (they hold replicas and serve nobody), then most free space, then lowest id (so the
 /// choice is deterministic).
 fn ranked_others(me: NodeId, nodes: &[NodeStatus]) -> Vec<NodeId> {
     let mut others: Vec<&NodeStatus> = nodes
         .iter()
-        .filter(|n| n.state == NodeState::Up && n.record.node_id != me)
+        .filter(|n| n.state == NodeState::Up && !n.draining && n.record.node_id != me)
         .collect();
     others.sort_by(|a, b| {
         b.record
@@ -132,10 +132,11 @@ pub fn renew_copies(
     copies: &[NodeId],
     nodes: &[NodeStatus],
 ) -> Result<Vec<NodeId>, PlacementError> {
+    // A copy on a draining node is replaced like one on a node that is down.
     let up = |node: &NodeId| {
         nodes
             .iter()
-            .any(|n| n.record.node_id == *node && n.state == NodeState::Up)
+            .any(|n| n.record.node_id == *node && n.state == NodeState::Up && !n.draining)
     };
     let ranked = ranked_others(me, nodes);
     let mut kept: Vec<NodeId> = copies
@@ -222,6 +223,7 @@ mod tests {
             },
             state: if up { NodeState::Up } else { NodeState::Down },
             vdisks_owned: 0,
+            draining: false,
         }
     }
 
@@ -283,6 +285,14 @@ mod tests {
             renew_copies(id(4), 2, &[id(1), id(3)], &nodes),
             Ok(vec![id(4), id(3)])
         );
+        // A copy on a draining node is replaced, and no new copy goes to one.
+        let mut drained = nodes.clone();
+        drained[3].draining = true;
+        assert_eq!(
+            renew_copies(id(1), 2, &[id(1), id(4)], &drained),
+            Ok(vec![id(1), id(3)])
+        );
+        assert_eq!(choose_copies(id(1), 2, &drained), Ok(vec![id(1), id(3)]));
         let two = [node(1, true, false, 1), node(2, false, false, 1)];
         assert_eq!(
             renew_copies(id(1), 2, &[id(2), id(1)], &two),

@@ -145,11 +145,12 @@ struct UnitFacts {
     copies: Vec<NodeId>,
 }
 
-/// Whether `preferred` is up, serves clients, and may claim every unit once nobody owns
-/// them (`units` as they would be then).
+/// Whether `preferred` is up, serves clients (not storage-only, not being drained), and may
+/// claim every unit once nobody owns them (`units` as they would be then).
 fn can_take_over(preferred: &NodeStatus, units: &[UnitFacts]) -> bool {
     preferred.state == NodeState::Up
         && !preferred.record.storage_only
+        && !preferred.draining
         && units.iter().all(|unit| {
             decide_serve(
                 preferred.record.node_id,
@@ -481,7 +482,14 @@ impl Failback {
             tracing::warn!(%target, sessions = left, waited = ?SESSIONS_END_WAIT,
                 "failback: sessions still open; releasing the target anyway (their I/O fails with NOT READY)");
         }
-        match ownership.hand_back(engine, &group.disks).await {
+        match ownership
+            .hand_back(
+                engine,
+                &group.disks,
+                "failback: handed back to the target's preferred node",
+            )
+            .await
+        {
             Ok(()) => tracing::info!(%target, %preferred,
                 "failback: target handed back; logins here are redirected to its preferred node"),
             Err(error) => tracing::warn!(%target, %error,
@@ -536,6 +544,7 @@ mod tests {
             },
             state,
             vdisks_owned: 0,
+            draining: false,
         }
     }
 
@@ -575,6 +584,9 @@ mod tests {
         // Down, storage-only, no preferred node, or this node itself: served here.
         let down = status(2, NodeState::Down, false, 5);
         assert_eq!(login_goes_to(me, Some(&down), &replicated), None);
+        let mut drained = status(2, NodeState::Up, false, 5);
+        drained.draining = true;
+        assert!(!can_take_over(&drained, &[]));
         let storage = status(2, NodeState::Up, true, 5);
         assert_eq!(login_goes_to(me, Some(&storage), &replicated), None);
         assert_eq!(login_goes_to(me, None, &replicated), None);

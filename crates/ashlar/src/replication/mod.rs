@@ -37,6 +37,7 @@ use ashlar_transport::{
 pub use peers::Peer;
 use peers::{transport_id, Peers};
 use receiver::ReplicaReceiver;
+pub use resync::unix_ms;
 pub use sender::CopyFailed;
 use sender::{replica_error, PeerReplicator};
 use std::net::SocketAddr;
