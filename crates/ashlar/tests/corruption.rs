@@ -32,16 +32,8 @@ fn flipped_byte_in_extent_file_gives_eio_and_a_log_line() {
     let status = node.sigterm_and_wait();
     assert!(status.success(), "SIGTERM: {}", describe(&status));
 
-    let egroup = node
-        .data_dir
-        .join("disk0/extents")
-        .join(&dir_name)
-        .join(format!("{:016x}.egroup", 0));
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&egroup)
-        .unwrap_or_else(|e| panic!("the egroup file {}: {e}", egroup.display()));
+    let egroup = node.egroup_path(&dir_name, 0);
+    let file = node.open_egroup(&dir_name, 0);
     // The documented layout: extent 0's data starts after the 20 KiB header.
     let mut on_disk = vec![0u8; MIB as usize];
     file.read_exact_at(&mut on_disk, DATA_START).unwrap();

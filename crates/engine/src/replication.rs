@@ -72,10 +72,24 @@ pub struct ReplicaRecord {
 /// The future of one record's replication: `Ok` once every replica holds it durably.
 pub type ReplicaAck = Pin<Box<dyn Future<Output = Result<(), IoError>> + Send>>;
 
+/// The future of a read from another copy: the bytes, checked by that copy's checksums.
+pub type ReplicaFetch = Pin<Box<dyn Future<Output = Result<Bytes, IoError>> + Send>>;
+
 /// Sends records to the replicas of one vdisk. Called on the shard's reactor, in sequence
 /// order per stream; the returned futures may complete in any order.
 pub trait Replicator: Send + Sync + 'static {
     fn replicate(&self, record: ReplicaRecord) -> ReplicaAck;
+
+    /// Reads `[offset, offset + length)` of the vdisk from another copy (the owner's own
+    /// copy failed its checksums there: the shard repairs it with what this returns).
+    fn fetch(&self, vdisk: VdiskId, offset: u64, length: u64) -> ReplicaFetch {
+        let _ = (offset, length);
+        Box::pin(async move {
+            Err(IoError::Io(format!(
+                "vdisk {vdisk}: no other copy can be read"
+            )))
+        })
+    }
 }
 
 /// Where a vdisk's replicator is installed: shared by the vdisk's shared state (the node

@@ -385,3 +385,38 @@ fn lost_ranges_read_as_lost_until_rewritten() {
         ));
     });
 }
+
+/// Bit rot under an open store (the data changed on disk after the store learnt which slot it
+/// matches): rewriting the same content must really write it, or the damage would stay on
+/// disk while the store believed the block intact (a repair from another copy does this).
+#[test]
+fn rewriting_a_block_damaged_under_an_open_store_repairs_it_on_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    run_local(async {
+        let store = ExtentStore::new(StdFs, config(dir.path()));
+        let data = pattern(5, 16 * 4096);
+        store.write(0, &data).await.unwrap();
+        // Overwrite once, so the extent is normalized and its slots known to the store.
+        store.write(0, &data).await.unwrap();
+        let file = egroup_path(dir.path(), 0);
+        edit(&file, |b| b[data_offset(0, 3) + 17] ^= 0x40);
+        assert!(matches!(
+            read(&store, 3 * 4096, 4096).await,
+            Err(ExtentError::Corrupt { .. })
+        ));
+        store
+            .write(3 * 4096, &data[3 * 4096..4 * 4096])
+            .await
+            .unwrap();
+        assert_eq!(read(&store, 0, data.len()).await.unwrap(), data);
+        let on_disk = std::fs::read(&file).unwrap();
+        assert_eq!(
+            on_disk[data_offset(0, 3)..data_offset(0, 4)],
+            data[3 * 4096..4 * 4096],
+            "the rewrite reached the disk"
+        );
+        drop(store);
+        let store = ExtentStore::new(StdFs, config(dir.path()));
+        assert_eq!(read(&store, 0, data.len()).await.unwrap(), data);
+    });
+}

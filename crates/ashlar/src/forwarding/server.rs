@@ -10,6 +10,7 @@ use crate::ownership::NodeOwnership;
 use crate::registry::NodeEngine;
 use ashlar_core::{BlockDevice, IoResult, VdiskId};
 use ashlar_engine::reactor::ReactorId;
+use ashlar_engine::shard::{ShardOp, ShardReply};
 use ashlar_engine::vdisk::VdiskShared;
 use ashlar_engine::VdiskHandle;
 use ashlar_transport::RemoteError;
@@ -51,7 +52,48 @@ impl ForwardServer {
         match message {
             ForwardMessage::Io { vdisk, offset, op } => self.run(vdisk, offset, op).await,
             ForwardMessage::HandOver { vdisk } => self.hand_over(vdisk).await,
+            ForwardMessage::CopyRead {
+                vdisk,
+                offset,
+                length,
+            } => self.copy_read(vdisk, offset, length).await,
         }
+    }
+
+    /// Reads this node's copy below its serving gate, for an owner whose copy is damaged.
+    async fn copy_read(
+        &self,
+        vdisk: VdiskId,
+        offset: u64,
+        length: u32,
+    ) -> Result<Bytes, RemoteError> {
+        let failed = |e: String| remote(IO_CODE, format!("vdisk {vdisk}: {e}"));
+        let shared = self
+            .engine
+            .replica_target(vdisk)
+            .await
+            .map_err(|e| failed(e.to_string()))?;
+        ashlar_core::check_range(
+            offset,
+            u64::from(length),
+            shared.size_bytes.load(std::sync::atomic::Ordering::Relaxed),
+        )
+        .map_err(|e| remote(wire::INVALID_CODE, e))?;
+        let replies = shared
+            .call_split(offset, u64::from(length), |o, l| ShardOp::Read {
+                offset: o,
+                length: l,
+            })
+            .await
+            .map_err(|e| failed(e.to_string()))?;
+        let mut joined = bytes::BytesMut::with_capacity(length as usize);
+        for reply in replies {
+            match reply {
+                ShardReply::Data(data) => joined.extend_from_slice(&data),
+                _ => return Err(failed("unexpected shard reply".into())),
+            }
+        }
+        Ok(joined.freeze())
     }
 
     async fn run(&self, vdisk: VdiskId, offset: u64, op: ForwardOp) -> Result<Bytes, RemoteError> {

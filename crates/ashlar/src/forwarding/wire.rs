@@ -3,13 +3,13 @@
 //!
 //! ```text
 //! offset size field
-//!      0    1 kind: 16 I/O, 17 hand over
+//!      0    1 kind: 16 I/O, 17 hand over, 18 copy read
 //!      1    1 version: 1
 //!      2    1 op: 1 read, 2 write, 3 flush, 4 trim, 5 write zeroes, 6 block status (I/O)
 //!      3    1 flags: bit 0 FUA, bit 1 may punch holes; other bits zero
-//!      4    4 length in bytes (I/O; for a write, the data's length)
+//!      4    4 length in bytes (I/O, copy read; for a write, the data's length)
 //!      8    8 vdisk id
-//!     16    8 vdisk offset (I/O)
+//!     16    8 vdisk offset (I/O, copy read)
 //!     24    4 CRC32C of the data (write; zero otherwise)
 //!     28    4 reserved, zero
 //!     32    - data: `length` bytes (write only)
@@ -27,6 +27,7 @@ pub const HEADER_BYTES: usize = 32;
 
 pub const KIND_IO: u8 = 16;
 pub const KIND_HAND_OVER: u8 = 17;
+pub const KIND_COPY_READ: u8 = 18;
 
 const FLAG_FUA: u8 = 1;
 const FLAG_MAY_PUNCH: u8 = 2;
@@ -48,7 +49,10 @@ pub const BUSY_CODE: u32 = 22;
 
 /// Whether a node-to-node payload is a forwarding message (else it is a replication one).
 pub fn is_forwarding(payload: &[u8]) -> bool {
-    matches!(payload.first(), Some(&KIND_IO) | Some(&KIND_HAND_OVER))
+    matches!(
+        payload.first(),
+        Some(&KIND_IO) | Some(&KIND_HAND_OVER) | Some(&KIND_COPY_READ)
+    )
 }
 
 /// One client request, as the owner runs it.
@@ -72,6 +76,13 @@ pub enum ForwardMessage {
     /// The sender has carried the vdisk's client I/O for a while: the owner gives its
     /// claim up so the sender can claim it (`docs/forwarding.md`, migration).
     HandOver { vdisk: VdiskId },
+    /// The owner's copy failed its checksums: read this copy's blocks below its serving gate
+    /// (a copy serves no client, but holds every acknowledged write).
+    CopyRead {
+        vdisk: VdiskId,
+        offset: u64,
+        length: u32,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -99,6 +110,13 @@ pub fn encode(message: &ForwardMessage) -> Bytes {
     match message {
         ForwardMessage::HandOver { vdisk } => {
             header(&mut out, KIND_HAND_OVER, 0, 0, 0, *vdisk, 0, 0);
+        }
+        ForwardMessage::CopyRead {
+            vdisk,
+            offset,
+            length,
+        } => {
+            header(&mut out, KIND_COPY_READ, 0, 0, *length, *vdisk, *offset, 0);
         }
         ForwardMessage::Io { vdisk, offset, op } => {
             let (code, flags, length, data) = match op {
@@ -179,6 +197,16 @@ pub fn decode(payload: &Bytes) -> Result<ForwardMessage, ForwardWireError> {
             return Err(ForwardWireError::Reserved);
         }
         return Ok(ForwardMessage::HandOver { vdisk });
+    }
+    if kind == KIND_COPY_READ {
+        if op != 0 || flags != 0 || crc != 0 || !data.is_empty() {
+            return Err(ForwardWireError::Reserved);
+        }
+        return Ok(ForwardMessage::CopyRead {
+            vdisk,
+            offset,
+            length,
+        });
     }
     if kind != KIND_IO {
         return Err(ForwardWireError::Kind(kind));
@@ -287,6 +315,11 @@ mod tests {
     fn every_message_round_trips() {
         let vdisk = VdiskId(0x1234_5678_9abc);
         round_trip(ForwardMessage::HandOver { vdisk });
+        round_trip(ForwardMessage::CopyRead {
+            vdisk,
+            offset: 8192,
+            length: 1 << 20,
+        });
         for op in [
             ForwardOp::Read { length: 4096 },
             ForwardOp::Write {

@@ -4,10 +4,11 @@
 
 use super::peers::Peer;
 use super::wire::{self, Message, FENCED_CODE};
+use crate::forwarding::wire::ForwardMessage;
 use ashlar_cluster::NodeId;
 use ashlar_core::IoError;
 use ashlar_core::VdiskId;
-use ashlar_engine::replication::{ReplicaAck, ReplicaRecord, Replicator};
+use ashlar_engine::replication::{ReplicaAck, ReplicaFetch, ReplicaRecord, Replicator};
 use ashlar_transport::TransportError;
 use std::sync::Arc;
 use std::time::Duration;
@@ -47,6 +48,37 @@ impl PeerReplicator {
 }
 
 impl Replicator for PeerReplicator {
+    /// Tries the other copies in turn; the first that answers gives the bytes.
+    fn fetch(&self, vdisk: VdiskId, offset: u64, length: u64) -> ReplicaFetch {
+        let peers = self.peers.clone();
+        let timeout = self.timeout;
+        Box::pin(async move {
+            let length = u32::try_from(length)
+                .map_err(|_| IoError::Invalid(format!("copy read of {length} bytes")))?;
+            let ask = crate::forwarding::wire::encode(&ForwardMessage::CopyRead {
+                vdisk,
+                offset,
+                length,
+            });
+            let mut failures = Vec::new();
+            for peer in &peers {
+                match peer.call(ask.clone(), timeout).await {
+                    Ok(bytes) if bytes.len() == length as usize => return Ok(bytes),
+                    Ok(bytes) => failures.push(format!(
+                        "node {} answered {} bytes",
+                        peer.node(),
+                        bytes.len()
+                    )),
+                    Err(error) => failures.push(format!("node {}: {error}", peer.node())),
+                }
+            }
+            Err(IoError::Io(format!(
+                "vdisk {vdisk}: no other copy could be read: {}",
+                failures.join("; ")
+            )))
+        })
+    }
+
     fn replicate(&self, record: ReplicaRecord) -> ReplicaAck {
         let vdisk = record.vdisk;
         let payload = wire::encode(&Message::Record {

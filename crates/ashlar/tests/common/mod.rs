@@ -562,6 +562,25 @@ impl Node {
         format!("{id:016x}")
     }
 
+    /// The file of egroup `egroup` of the vdisk whose extent directory is `vdisk_dir`
+    /// (`vdisk_dir_name`), on the node's default disk.
+    pub fn egroup_path(&self, vdisk_dir: &str, egroup: u64) -> PathBuf {
+        self.data_dir
+            .join("disk0/extents")
+            .join(vdisk_dir)
+            .join(format!("{egroup:016x}.egroup"))
+    }
+
+    /// Opens egroup `egroup` of the vdisk for reading and writing (to damage it on purpose).
+    pub fn open_egroup(&self, vdisk_dir: &str, egroup: u64) -> File {
+        let path = self.egroup_path(vdisk_dir, egroup);
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap_or_else(|e| panic!("the egroup file {}: {e}", path.display()))
+    }
+
     pub fn http_get(&self, path: &str) -> (u16, String) {
         http_get(self.http_port, path)
     }

@@ -18,7 +18,7 @@ use super::{
     OplogGauges, ShardControl, ShardError, ShardOp, ShardReply, ShardRequest, ShardSpec, Storage,
 };
 use crate::cache::BlockCache;
-use crate::replication::{ReplicaOp, ReplicaRecord};
+use crate::replication::{ReplicaOp, ReplicaRecord, Replicator};
 use ashlar_core::{BlockStatusRun, IoError, BLOCK_SIZE_BYTES};
 use ashlar_storage::oplog::{Append, OplogEvent, Seq};
 use bytes::Bytes;
@@ -59,6 +59,13 @@ enum Finished {
     },
     Drained(Result<usize, DrainError>),
     HandedOver(Result<(), String>),
+    /// Another copy's content of a read's whole blocks, asked for because this copy's
+    /// failed its checksums (`error`).
+    Fetched {
+        read: PendingRead,
+        error: IoError,
+        result: Result<Bytes, IoError>,
+    },
     /// Every replica holds record `seq` durably (or one failed to).
     Replicated {
         seq: Seq,
@@ -606,6 +613,11 @@ impl Controller {
             }
             Finished::Drained(result) => self.finish_drain(result),
             Finished::Replicated { seq, result } => self.log_writes.replica_acked(seq, result),
+            Finished::Fetched {
+                read,
+                error,
+                result,
+            } => self.finish_fetch(read, error, result),
             Finished::HandedOver(result) => {
                 if let Some(done) = self.retiring.as_mut().and_then(|r| r.done.take()) {
                     let _ = done.send(result);
@@ -642,12 +654,92 @@ impl Controller {
                     let mut read = read;
                     read.attempt += 1;
                     self.parked_reads.push(read);
+                } else if let Some(replicator) = self.spec.replication.current() {
+                    self.fetch_from_copy(&**replicator, read, error);
                 } else {
                     self.answer(read.request, Err(error));
                 }
             }
             Err(ReadFailure::Failed(error)) => self.answer(read.request, Err(error)),
         }
+    }
+
+    /// This copy failed its checksums under `read` and no write overlapped it: read the
+    /// whole blocks from another copy (a replicated vdisk keeps every acknowledged write on
+    /// each), answer with them and write them back here (`finish_fetch`).
+    fn fetch_from_copy(&mut self, replicator: &dyn Replicator, read: PendingRead, error: IoError) {
+        let blocks = block_range(read.offset, read.length);
+        let first_byte = blocks.start * BLOCK_SIZE_BYTES;
+        let whole_length = (blocks.end - blocks.start) * BLOCK_SIZE_BYTES;
+        tracing::warn!(vdisk = %self.spec.vdisk, offset = read.offset, length = read.length,
+            %error, "this copy failed its checksums; reading the blocks from another copy to repair them");
+        let fetch = replicator.fetch(self.spec.vdisk, first_byte, whole_length);
+        self.work.push(Box::pin(async move {
+            let result = fetch.await;
+            Finished::Fetched {
+                read,
+                error,
+                result,
+            }
+        }));
+    }
+
+    fn finish_fetch(&mut self, read: PendingRead, error: IoError, result: Result<Bytes, IoError>) {
+        let whole = match result {
+            Ok(whole) => whole,
+            Err(fetch_error) => {
+                tracing::warn!(vdisk = %self.spec.vdisk, offset = read.offset, error = %fetch_error,
+                    "no other copy could supply the damaged blocks");
+                return self.answer(read.request, Err(error));
+            }
+        };
+        let blocks = block_range(read.offset, read.length);
+        let first_byte = blocks.start * BLOCK_SIZE_BYTES;
+        if whole.len() as u64 != (blocks.end - blocks.start) * BLOCK_SIZE_BYTES {
+            let error = IoError::Io(format!(
+                "another copy answered {} bytes for {} blocks",
+                whole.len(),
+                blocks.end - blocks.start
+            ));
+            return self.answer(read.request, Err(error));
+        }
+        let unchanged = blocks
+            .clone()
+            .zip(&read.generations)
+            .all(|(block, seen)| self.generations[bucket(block)] == *seen);
+        let quiet = !read.writer_was_running
+            && read.writers_started_before == self.writers_started
+            && self.writers_running() == 0;
+        if !(unchanged && quiet) {
+            // A write reached the range meanwhile: the other copy's blocks may be older
+            // than it. Read again (the write may have replaced the damaged blocks).
+            if read.attempt < MAX_READ_ATTEMPTS {
+                let read =
+                    self.pending_read(read.request, read.offset, read.length, read.attempt + 1);
+                self.start_read(read);
+            } else {
+                self.answer(read.request, Err(error));
+            }
+            return;
+        }
+        // Written back as whole blocks, through the oplog and to every copy like any write
+        // (the others already hold these bytes): the drain then overwrites the damage.
+        let (reply, _) = oneshot::channel();
+        let repair = ShardRequest {
+            op: ShardOp::Write {
+                offset: first_byte,
+                data: whole.clone(),
+            },
+            reply,
+            route: None,
+        };
+        self.requests_in_flight += 1;
+        self.start_write(repair, first_byte, whole.clone());
+        tracing::warn!(vdisk = %self.spec.vdisk, offset = first_byte, length = whole.len(),
+            "blocks that failed their checksums were read from another copy and are rewritten here");
+        let skip = (read.offset - first_byte) as usize;
+        let data = whole.slice(skip..skip + read.length as usize);
+        self.answer(read.request, Ok(ShardReply::Data(data)));
     }
 
     /// Caches the whole blocks a read brought from the extent store, unless a write touched

@@ -307,6 +307,17 @@ impl<D: DiskFile> Egroup<D> {
         Ok(out)
     }
 
+    /// The extents of blocks `[first, end)` must be normalized again before their next
+    /// write (their data on disk changed behind the store: damage found by a read).
+    pub(crate) fn forget_normalization(&self, first: usize, end: usize) {
+        let mut extents = self.extents.borrow_mut();
+        for extent in first / BLOCKS_PER_EXTENT..end.div_ceil(BLOCKS_PER_EXTENT) {
+            if let Some(state) = extents.get_mut(extent) {
+                state.normalized = false;
+            }
+        }
+    }
+
     pub(crate) fn entry(&self, block: usize) -> Entry {
         match &self.extents.borrow()[block / BLOCKS_PER_EXTENT].table {
             Ok(table) => table[block % BLOCKS_PER_EXTENT],

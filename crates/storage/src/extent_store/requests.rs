@@ -72,7 +72,17 @@ impl<F: Filesystem> ExtentStore<F> {
                 // A write of the block may have been in flight: look again with writers held
                 // off before calling it corruption.
                 let _guard = slot.lock.lock().await;
-                open.read_blocks(first, target).await?;
+                if let Err(error) = open.read_blocks(first, target).await {
+                    if matches!(error, ExtentError::Corrupt { .. }) {
+                        // Real damage (no writer runs): what the egroup knows of its data on
+                        // disk is wrong there. Read the extents again before the next write,
+                        // which then treats the damaged blocks as matching neither slot (a
+                        // rewrite, e.g. a repair from another copy, must not be skipped as
+                        // "already holds this").
+                        open.forget_normalization(first, end);
+                    }
+                    return Err(error);
+                }
             }
             other => other?,
         }
