@@ -419,13 +419,12 @@ fn the_curator_restores_a_lost_copy_before_the_next_failure() {
             .contains(&serde_json::json!(id_c)),
         "the storage-only copy stays: {restored}"
     );
-    assert!(
-        b.log().contains("curator: copies restored")
-            || d.log().contains("curator: copies restored"),
-        "B:\n{}\nD:\n{}",
-        b.log(),
-        d.log()
-    );
+    // The placement changes before the resync ends and the claim is released: wait for
+    // the curator to say it is done.
+    let done = common::wait_until(Duration::from_secs(30), || {
+        b.log().contains("curator: copies restored") || d.log().contains("curator: copies restored")
+    });
+    assert!(done, "B:\n{}\nD:\n{}", b.log(), d.log());
     let start = Instant::now();
     while !b.show(VDISK)["ownership"]["owner"].is_null() {
         assert!(

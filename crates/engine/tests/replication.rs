@@ -8,8 +8,8 @@
 mod common;
 
 use ashlar_core::{BlockDevice, IoError, VdiskId};
-use ashlar_engine::replication::{ReplicaAck, ReplicaRecord, Replicator};
-use ashlar_engine::shard::ShardReply;
+use ashlar_engine::replication::{ReplicaAck, ReplicaFetch, ReplicaRecord, Replicator};
+use ashlar_engine::shard::{ShardOp, ShardReply};
 use ashlar_engine::Engine;
 use ashlar_meta::EmbeddedMetaStore;
 use bytes::Bytes;
@@ -44,6 +44,39 @@ type Pending = (ReplicaRecord, oneshot::Sender<Result<(), IoError>>);
 struct Loopback {
     records: mpsc::UnboundedSender<Pending>,
     fail: Arc<AtomicBool>,
+}
+
+/// A replicator whose `fetch` reads the copy's shards, as a node's copy read does.
+struct Fetching {
+    inner: Loopback,
+    copy: Arc<TestEngine>,
+}
+
+impl Replicator for Fetching {
+    fn replicate(&self, record: ReplicaRecord) -> ReplicaAck {
+        self.inner.replicate(record)
+    }
+
+    fn fetch(&self, vdisk: VdiskId, offset: u64, length: u64) -> ReplicaFetch {
+        let copy = self.copy.clone();
+        Box::pin(async move {
+            let target = copy.replica_target(vdisk).await.expect("copy");
+            let replies = target
+                .call_split(offset, length, |o, l| ShardOp::Read {
+                    offset: o,
+                    length: l,
+                })
+                .await?;
+            let mut joined = Vec::with_capacity(length as usize);
+            for reply in replies {
+                match reply {
+                    ShardReply::Data(data) => joined.extend_from_slice(&data),
+                    other => return Err(IoError::Io(format!("unexpected {other:?}"))),
+                }
+            }
+            Ok(Bytes::from(joined))
+        })
+    }
 }
 
 impl Replicator for Loopback {
@@ -224,4 +257,112 @@ async fn the_copy_ends_equal_to_the_owner_and_writes_wait_for_it() {
     for result in racing_writes(&owner, 9).await {
         result.expect("local write");
     }
+}
+
+async fn wait_drained(engine: &Arc<TestEngine>) {
+    let shared = engine.vdisk_shared("v").unwrap();
+    for _ in 0..600 {
+        if shared.oplog_live_bytes() == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the oplog never drained");
+}
+
+async fn write_all(engine: &Arc<TestEngine>, data: Vec<u8>) {
+    let engine2 = engine.clone();
+    engine.reactors().handles()[0]
+        .clone()
+        .run(move || async move {
+            let handle = engine2.open("v").expect("open");
+            for (i, chunk) in data.chunks(1 << 20).enumerate() {
+                let data = Bytes::copy_from_slice(chunk);
+                handle
+                    .write((i as u64) << 20, data, false)
+                    .await
+                    .expect("write");
+            }
+        })
+        .await
+        .expect("reactor");
+}
+
+/// Flips one byte of data block `block` of egroup 0 on the owner's disk.
+fn damage(dir: &Path, block: u64) {
+    use std::os::unix::fs::FileExt;
+    let path = egroup0_path(dir);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
+    let at = 4096 * (5 + block) + 333;
+    let mut byte = [0u8; 1];
+    file.read_exact_at(&mut byte, at).unwrap();
+    file.write_all_at(&[!byte[0]], at).unwrap();
+    file.sync_all().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_owner_block_is_served_and_repaired_from_the_copy() {
+    let dir = tempfile::tempdir().unwrap();
+    let owner_dir = dir.path().join("owner");
+    let owner = start(&owner_dir).await;
+    let copy = start(&dir.path().join("copy")).await;
+    let (records, incoming) = mpsc::unbounded_channel();
+    let applied = Arc::new(AtomicU64::new(0));
+    tokio::spawn(apply_in_order(
+        copy.clone(),
+        incoming,
+        Arc::new(Mutex::new(None)),
+        applied,
+    ));
+    let replicator = Fetching {
+        inner: Loopback {
+            records,
+            fail: Arc::new(AtomicBool::new(false)),
+        },
+        copy: copy.clone(),
+    };
+    owner
+        .set_replicator("v", Some(Box::new(replicator)))
+        .unwrap();
+    let image = pattern(31, SIZE);
+    write_all(&owner, image.clone()).await;
+    wait_drained(&owner).await;
+    // Blocks 2, 300 and 700 of egroup 0 (extents 0, 1 and 2) rot on the owner's disk.
+    for block in [2, 300, 700] {
+        damage(&owner_dir, block);
+    }
+    assert!(
+        read_all(&owner).await == image,
+        "damaged blocks served wrong"
+    );
+    // The rewrite drains into the owner's extent store: the damage is gone from its disk.
+    let repaired = |on_disk: &[u8]| {
+        [2usize, 300, 700]
+            .iter()
+            .all(|block| on_disk[block * 4096..][..4096] == image[block * 4096..][..4096])
+    };
+    let mut tries = 0;
+    while !repaired(&egroup0_blocks(&owner_dir)) {
+        tries += 1;
+        assert!(tries < 200, "the damage stays on the owner's disk");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    wait_drained(&owner).await;
+    assert!(read_all(&copy).await == image);
+}
+
+fn egroup0_path(dir: &Path) -> std::path::PathBuf {
+    dir.join("disk0/extents")
+        .join(VdiskId(1).to_string())
+        .join(format!("{:016x}.egroup", 0))
+}
+
+/// The data blocks of egroup 0 (4 MiB) as the owner's disk holds them.
+fn egroup0_blocks(dir: &Path) -> Vec<u8> {
+    let bytes = std::fs::read(egroup0_path(dir)).unwrap();
+    bytes[5 * 4096..5 * 4096 + (4 << 20)].to_vec()
 }

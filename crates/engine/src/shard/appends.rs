@@ -267,4 +267,12 @@ impl LogWrites {
     pub fn len(&self) -> usize {
         self.waiting.len() + self.committing.len()
     }
+
+    /// Whether a write in flight (waiting or committing) covers any byte of `[start, end)`.
+    pub fn overlaps(&self, start: u64, end: u64) -> bool {
+        self.waiting
+            .iter()
+            .chain(&self.committing)
+            .any(|write| write.range.0 < end && start < write.range.1)
+    }
 }

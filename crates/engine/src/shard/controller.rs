@@ -20,7 +20,7 @@ use super::{
 use crate::cache::BlockCache;
 use crate::replication::{ReplicaOp, ReplicaRecord, Replicator};
 use ashlar_core::{BlockStatusRun, IoError, BLOCK_SIZE_BYTES};
-use ashlar_storage::oplog::{Append, OplogEvent, Seq};
+use ashlar_storage::oplog::{Append, OplogEvent, PieceSource, Seq};
 use bytes::Bytes;
 use futures_util::future::LocalBoxFuture;
 use futures_util::stream::{FuturesUnordered, StreamExt};
@@ -722,21 +722,40 @@ impl Controller {
             }
             return;
         }
-        // Written back as whole blocks, through the oplog and to every copy like any write
-        // (the others already hold these bytes): the drain then overwrites the damage.
-        let (reply, _) = oneshot::channel();
-        let repair = ShardRequest {
-            op: ShardOp::Write {
-                offset: first_byte,
-                data: whole.clone(),
-            },
-            reply,
-            route: None,
-        };
-        self.requests_in_flight += 1;
-        self.start_write(repair, first_byte, whole.clone());
-        tracing::warn!(vdisk = %self.spec.vdisk, offset = first_byte, length = whole.len(),
-            "blocks that failed their checksums were read from another copy and are rewritten here");
+        // No write was accepted on the range since the read began, so the other copy's
+        // blocks (every acknowledged write) are what this read may return. Writing them back
+        // needs more: no write in flight on the range (the copy may lack it) and nothing of
+        // the range in the oplog (a record that became durable since the read began is newer
+        // than what the copy answered, and must not be overwritten). Otherwise a later read
+        // repairs the blocks.
+        let end = first_byte + whole.len() as u64;
+        let rewrite = !self.log_writes.overlaps(first_byte, end)
+            && self
+                .storage
+                .oplog
+                .lookup(first_byte, whole.len() as u64)
+                .iter()
+                .all(|piece| matches!(piece.source, PieceSource::Absent));
+        if rewrite {
+            // Written back as whole blocks, through the oplog and to every copy like any
+            // write (the others already hold these bytes): the drain overwrites the damage.
+            let (reply, _) = oneshot::channel();
+            let repair = ShardRequest {
+                op: ShardOp::Write {
+                    offset: first_byte,
+                    data: whole.clone(),
+                },
+                reply,
+                route: None,
+            };
+            self.requests_in_flight += 1;
+            self.start_write(repair, first_byte, whole.clone());
+            tracing::warn!(vdisk = %self.spec.vdisk, offset = first_byte, length = whole.len(),
+                "blocks that failed their checksums were read from another copy and are rewritten here");
+        } else {
+            tracing::info!(vdisk = %self.spec.vdisk, offset = first_byte, length = whole.len(),
+                "blocks that failed their checksums were served from another copy; a write in flight or in the oplog covers them: a later read rewrites them");
+        }
         let skip = (read.offset - first_byte) as usize;
         let data = whole.slice(skip..skip + read.length as usize);
         self.answer(read.request, Ok(ShardReply::Data(data)));
