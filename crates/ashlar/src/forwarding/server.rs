@@ -2,6 +2,7 @@
 //! (same serving gate, same shards), and gives the vdisk up to a forwarder that carries its
 //! clients when none of its own is connected.
 
+use super::device::FORWARD_PIECE_BYTES;
 use super::wire::{
     self, error_code, ForwardMessage, ForwardOp, BUSY_CODE, IO_CODE, MALFORMED_CODE,
     NOT_SERVING_CODE, SHUTTING_DOWN_CODE,
@@ -67,6 +68,7 @@ impl ForwardServer {
         offset: u64,
         length: u32,
     ) -> Result<Bytes, RemoteError> {
+        check_piece(length)?;
         let failed = |e: String| remote(IO_CODE, format!("vdisk {vdisk}: {e}"));
         let shared = self
             .engine
@@ -97,6 +99,9 @@ impl ForwardServer {
     }
 
     async fn run(&self, vdisk: VdiskId, offset: u64, op: ForwardOp) -> Result<Bytes, RemoteError> {
+        if let ForwardOp::Read { length } = op {
+            check_piece(length)?;
+        }
         let shared = self.shared(vdisk)?;
         let reactor = shared.reactor_for(offset).unwrap_or(ReactorId(0));
         let (reply, answer) = tokio::sync::oneshot::channel();
@@ -174,6 +179,21 @@ impl ForwardServer {
         let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
         running.get(&vdisk).copied().unwrap_or(0)
     }
+}
+
+/// A read answered over the node-to-node protocol is at most one forwarding piece: the
+/// answer's buffer is bounded whatever a peer asks (forwarders and read repair never ask for
+/// more; the transport's frames are 16 MiB).
+fn check_piece(length: u32) -> Result<(), RemoteError> {
+    if length > FORWARD_PIECE_BYTES {
+        return Err(remote(
+            wire::INVALID_CODE,
+            format!(
+                "a forwarded read of {length} bytes exceeds the {FORWARD_PIECE_BYTES}-byte piece"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Counts one forwarded request of a vdisk while it runs.
