@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 const VDISK: &str = "replicated";
 const PATTERN_BYTES: usize = 4 << 20;
+const FILLED_BYTES: usize = 32 << 20;
 
 fn pattern(dir: &Path, seed: u8) -> (PathBuf, Vec<u8>) {
     let path = dir.join(format!("pattern-{seed}"));
@@ -115,6 +116,11 @@ fn rf2_writes_reach_the_copy_node_which_is_resynced_or_replaced_when_it_fails() 
     assert!(out.stdout.contains("rf 2"), "{}", out.stdout);
     let dir = tempfile::tempdir().unwrap();
     let (first, first_data) = pattern(dir.path(), 1);
+    // The first write fills 32 MiB (the pattern, then other non-zero data), so a resync that
+    // sent everything would be told apart from one that sends what differs.
+    let mut filled = first_data.clone();
+    filled.extend((0..FILLED_BYTES - PATTERN_BYTES).map(|i| (i % 253) as u8 | 1));
+    std::fs::write(&first, &filled).unwrap();
 
     let (ok, text) = nbdcopy(first.to_str().unwrap(), &a.uri(VDISK));
     assert!(
@@ -172,12 +178,23 @@ fn rf2_writes_reach_the_copy_node_which_is_resynced_or_replaced_when_it_fails() 
         serde_json::json!([node_id(&a), node_id(&c)]),
         "{ownership}"
     );
+    // C held everything but what A wrote while C was away (the second pattern, 4 chunks):
+    // the claims since sent C at most those chunks, never the 32 MiB it held.
+    let resyncs = resync_counts(&a.log());
+    assert!(resyncs.len() >= 2, "{resyncs:?}\n{}", a.log());
+    for (sent, same) in &resyncs[1..] {
+        assert!(
+            *sent <= (PATTERN_BYTES >> 20) as u64 && sent + same == 64,
+            "a resync of C after its restart sent {sent} chunks of 64 ({resyncs:?})"
+        );
+    }
     assert_copy_holds(
         &mut c,
         &vdisk_dir,
         &second_data,
         "C's extent store does not hold the second pattern",
     );
+    let resyncs_before_b = resync_counts(&a.log()).len();
 
     // C down for good: A replaces it by B (the only other node up), copies everything to B,
     // and writes go on at RF 2; the owner stayed up throughout.
@@ -190,6 +207,14 @@ fn rf2_writes_reach_the_copy_node_which_is_resynced_or_replaced_when_it_fails() 
         "{ownership}"
     );
     assert!(replica_records(&b) > 0, "B applied no record");
+    // B held nothing: it got every chunk of data (32), and none of zeros.
+    let resyncs = resync_counts(&a.log());
+    assert!(
+        resyncs[resyncs_before_b..]
+            .iter()
+            .any(|(sent, _)| *sent == (FILLED_BYTES >> 20) as u64),
+        "no resync sent B the 32 data chunks: {resyncs:?}"
+    );
     let (ok, text) = nbdcopy(&a.uri(VDISK), back.to_str().unwrap());
     assert!(ok, "read through A: {text}");
     assert!(std::fs::read(&back).unwrap()[..PATTERN_BYTES] == third_data[..]);
@@ -199,6 +224,24 @@ fn rf2_writes_reach_the_copy_node_which_is_resynced_or_replaced_when_it_fails() 
         &third_data,
         "B's extent store does not hold the third pattern",
     );
+}
+
+/// (chunks sent, chunks the copies already held) of each claim's resync in an owner's log.
+fn resync_counts(log: &str) -> Vec<(u64, u64)> {
+    let field = |line: &str, name: &str| -> u64 {
+        let at = line
+            .find(&format!("{name}="))
+            .unwrap_or_else(|| panic!("{line}"));
+        let digits: String = line[at + name.len() + 1..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect();
+        digits.parse().unwrap()
+    };
+    log.lines()
+        .filter(|line| line.contains("copies resynchronized"))
+        .map(|line| (field(line, "chunks_sent"), field(line, "chunks_same")))
+        .collect()
 }
 
 /// Writes `file` through `node` until a write is acknowledged (a failed copy makes writes

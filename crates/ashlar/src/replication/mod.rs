@@ -12,6 +12,7 @@
 //! this node's copy (`resync`) and installs the replicator; a copy node that cannot be
 //! reached refuses the claim, since no write could be acknowledged.
 
+mod digest;
 mod fence;
 mod peers;
 mod push;
@@ -223,9 +224,11 @@ impl NodeReplication {
         let resynced = resync::resync(shared, vdisk, epoch, &resync_targets, &done).await;
         stop.notify_one();
         let _ = publisher.await;
-        let data_bytes =
+        let summary =
             resynced.map_err(|e| format!("vdisk {name}: resynchronizing its copies: {e}"))?;
-        tracing::info!(vdisk = name, epoch, copies = ?names(&copies), data_bytes,
+        tracing::info!(vdisk = name, epoch, copies = ?names(&copies),
+            chunks_sent = summary.chunks_sent, chunks_same = summary.chunks_same,
+            data_bytes = summary.data_bytes,
             elapsed_ms = started.elapsed().as_millis() as u64,
             "copies resynchronized from this node's; replicating the vdisk's writes to every copy");
         assert_eq!(
@@ -283,7 +286,7 @@ impl NodeReplication {
         Ok((placement.copies, renewed))
     }
 
-    /// Has `source` (which holds a copy and was fenced at `epoch`) send its whole copy here.
+    /// Has `source` (which holds a copy and was fenced at `epoch`) resync this node from its copy.
     async fn pull(
         &self,
         name: &str,

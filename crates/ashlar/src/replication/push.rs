@@ -1,7 +1,8 @@
 //! Serving node-to-node requests: records and fences go to the receiver loop; a push (a
 //! claimant that holds no copy asks this node, which holds one, for all of it) runs as a
 //! resync from this node's copy to the claimant, outside the loop since it takes as long as
-//! reading the vdisk.
+//! reading the vdisk; so does a digest request (what this copy holds, for a claimant's
+//! resync).
 
 use super::peers::Peers;
 use super::receiver::{remote, ReplicaReceiver};
@@ -55,8 +56,21 @@ impl Services {
                 let sent = resync(shared, vdisk, epoch, &[peer], &done)
                     .await
                     .map_err(failed)?;
-                tracing::info!(%vdisk, epoch, %target, data_bytes = sent,
+                tracing::info!(%vdisk, epoch, %target, chunks_sent = sent.chunks_sent,
+                    chunks_same = sent.chunks_same, data_bytes = sent.data_bytes,
                     "sent this node's copy to the node taking the vdisk over");
+            }
+            Message::Digest {
+                vdisk,
+                epoch,
+                offset,
+                length,
+            } => {
+                // Only the claimant that fenced this copy (or a newer one) may ask.
+                self.receiver
+                    .handle(Message::Fence { vdisk, epoch })
+                    .await?;
+                return super::digest::serve(&self.engine, vdisk, offset, length).await;
             }
             other => self.receiver.handle(other).await?,
         }

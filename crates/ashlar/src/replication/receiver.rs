@@ -112,8 +112,8 @@ impl ReceiverLoop {
                     let _ = answer.send(fenced);
                 }
                 Message::Record { epoch, record } => self.record(epoch, record, answer).await,
-                Message::Push { .. } => {
-                    let _ = answer.send(Err(remote(MALFORMED_CODE, "a push is not a record")));
+                Message::Push { .. } | Message::Digest { .. } => {
+                    let _ = answer.send(Err(remote(MALFORMED_CODE, "not a record or a fence")));
                 }
             }
         }

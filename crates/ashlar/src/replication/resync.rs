@@ -2,18 +2,20 @@
 //!
 //! Every claim of a replicated vdisk (a first claim, a claim again after a restart or a lapsed
 //! lease, a takeover from a dead owner) may find copies that differ: records the last owner
-//! had sent when it stopped reached some copies and not others, and a copy put in place of a
-//! dead node holds nothing. The claimant holds every acknowledged write, so, with its gate
-//! still shut (no client write can race), it sends its whole content to every other copy as
-//! one stream of records: 1 MiB at a time, a range of zeros as a zero record (cheap for the
-//! thin parts), several in flight. Copies apply the stream in order like any other.
-//!
-//! This costs a read of the vdisk per claim; sending only the ranges the last owner's
-//! unfinished records touched is the next refinement.
+//! had sent when it stopped reached some copies and not others, a copy that restarted missed
+//! what was written meanwhile, and a copy put in place of a dead node holds nothing. The
+//! claimant holds every acknowledged write, so, with its gate still shut (no client write can
+//! race), it compares its content with every other copy's, 1 MiB chunk by chunk (a digest
+//! request per window of chunks: zeros, the chunk's SHA-256, or unreadable), and sends each
+//! copy the chunks where it differs as one stream of records (a chunk of zeros as a zero
+//! record). Copies apply the stream in order like any other. A copy that was away briefly
+//! gets what it missed, not the whole vdisk; both sides still read their whole copy (holes
+//! cost no disk read).
 
+use super::digest::digest_of;
 use super::peers::Peer;
 use super::sender::replica_error;
-use super::wire::{self, Message};
+use super::wire::{self, ChunkDigest, Message};
 use super::REPLICA_TIMEOUT;
 use ashlar_cluster::ResyncRecord;
 use ashlar_core::VdiskId;
@@ -25,72 +27,193 @@ use bytes::{Bytes, BytesMut};
 use futures_util::stream::{self, StreamExt, TryStreamExt};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// The stream id of a resync (shard controllers' streams are their shard-map epochs, which
 /// never get near it).
 pub const RESYNC_STREAM: u64 = u64::MAX;
-/// Bytes per resync record.
+/// Bytes per resync record, and per chunk digest.
 pub const RESYNC_CHUNK_BYTES: u64 = 1 << 20;
-/// Resync records read and in flight at once.
-pub const RESYNC_CHUNKS_IN_FLIGHT: usize = 8;
+/// Chunks compared per digest request (and read at once on each side).
+pub const RESYNC_WINDOW_CHUNKS: u64 = 8;
+/// Windows compared and sent at once: the claimant holds at most this many windows of its
+/// own data (2 × 8 MiB).
+pub const RESYNC_WINDOWS_IN_FLIGHT: usize = 2;
+/// How long a copy may take to read and digest one window.
+pub const DIGEST_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Sends the vdisk's whole content to `peers` at ownership `epoch`; returns the bytes of
-/// data (not zeros) sent to each. `done` counts the bytes of the vdisk gone through.
+/// What a resync did, summed over the copies it brought up to date.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ResyncSummary {
+    /// Chunks sent (they differed).
+    pub chunks_sent: u64,
+    /// Chunks the copy already held.
+    pub chunks_same: u64,
+    /// Bytes of data (not zeros) sent.
+    pub data_bytes: u64,
+}
+
+impl ResyncSummary {
+    fn add(self, other: ResyncSummary) -> ResyncSummary {
+        ResyncSummary {
+            chunks_sent: self.chunks_sent + other.chunks_sent,
+            chunks_same: self.chunks_same + other.chunks_same,
+            data_bytes: self.data_bytes + other.data_bytes,
+        }
+    }
+}
+
+/// One copy being brought up to date: its connection and the next seq of its resync stream
+/// (each copy gets only its own differing chunks, numbered without gaps).
+struct Target {
+    peer: Arc<Peer>,
+    last_seq: AtomicU64,
+}
+
+/// Makes every copy in `peers` hold this node's content of the vdisk at ownership `epoch`.
+/// `done` counts the bytes of the vdisk gone through.
 pub async fn resync(
     shared: Arc<VdiskShared>,
     vdisk: VdiskId,
     epoch: u64,
     peers: &[Arc<Peer>],
     done: &AtomicU64,
-) -> Result<u64, String> {
+) -> Result<ResyncSummary, String> {
     if peers.is_empty() {
-        return Ok(0);
+        return Ok(ResyncSummary::default());
     }
+    let targets: Vec<Target> = peers
+        .iter()
+        .map(|peer| Target {
+            peer: peer.clone(),
+            last_seq: AtomicU64::new(0),
+        })
+        .collect();
     let size = shared.size_bytes.load(Ordering::Relaxed);
-    let chunks = size.div_ceil(RESYNC_CHUNK_BYTES);
-    let sent = stream::iter(0..chunks)
+    let window_bytes = RESYNC_WINDOW_CHUNKS * RESYNC_CHUNK_BYTES;
+    let windows = size.div_ceil(window_bytes);
+    stream::iter(0..windows)
         .map(|index| {
-            let shared = shared.clone();
+            let offset = index * window_bytes;
+            let length = window_bytes.min(size - offset);
+            let window = Window {
+                shared: &shared,
+                vdisk,
+                epoch,
+                offset,
+                length,
+            };
+            let targets = &targets;
             async move {
-                let offset = index * RESYNC_CHUNK_BYTES;
-                let length = RESYNC_CHUNK_BYTES.min(size - offset);
-                let op = read_chunk(&shared, offset, length).await?;
-                let data_bytes = match &op {
-                    ReplicaOp::Write { data, .. } => data.len() as u64,
-                    ReplicaOp::Zero { .. } => 0,
-                };
-                let record = ReplicaRecord {
-                    vdisk,
-                    shard: 0,
-                    stream: RESYNC_STREAM,
-                    seq: index + 1,
-                    prev_seq: index,
-                    op,
-                };
-                let payload = wire::encode(&Message::Record { epoch, record });
-                let calls = peers.iter().map(|peer| {
-                    let payload = payload.clone();
-                    async move {
-                        peer.call(payload, REPLICA_TIMEOUT)
-                            .await
-                            .map_err(|e| replica_error(peer.node(), vdisk, e).to_string())
-                    }
-                });
-                for result in futures_util::future::join_all(calls).await {
-                    result?;
-                }
+                let summary = window.sync(targets).await?;
                 done.fetch_add(length, Ordering::Relaxed);
-                Ok::<u64, String>(data_bytes)
+                Ok::<_, String>(summary)
             }
         })
-        .buffer_unordered(RESYNC_CHUNKS_IN_FLIGHT)
-        .try_fold(0u64, |total, bytes| async move { Ok(total + bytes) })
-        .await?;
-    Ok(sent)
+        .buffered(RESYNC_WINDOWS_IN_FLIGHT)
+        .try_fold(ResyncSummary::default(), |total, summary| async move {
+            Ok(total.add(summary))
+        })
+        .await
+}
+
+/// A run of chunks compared with one digest request per copy.
+struct Window<'a> {
+    shared: &'a Arc<VdiskShared>,
+    vdisk: VdiskId,
+    epoch: u64,
+    offset: u64,
+    length: u64,
+}
+
+impl Window<'_> {
+    async fn sync(&self, targets: &[Target]) -> Result<ResyncSummary, String> {
+        let chunk_count = self.length.div_ceil(RESYNC_CHUNK_BYTES);
+        let reads = (0..chunk_count).map(|index| {
+            let offset = self.offset + index * RESYNC_CHUNK_BYTES;
+            let length = RESYNC_CHUNK_BYTES.min(self.offset + self.length - offset);
+            read_chunk(self.shared, offset, length)
+        });
+        let asks = targets
+            .iter()
+            .map(|target| self.their_digests(&target.peer));
+        let (own, theirs) = futures_util::future::join(
+            futures_util::future::try_join_all(reads),
+            futures_util::future::try_join_all(asks),
+        )
+        .await;
+        let (own, theirs) = (own?, theirs?);
+        let own_digests: Vec<ChunkDigest> = own.iter().map(digest_of).collect();
+        let mut summary = ResyncSummary::default();
+        let mut sends = Vec::new();
+        for (target, digests) in targets.iter().zip(&theirs) {
+            for ((op, mine), held) in own.iter().zip(&own_digests).zip(digests) {
+                if mine == held {
+                    summary.chunks_same += 1;
+                    continue;
+                }
+                summary.chunks_sent += 1;
+                if let ReplicaOp::Write { data, .. } = op {
+                    summary.data_bytes += data.len() as u64;
+                }
+                sends.push(self.send(target, op.clone()));
+            }
+        }
+        futures_util::future::try_join_all(sends).await?;
+        Ok(summary)
+    }
+
+    async fn their_digests(&self, peer: &Peer) -> Result<Vec<ChunkDigest>, String> {
+        let request = wire::encode(&Message::Digest {
+            vdisk: self.vdisk,
+            epoch: self.epoch,
+            offset: self.offset,
+            length: self.length,
+        });
+        let answer = peer
+            .call(request, DIGEST_TIMEOUT)
+            .await
+            .map_err(|e| replica_error(peer.node(), self.vdisk, e).to_string())?;
+        wire::decode_digests(&answer, self.length.div_ceil(RESYNC_CHUNK_BYTES) as usize).map_err(
+            |e| {
+                format!(
+                    "node {} answered a digest request for vdisk {}: {e}",
+                    peer.node(),
+                    self.vdisk
+                )
+            },
+        )
+    }
+
+    async fn send(&self, target: &Target, op: ReplicaOp) -> Result<(), String> {
+        let seq = target.last_seq.fetch_add(1, Ordering::Relaxed) + 1;
+        let record = ReplicaRecord {
+            vdisk: self.vdisk,
+            shard: 0,
+            stream: RESYNC_STREAM,
+            seq,
+            prev_seq: seq - 1,
+            op,
+        };
+        let payload = wire::encode(&Message::Record {
+            epoch: self.epoch,
+            record,
+        });
+        target
+            .peer
+            .call(payload, REPLICA_TIMEOUT)
+            .await
+            .map(|_| ())
+            .map_err(|e| replica_error(target.peer.node(), self.vdisk, e).to_string())
+    }
 }
 
 /// The chunk as a record: its data, or a zero record when it reads as zeros.
-async fn read_chunk(shared: &VdiskShared, offset: u64, length: u64) -> Result<ReplicaOp, String> {
+pub async fn read_chunk(
+    shared: &VdiskShared,
+    offset: u64,
+    length: u64,
+) -> Result<ReplicaOp, String> {
     let replies = shared
         .call_split(offset, length, |o, l| ShardOp::Read {
             offset: o,

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! offset size field
-//!      0    1 kind: 1 record, 2 fence, 3 push
+//!      0    1 kind: 1 record, 2 fence, 3 push, 4 digest
 //!      1    1 version: 1
 //!      2    2 reserved, zero
 //!      4    4 shard index            (record; zero in a fence)
@@ -24,7 +24,12 @@
 //! target node's id at 24 (16 bytes, u128) and the length of its node-to-node address at 40
 //! (u16); the address (UTF-8, `host:port`) follows the header. Everything else is zero.
 //!
-//! A successful answer is an empty payload; a refusal is the transport's remote error with
+//! A digest request (a claimant asks a copy what its content is, to send only what differs)
+//! has the first byte's vdisk offset at 48 and the length at 56; everything else is zero. Its
+//! answer is one [`ChunkDigest`] per 1 MiB chunk of the range (33 bytes each: a state, 0
+//! zeros, 1 data, 2 unreadable, then the SHA-256 of the chunk's bytes for data, else zeros).
+//!
+//! Any other successful answer is an empty payload; a refusal is the transport's remote error with
 //! one of the `*_CODE` codes below and a message for the log.
 
 use ashlar_cluster::NodeId;
@@ -38,6 +43,7 @@ pub const HEADER_BYTES: usize = 72;
 const KIND_RECORD: u8 = 1;
 const KIND_FENCE: u8 = 2;
 const KIND_PUSH: u8 = 3;
+const KIND_DIGEST: u8 = 4;
 const OP_WRITE: u8 = 1;
 const OP_ZERO: u8 = 2;
 
@@ -58,13 +64,80 @@ pub enum Message {
     Record { epoch: u64, record: ReplicaRecord },
     /// From now on refuse records of epochs below `epoch` (a new owner, before it serves).
     Fence { vdisk: VdiskId, epoch: u64 },
-    /// Send the whole copy, as a resync stream at `epoch`, to node `target` at `address`.
+    /// Resync node `target` at `address` from this copy, at `epoch` (what differs is sent).
     Push {
         vdisk: VdiskId,
         epoch: u64,
         target: NodeId,
         address: String,
     },
+    /// Answer the digest of each 1 MiB chunk of `[offset, offset + length)` of this copy.
+    Digest {
+        vdisk: VdiskId,
+        epoch: u64,
+        offset: u64,
+        length: u64,
+    },
+}
+
+/// What one 1 MiB chunk of a copy holds, as far as a resync needs to know.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChunkDigest {
+    /// Every byte is zero.
+    Zeros,
+    /// The SHA-256 of the chunk's bytes.
+    Data([u8; 32]),
+    /// The copy could not read the chunk (damage): it differs from any good copy.
+    Unreadable,
+}
+
+/// Bytes per chunk digest in a digest answer.
+pub const DIGEST_BYTES: usize = 33;
+
+pub fn encode_digests(digests: &[ChunkDigest]) -> Bytes {
+    let mut out = BytesMut::with_capacity(digests.len() * DIGEST_BYTES);
+    for digest in digests {
+        match digest {
+            ChunkDigest::Zeros => {
+                out.put_u8(0);
+                out.put_bytes(0, 32);
+            }
+            ChunkDigest::Data(hash) => {
+                out.put_u8(1);
+                out.put_slice(hash);
+            }
+            ChunkDigest::Unreadable => {
+                out.put_u8(2);
+                out.put_bytes(0, 32);
+            }
+        }
+    }
+    out.freeze()
+}
+
+/// Decodes a digest answer that must hold `count` digests.
+pub fn decode_digests(payload: &[u8], count: usize) -> Result<Vec<ChunkDigest>, WireError> {
+    if payload.len() != count * DIGEST_BYTES {
+        return Err(WireError::Digests {
+            expected: count,
+            bytes: payload.len(),
+        });
+    }
+    payload
+        .chunks_exact(DIGEST_BYTES)
+        .map(|entry| {
+            let hash: [u8; 32] = entry[1..].try_into().expect("32 bytes");
+            match entry[0] {
+                0 if hash == [0; 32] => Ok(ChunkDigest::Zeros),
+                1 => Ok(ChunkDigest::Data(hash)),
+                2 if hash == [0; 32] => Ok(ChunkDigest::Unreadable),
+                _ => Err(WireError::Digests {
+                    expected: count,
+                    bytes: payload.len(),
+                }),
+            }
+        })
+        .collect()
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -87,6 +160,8 @@ pub enum WireError {
     Order { seq: u64, prev: u64 },
     #[error("push to an invalid node id or address")]
     Target,
+    #[error("digest answer of {bytes} bytes is not {expected} valid chunk digests")]
+    Digests { expected: usize, bytes: usize },
 }
 
 pub fn encode(message: &Message) -> Bytes {
@@ -95,6 +170,7 @@ pub fn encode(message: &Message) -> Bytes {
         Message::Record { epoch, record } => (KIND_RECORD, record.shard, record.vdisk, *epoch),
         Message::Fence { vdisk, epoch } => (KIND_FENCE, 0, *vdisk, *epoch),
         Message::Push { vdisk, epoch, .. } => (KIND_PUSH, 0, *vdisk, *epoch),
+        Message::Digest { vdisk, epoch, .. } => (KIND_DIGEST, 0, *vdisk, *epoch),
     };
     out.put_u8(kind);
     out.put_u8(WIRE_VERSION);
@@ -129,6 +205,12 @@ pub fn encode(message: &Message) -> Bytes {
             out.put_u16_le(address.len() as u16);
             out.put_bytes(0, HEADER_BYTES - 42);
             out.put_slice(address.as_bytes());
+        }
+        Message::Digest { offset, length, .. } => {
+            out.put_bytes(0, 24);
+            out.put_u64_le(*offset);
+            out.put_u64_le(*length);
+            out.put_bytes(0, HEADER_BYTES - 64);
         }
     }
     debug_assert!(out.len() >= HEADER_BYTES);
@@ -180,6 +262,18 @@ pub fn decode(payload: &Bytes) -> Result<Message, WireError> {
         }
         KIND_RECORD => decode_record(payload, vdisk, epoch),
         KIND_PUSH => decode_push(bytes, vdisk, epoch),
+        KIND_DIGEST => {
+            let unused_zero = bytes[24..48].iter().chain(&bytes[64..]).all(|&b| b == 0);
+            if !unused_zero || u32_at(bytes, 4) != 0 {
+                return Err(WireError::Reserved);
+            }
+            Ok(Message::Digest {
+                vdisk,
+                epoch,
+                offset: u64_at(bytes, 48),
+                length: u64_at(bytes, 56),
+            })
+        }
         other => Err(WireError::Kind(other)),
     }
 }
@@ -291,11 +385,39 @@ mod tests {
             target: NodeId::new(0xabc).unwrap(),
             address: "10.0.0.3:10811".into(),
         };
-        for message in [write_record(), zero, fence, push] {
+        let digest = Message::Digest {
+            vdisk: VdiskId(5),
+            epoch: 4,
+            offset: 8 << 20,
+            length: 3 << 20,
+        };
+        for message in [write_record(), zero, fence, push, digest] {
             let bytes = encode(&message);
             assert_eq!(decode(&bytes), Ok(message));
         }
         assert_eq!(encode(&write_record()).len(), HEADER_BYTES + 4096);
+    }
+
+    #[test]
+    fn digest_answers_decode_to_themselves_and_damage_is_refused() {
+        let digests = [
+            ChunkDigest::Zeros,
+            ChunkDigest::Data([7; 32]),
+            ChunkDigest::Unreadable,
+        ];
+        let bytes = encode_digests(&digests);
+        assert_eq!(bytes.len(), 3 * DIGEST_BYTES);
+        assert_eq!(decode_digests(&bytes, 3), Ok(digests.to_vec()));
+        assert!(decode_digests(&bytes, 2).is_err(), "count mismatch");
+        let mut bad = bytes.to_vec();
+        bad[0] = 9;
+        assert!(decode_digests(&bad, 3).is_err(), "unknown state");
+        let mut bad = bytes.to_vec();
+        bad[2 * DIGEST_BYTES + 5] = 1;
+        assert!(
+            decode_digests(&bad, 3).is_err(),
+            "a hash on an unreadable chunk"
+        );
     }
 
     #[test]
