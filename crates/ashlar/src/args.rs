@@ -256,6 +256,11 @@ pub struct NodeArgs {
     /// if no client writes to it. Writes to a vdisk whose copy failed restore it at once.
     #[arg(long, default_value_t = 60, value_name = "SECONDS", requires = "etcd")]
     pub rereplicate_after_s: u64,
+    /// Seconds a node keeps data of a replicated vdisk whose copy set no longer names it
+    /// (its copy was replaced while it was down, drained off, or handed on) once every copy
+    /// of the set is up and holds all the data; then the data is removed. 0 = at once.
+    #[arg(long, default_value_t = 60, value_name = "SECONDS", requires = "etcd")]
+    pub trim_copies_after_s: u64,
 
     /// Mark the node storage-only: it holds replicas of other nodes' vdisks (chosen before
     /// other nodes when copies are placed) and never owns vdisks or serves clients.

@@ -20,6 +20,7 @@ mod node;
 mod ownership;
 mod registry;
 mod replication;
+mod trim;
 mod volume_groups;
 
 use clap::Parser;

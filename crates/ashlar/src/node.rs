@@ -290,6 +290,13 @@ async fn serve(args: NodeArgs, api_token_file: Option<PathBuf>) -> Result<()> {
             (args.migrate_after_s > 0).then(|| Duration::from_secs(args.migrate_after_s)),
         );
         replication.set_ownership(ownership.clone());
+        tokio::spawn(crate::trim::run(
+            engine.clone(),
+            meta.clone(),
+            ownership.clone(),
+            node_id,
+            Duration::from_secs(args.trim_copies_after_s),
+        ));
         if !args.storage_only {
             tokio::spawn(crate::curator::run(
                 engine.clone(),

@@ -363,6 +363,20 @@ impl NodeOwnership {
         Ok(())
     }
 
+    /// Drops this node's data of `vdisk`, which the copy set left behind as of owner `epoch`
+    /// (`crate::trim`), unless this node holds or is making a claim of it (claims and
+    /// trims take turns). False when nothing was removed.
+    pub async fn trim_copy(&self, vdisk: VdiskId, epoch: u64) -> Result<bool, String> {
+        let Some(cluster) = &self.cluster else {
+            return Ok(false);
+        };
+        let _one_at_a_time = cluster.claiming.lock().await;
+        if lock(&cluster.held).contains_key(&vdisk) {
+            return Ok(false);
+        }
+        cluster.replication.trim_copy(vdisk, epoch).await
+    }
+
     /// Makes sure this node may serve every vdisk of a volume group (an iSCSI target's
     /// LUNs, `names` in LUN order), claiming those it must, or says which node serves the
     /// group instead. Called from any runtime.

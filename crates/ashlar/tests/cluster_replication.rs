@@ -108,7 +108,7 @@ fn rf2_writes_reach_the_copy_node_which_is_resynced_or_replaced_when_it_fails() 
     let etcd = EtcdServer::start();
     let a = cluster_node(&etcd.url, &[]);
     let mut b = cluster_node(&etcd.url, &[]);
-    let mut c = cluster_node(&etcd.url, &["--storage-only"]);
+    let mut c = cluster_node(&etcd.url, &["--storage-only", "--trim-copies-after-s", "0"]);
     // Created after B and C started: C learns of it from the catalog when its first
     // replicated record arrives.
     let out = a.cli(&["vdisk", "create", VDISK, "--size", "64M", "--rf", "2"]);
@@ -217,6 +217,25 @@ fn rf2_writes_reach_the_copy_node_which_is_resynced_or_replaced_when_it_fails() 
     );
     let (ok, text) = nbdcopy(&a.uri(VDISK), back.to_str().unwrap());
     assert!(ok, "read through A: {text}");
+    assert!(std::fs::read(&back).unwrap()[..PATTERN_BYTES] == third_data[..]);
+
+    // C back (with --trim-copies-after-s 0): its old copy is no longer needed (A and B hold
+    // everything and are up), so C removes it; the vdisk still reads the same through A.
+    let c_egroup = c.egroup_path(&vdisk_dir, 0);
+    assert!(c_egroup.exists(), "C's old copy is on disk");
+    c.restart();
+    let start = Instant::now();
+    // The data goes first, then the node logs it.
+    while c_egroup.exists() || !c.log().contains("trimmed this node's copy") {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "C kept its dropped copy: {}",
+            c.log()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let (ok, text) = nbdcopy(&a.uri(VDISK), back.to_str().unwrap());
+    assert!(ok, "read through A after C trimmed: {text}");
     assert!(std::fs::read(&back).unwrap()[..PATTERN_BYTES] == third_data[..]);
     assert_copy_holds(
         &mut b,

@@ -30,8 +30,9 @@ pub use ownership::{
     OwnershipWatch,
 };
 pub use placement::{
-    choose_copies, read_placement, read_placement_revision, record_placement, remove_placement,
-    renew_copies, replace_placement, PlacementError, PlacementRecord,
+    choose_copies, mark_placement_synced, read_placement, read_placement_revision,
+    record_placement, remove_placement, renew_copies, replace_placement, PlacementError,
+    PlacementRecord, PLACEMENT_RECORD_VERSION,
 };
 pub use record::{AdvertisedAddresses, DiskRecord, NodeRecord, NODE_RECORD_VERSION};
 pub use serving::{decide_serve, gate_step, GateStep, ServeRefusal};

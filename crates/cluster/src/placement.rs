@@ -24,6 +24,11 @@ pub struct PlacementRecord {
     pub vdisk: VdiskId,
     /// The nodes holding a copy, the node that chose them first. Distinct.
     pub copies: Vec<NodeId>,
+    /// The owner epoch of the last claim that made every copy of this set hold all its
+    /// data (0: not since the set was last changed). Only then may a node outside the set
+    /// drop what it still holds of the vdisk ([`mark_placement_synced`]).
+    #[serde(default)]
+    pub synced_epoch: u64,
 }
 
 impl Versioned for PlacementRecord {
@@ -114,6 +119,7 @@ pub async fn replace_placement<M: MetaStore>(
         version: PLACEMENT_RECORD_VERSION,
         vdisk,
         copies,
+        synced_epoch: 0,
     };
     let txn = Txn::new()
         .when([Compare::mod_revision_equals(key.clone(), revision)])
@@ -180,6 +186,7 @@ pub async fn record_placement<M: MetaStore>(
         version: PLACEMENT_RECORD_VERSION,
         vdisk,
         copies,
+        synced_epoch: 0,
     };
     let txn = Txn::new()
         .when([Compare::absent(key.clone())])
@@ -190,6 +197,31 @@ pub async fn record_placement<M: MetaStore>(
     read_placement(store, vdisk)
         .await?
         .ok_or_else(|| ClusterError::corrupt(&key, "placement vanished while being recorded"))
+}
+
+/// Records that every copy of `copies` holds all of the vdisk's data as of the claim at
+/// `epoch` (its resync ended), if the recorded set is still `copies`; false if it changed.
+pub async fn mark_placement_synced<M: MetaStore>(
+    store: &M,
+    vdisk: VdiskId,
+    copies: &[NodeId],
+    epoch: u64,
+) -> Result<bool, ClusterError> {
+    let Some((mut placement, revision)) = read_placement_revision(store, vdisk).await? else {
+        return Ok(false);
+    };
+    if placement.copies != copies {
+        return Ok(false);
+    }
+    if placement.synced_epoch >= epoch {
+        return Ok(true);
+    }
+    placement.synced_epoch = epoch;
+    let key = keys::placement_key(vdisk);
+    let txn = Txn::new()
+        .when([Compare::mod_revision_equals(key.clone(), revision)])
+        .and_then([TxnOp::put(key, record::encode(&placement), None)]);
+    Ok(store.txn(txn).await?.succeeded)
 }
 
 /// Forgets the vdisk's copy set (the vdisk was deleted).

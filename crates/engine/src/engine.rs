@@ -718,15 +718,7 @@ impl<M: MetaStore> Engine<M> {
     /// tombstone is left to the node that wrote it. True if there was something to drop.
     pub async fn forget_deleted(&self, id: VdiskId) -> Result<bool, EngineError> {
         let _control = self.control.lock().await;
-        let entry = {
-            let mut vdisks = lock(&self.vdisks);
-            let name = vdisks
-                .iter()
-                .find(|(_, e)| e.record.id == id)
-                .map(|(name, _)| name.clone());
-            name.and_then(|name| vdisks.remove(&name))
-        };
-        let Some(entry) = entry else {
+        let Some(entry) = self.take_entry(id, |_| true) else {
             return Ok(false);
         };
         entry.shared.closing.store(true, Ordering::Relaxed);
@@ -734,6 +726,41 @@ impl<M: MetaStore> Engine<M> {
         tracing::info!(vdisk = %entry.record.name, %id,
             "vdisk deleted on another node; this node's copy removed");
         Ok(true)
+    }
+
+    /// This node's data of vdisk `id` is no longer one of its copies (cluster mode; the
+    /// caller checked the copy set): its oplog and extent files are removed and the vdisk is
+    /// started again empty, as on a node that never held a copy. False, and nothing
+    /// removed, while a client has it open here or it is offline (its data is kept for an
+    /// operator).
+    pub async fn trim_copy(&self, id: VdiskId) -> Result<bool, EngineError> {
+        let _control = self.control.lock().await;
+        let unused_online = |e: &VdiskEntry| {
+            e.offline.is_none() && e.shared.connections.load(Ordering::Relaxed) == 0
+        };
+        let Some(entry) = self.take_entry(id, unused_online) else {
+            return Ok(false);
+        };
+        entry.shared.closing.store(true, Ordering::Relaxed);
+        self.remove_local_data(&entry.record, &entry.shared).await?;
+        tracing::info!(vdisk = %entry.record.name, %id,
+            "this node's data of the vdisk removed: it is not one of the vdisk's copies any more");
+        self.start_learned(entry.record).await?;
+        Ok(true)
+    }
+
+    /// Removes vdisk `id`'s entry from the served set if `removable` says it may go.
+    fn take_entry(
+        &self,
+        id: VdiskId,
+        removable: impl Fn(&VdiskEntry) -> bool,
+    ) -> Option<VdiskEntry> {
+        let mut vdisks = lock(&self.vdisks);
+        let name = vdisks
+            .iter()
+            .find(|(_, e)| e.record.id == id && removable(e))
+            .map(|(name, _)| name.clone())?;
+        vdisks.remove(&name)
     }
 
     /// Stops the vdisk's shards (dropping their oplogs) and removes its files on every disk.

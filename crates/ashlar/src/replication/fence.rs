@@ -37,19 +37,22 @@ impl Fences {
         }
     }
 
+    /// The highest owner epoch seen for `vdisk` (0: none).
+    pub async fn highest(&mut self, vdisk: VdiskId) -> std::io::Result<u64> {
+        if let Some(highest) = self.highest.get(&vdisk) {
+            return Ok(*highest);
+        }
+        let dir = self.dir.clone();
+        let loaded = blocking(move || load(&dir, vdisk)).await?;
+        self.highest.insert(vdisk, loaded);
+        Ok(loaded)
+    }
+
     /// Admits `epoch` for `vdisk`, persisting it first when it is higher than any seen. The
     /// file I/O (the first use of a vdisk, the first record of a new epoch) runs on the
     /// blocking pool.
     pub async fn admit(&mut self, vdisk: VdiskId, epoch: u64) -> std::io::Result<Verdict> {
-        let highest = match self.highest.get(&vdisk) {
-            Some(highest) => *highest,
-            None => {
-                let dir = self.dir.clone();
-                let loaded = blocking(move || load(&dir, vdisk)).await?;
-                self.highest.insert(vdisk, loaded);
-                loaded
-            }
-        };
+        let highest = self.highest(vdisk).await?;
         if epoch < highest {
             return Ok(Verdict::Fenced { highest });
         }

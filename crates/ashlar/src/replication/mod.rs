@@ -27,8 +27,9 @@ use crate::forwarding::ForwardServer;
 use crate::registry::NodeEngine;
 use anyhow::{anyhow, bail, Context, Result};
 use ashlar_cluster::{
-    choose_copies, list_nodes, read_placement_revision, record_placement, renew_copies,
-    replace_placement, NodeId, NodeState, NodeStatus, ResyncRecord, RESYNC_RECORD_VERSION,
+    choose_copies, list_nodes, mark_placement_synced, read_placement_revision, record_placement,
+    renew_copies, replace_placement, NodeId, NodeState, NodeStatus, ResyncRecord,
+    RESYNC_RECORD_VERSION,
 };
 use ashlar_core::VdiskId;
 use ashlar_meta::{Compare, MetaStore, Txn, TxnOp};
@@ -122,6 +123,12 @@ impl NodeReplication {
     /// Lets forwarders ask this node to hand vdisks over (once the ownership layer exists).
     pub fn set_ownership(&self, ownership: crate::ownership::NodeOwnership) {
         self.forward.set_ownership(ownership);
+    }
+
+    /// Drops this node's data of `vdisk`, not one of its copies as of owner `epoch`
+    /// (`crate::trim`); false if a newer owner fenced this node or a client has it open.
+    pub async fn trim_copy(&self, vdisk: VdiskId, epoch: u64) -> Result<bool, String> {
+        self.receiver.trim(vdisk, epoch).await
     }
 
     /// The connection to `node` at its node-to-node `address` (made on first use).
@@ -236,6 +243,11 @@ impl NodeReplication {
             copies.len(),
             "every other copy takes every write"
         );
+        // Every copy now holds all the data: a node the set left behind may drop its own.
+        if let Err(error) = mark_placement_synced(&self.meta, vdisk, &copies, epoch).await {
+            tracing::warn!(vdisk = name, %error,
+                "could not record that the copies are in sync; nodes outside the copy set keep their data for now");
+        }
         let replicator = PeerReplicator::new(epoch, peers, REPLICA_TIMEOUT, self.failed.clone());
         self.engine
             .set_replicator(name, Some(Box::new(replicator)))

@@ -30,9 +30,17 @@ pub const MAX_WAITING_PER_STREAM: usize = 4096;
 
 type Answer = oneshot::Sender<Result<(), RemoteError>>;
 
-struct Incoming {
-    message: Message,
-    answer: Answer,
+enum Incoming {
+    Message {
+        message: Message,
+        answer: Answer,
+    },
+    /// Drop this node's copy of `vdisk`, no longer one of its copies as of owner `epoch`.
+    Trim {
+        vdisk: VdiskId,
+        epoch: u64,
+        answer: oneshot::Sender<Result<bool, String>>,
+    },
 }
 
 /// The handle transport handlers use.
@@ -61,12 +69,32 @@ impl ReplicaReceiver {
     pub async fn handle(&self, message: Message) -> Result<(), RemoteError> {
         let (answer, answered) = oneshot::channel();
         self.queue
-            .send(Incoming { message, answer })
+            .send(Incoming::Message { message, answer })
             .await
             .map_err(|_| remote(FAILED_CODE, "the node is stopping"))?;
         answered
             .await
             .map_err(|_| remote(FAILED_CODE, "the node is stopping"))?
+    }
+
+    /// Removes this node's data of `vdisk` (starting it again empty), which is not one of the
+    /// vdisk's copies as of owner `epoch`: in the loop, so no record or fence of the vdisk
+    /// is applied meanwhile. If an owner at `epoch` or later fenced this node already (its
+    /// claim may have made this node a copy again, and may be comparing it), nothing is
+    /// removed (false); else the fence is raised to `epoch` first. Also false while a
+    /// client of this node has the vdisk open.
+    pub async fn trim(&self, vdisk: VdiskId, epoch: u64) -> Result<bool, String> {
+        let (answer, answered) = oneshot::channel();
+        let stopping = || "the node is stopping".to_string();
+        self.queue
+            .send(Incoming::Trim {
+                vdisk,
+                epoch,
+                answer,
+            })
+            .await
+            .map_err(|_| stopping())?;
+        answered.await.map_err(|_| stopping())?
     }
 }
 
@@ -102,7 +130,18 @@ struct ReceiverLoop {
 
 impl ReceiverLoop {
     async fn run(mut self, mut incoming: mpsc::Receiver<Incoming>) {
-        while let Some(Incoming { message, answer }) = incoming.recv().await {
+        while let Some(work) = incoming.recv().await {
+            let (message, answer) = match work {
+                Incoming::Message { message, answer } => (message, answer),
+                Incoming::Trim {
+                    vdisk,
+                    epoch,
+                    answer,
+                } => {
+                    let _ = answer.send(self.trim(vdisk, epoch).await);
+                    continue;
+                }
+            };
             match message {
                 Message::Fence { vdisk, epoch } => {
                     let fenced = self.fence(vdisk, epoch).await;
@@ -117,6 +156,22 @@ impl ReceiverLoop {
                 }
             }
         }
+    }
+
+    async fn trim(&mut self, vdisk: VdiskId, epoch: u64) -> Result<bool, String> {
+        let fence_error = |e: std::io::Error| format!("replica fence of vdisk {vdisk}: {e}");
+        // A claim at `epoch` or later fenced this node: it may be reading (or filling) this
+        // copy as one of its own, so it stays.
+        if self.fences.highest(vdisk).await.map_err(fence_error)? >= epoch {
+            return Ok(false);
+        }
+        self.fence(vdisk, epoch).await.map_err(|e| e.message)?;
+        self.targets.remove(&vdisk);
+        self.streams.retain(|key, _| key.0 != vdisk);
+        self.engine
+            .trim_copy(vdisk)
+            .await
+            .map_err(|e| e.to_string())
     }
 
     async fn fence(&mut self, vdisk: VdiskId, epoch: u64) -> Result<(), RemoteError> {
