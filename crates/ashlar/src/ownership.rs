@@ -325,8 +325,9 @@ impl NodeOwnership {
 
     /// Restores a replicated vdisk's copy count (the curator, `crate::curator`): claims it
     /// again, which renews its copy set (copies on nodes that are down replaced) and
-    /// resynchronizes the new copies before its gate opens; with `release`, gives the claim
-    /// up afterwards (nobody owned the vdisk, and nobody asked this node to serve it).
+    /// resynchronizes the new copies while it serves, and waits for that resync; with
+    /// `release`, gives the claim up afterwards (nobody owned the vdisk, and nobody asked
+    /// this node to serve it).
     pub async fn restore_copies(
         &self,
         engine: &NodeEngine,
@@ -347,6 +348,12 @@ impl NodeOwnership {
                     .map_or(Frontend::Nbd, |held| held.frontend);
                 wanted.gate.close();
                 cluster.claim(wanted, frontend).await?;
+                // The claim serves at once; the copies are restored when its resync ends.
+                cluster
+                    .replication
+                    .wait_resynced(vdisk)
+                    .await
+                    .map_err(NotServing::for_now)?;
                 if release {
                     cluster
                         .hand_over(vdisk, shared, "its copies are restored")

@@ -5,7 +5,8 @@
 //!
 //! Every node scans its own vdisks every [`TRIM_SCAN_INTERVAL`]. A copy is dropped when this
 //! node neither owns the vdisk nor is in its copy set, the set's last claim finished its
-//! resync (the placement's `synced_epoch`), and every node of the set is up. Once it has
+//! resync (the placement's `synced_epoch`, and no copy is being filled), and every node of the
+//! set is up. Once it has
 //! been seen dropped for `--trim-copies-after-s`, the replica receiver removes it, in its
 //! loop and only if no claim at the current owner epoch or later fenced this node (such a
 //! claim may be making it a copy again).
@@ -39,6 +40,7 @@ pub fn copy_is_dropped(
     owner != Some(me)
         && !placement.copies.contains(&me)
         && placement.synced_epoch > 0
+        && placement.filling.is_empty()
         && placement.copies.iter().all(up)
 }
 
@@ -126,6 +128,7 @@ mod tests {
             vdisk: VdiskId(1),
             copies: copies.to_vec(),
             synced_epoch,
+            filling: Vec::new(),
         }
     }
 
@@ -155,6 +158,9 @@ mod tests {
             &placement(&[a, b], 0),
             &nodes
         ));
+        let mut still_filling = placement(&[a, b], 5);
+        still_filling.filling = vec![b];
+        assert!(!copy_is_dropped(me, Some(a), &still_filling, &nodes));
         // A node of the set is down: this data may still be worth something.
         let down = [up(me), up(a), NodeStatus::bare(b, NodeState::Down)];
         assert!(!copy_is_dropped(me, Some(a), &placement(&[a, b], 5), &down));

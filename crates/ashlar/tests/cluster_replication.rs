@@ -179,10 +179,10 @@ fn rf2_writes_reach_the_copy_node_which_is_resynced_or_replaced_when_it_fails() 
         "{ownership}"
     );
     // C held everything but what A wrote while C was away (the second pattern, 4 chunks):
-    // the claims since sent C at most those chunks, never the 32 MiB it held.
-    let resyncs = resync_counts(&a.log());
-    assert!(resyncs.len() >= 2, "{resyncs:?}\n{}", a.log());
-    for (sent, same) in &resyncs[1..] {
+    // the claims since sent C at most those chunks, never the 32 MiB it held. (The resync
+    // runs while the vdisk serves: its end is awaited.)
+    let resyncs = wait_for_resyncs(&a, |resyncs| !resyncs.is_empty());
+    for (sent, same) in &resyncs {
         assert!(
             *sent <= (PATTERN_BYTES >> 20) as u64 && sent + same == 64,
             "a resync of C after its restart sent {sent} chunks of 64 ({resyncs:?})"
@@ -208,13 +208,11 @@ fn rf2_writes_reach_the_copy_node_which_is_resynced_or_replaced_when_it_fails() 
     );
     assert!(replica_records(&b) > 0, "B applied no record");
     // B held nothing: it got every chunk of data (32), and none of zeros.
-    let resyncs = resync_counts(&a.log());
-    assert!(
-        resyncs[resyncs_before_b..]
+    wait_for_resyncs(&a, |resyncs| {
+        resyncs[resyncs_before_b.min(resyncs.len())..]
             .iter()
-            .any(|(sent, _)| *sent == (FILLED_BYTES >> 20) as u64),
-        "no resync sent B the 32 data chunks: {resyncs:?}"
-    );
+            .any(|(sent, _)| *sent == (FILLED_BYTES >> 20) as u64)
+    });
     let (ok, text) = nbdcopy(&a.uri(VDISK), back.to_str().unwrap());
     assert!(ok, "read through A: {text}");
     assert!(std::fs::read(&back).unwrap()[..PATTERN_BYTES] == third_data[..]);
@@ -243,6 +241,23 @@ fn rf2_writes_reach_the_copy_node_which_is_resynced_or_replaced_when_it_fails() 
         &third_data,
         "B's extent store does not hold the third pattern",
     );
+}
+
+/// Waits up to 60 s until the owner's finished resyncs satisfy `enough`; returns them.
+fn wait_for_resyncs(owner: &Node, enough: impl Fn(&[(u64, u64)]) -> bool) -> Vec<(u64, u64)> {
+    let start = Instant::now();
+    loop {
+        let resyncs = resync_counts(&owner.log());
+        if enough(&resyncs) {
+            return resyncs;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "resyncs so far {resyncs:?}\n{}",
+            owner.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 /// (chunks sent, chunks the copies already held) of each claim's resync in an owner's log.

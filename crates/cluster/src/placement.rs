@@ -29,6 +29,18 @@ pub struct PlacementRecord {
     /// drop what it still holds of the vdisk ([`mark_placement_synced`]).
     #[serde(default)]
     pub synced_epoch: u64,
+    /// Copies that may not hold all the data yet (put in the set by a claim whose resync has
+    /// not ended): no claimant takes its data from one, and one that claims first gets a
+    /// copy from a complete one.
+    #[serde(default)]
+    pub filling: Vec<NodeId>,
+}
+
+impl PlacementRecord {
+    /// Whether `node` holds a complete copy: in the set and not being filled.
+    pub fn holds_complete_copy(&self, node: NodeId) -> bool {
+        self.copies.contains(&node) && !self.filling.contains(&node)
+    }
 }
 
 impl Versioned for PlacementRecord {
@@ -106,13 +118,15 @@ pub async fn read_placement_revision<M: MetaStore>(
     }
 }
 
-/// Replaces the vdisk's copy set by `copies` if it is still as read at `revision` (a node
-/// that took the vdisk over replaces the copies it found down); false if it changed since.
+/// Replaces the vdisk's copy set by `copies`, of which `filling` do not hold all the data
+/// yet, if it is still as read at `revision` (a node that took the vdisk over replaces the
+/// copies it found down); false if it changed since.
 pub async fn replace_placement<M: MetaStore>(
     store: &M,
     vdisk: VdiskId,
     revision: Revision,
     copies: Vec<NodeId>,
+    filling: Vec<NodeId>,
 ) -> Result<bool, ClusterError> {
     let key = keys::placement_key(vdisk);
     let record = PlacementRecord {
@@ -120,6 +134,7 @@ pub async fn replace_placement<M: MetaStore>(
         vdisk,
         copies,
         synced_epoch: 0,
+        filling,
     };
     let txn = Txn::new()
         .when([Compare::mod_revision_equals(key.clone(), revision)])
@@ -187,6 +202,7 @@ pub async fn record_placement<M: MetaStore>(
         vdisk,
         copies,
         synced_epoch: 0,
+        filling: Vec::new(),
     };
     let txn = Txn::new()
         .when([Compare::absent(key.clone())])
@@ -200,7 +216,8 @@ pub async fn record_placement<M: MetaStore>(
 }
 
 /// Records that every copy of `copies` holds all of the vdisk's data as of the claim at
-/// `epoch` (its resync ended), if the recorded set is still `copies`; false if it changed.
+/// `epoch` (its resync ended: none is being filled any more), if the recorded set is still
+/// `copies`; false if it changed.
 pub async fn mark_placement_synced<M: MetaStore>(
     store: &M,
     vdisk: VdiskId,
@@ -213,10 +230,11 @@ pub async fn mark_placement_synced<M: MetaStore>(
     if placement.copies != copies {
         return Ok(false);
     }
-    if placement.synced_epoch >= epoch {
+    if placement.synced_epoch >= epoch && placement.filling.is_empty() {
         return Ok(true);
     }
-    placement.synced_epoch = epoch;
+    placement.synced_epoch = placement.synced_epoch.max(epoch);
+    placement.filling.clear();
     let key = keys::placement_key(vdisk);
     let txn = Txn::new()
         .when([Compare::mod_revision_equals(key.clone(), revision)])

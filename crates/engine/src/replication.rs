@@ -75,6 +75,19 @@ pub type ReplicaAck = Pin<Box<dyn Future<Output = Result<(), IoError>> + Send>>;
 /// The future of a read from another copy: the bytes, checked by that copy's checksums.
 pub type ReplicaFetch = Pin<Box<dyn Future<Output = Result<Bytes, IoError>> + Send>>;
 
+/// What one chunk's online resync did: how many copies were sent the chunk (they differed)
+/// and how many already held it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ChunkResync {
+    pub copies_sent: u32,
+    pub copies_same: u32,
+    /// Bytes of data (not zeros) sent, over every copy.
+    pub data_bytes: u64,
+}
+
+/// The future of one chunk's resync.
+pub type ReplicaResync = Pin<Box<dyn Future<Output = Result<ChunkResync, IoError>> + Send>>;
+
 /// Sends records to the replicas of one vdisk. Called on the shard's reactor, in sequence
 /// order per stream; the returned futures may complete in any order.
 pub trait Replicator: Send + Sync + 'static {
@@ -87,6 +100,19 @@ pub trait Replicator: Send + Sync + 'static {
         Box::pin(async move {
             Err(IoError::Io(format!(
                 "vdisk {vdisk}: no other copy can be read"
+            )))
+        })
+    }
+
+    /// Makes every other copy hold `content` (the whole chunk as this copy holds it, zeros
+    /// as [`ReplicaOp::Zero`]) where it differs. The shard calls it during an online resync
+    /// (`ShardOp::ResyncChunk`) with no write in flight on the chunk and new ones held back
+    /// until it completes, so what a copy gets is never older than a write it took.
+    fn resync(&self, vdisk: VdiskId, content: ReplicaOp) -> ReplicaResync {
+        let _ = content;
+        Box::pin(async move {
+            Err(IoError::Io(format!(
+                "vdisk {vdisk}: this replicator cannot resync copies"
             )))
         })
     }

@@ -8,7 +8,9 @@
 mod common;
 
 use ashlar_core::{BlockDevice, IoError, VdiskId};
-use ashlar_engine::replication::{ReplicaAck, ReplicaFetch, ReplicaRecord, Replicator};
+use ashlar_engine::replication::{
+    ChunkResync, ReplicaAck, ReplicaFetch, ReplicaOp, ReplicaRecord, ReplicaResync, Replicator,
+};
 use ashlar_engine::shard::{ShardOp, ShardReply};
 use ashlar_engine::Engine;
 use ashlar_meta::EmbeddedMetaStore;
@@ -365,4 +367,125 @@ fn egroup0_path(dir: &Path) -> std::path::PathBuf {
 fn egroup0_blocks(dir: &Path) -> Vec<u8> {
     let bytes = std::fs::read(egroup0_path(dir)).unwrap();
     bytes[5 * 4096..5 * 4096 + (4 << 20)].to_vec()
+}
+
+/// A replicator whose `resync` hands the chunk to the test and waits for its word.
+struct Resyncing {
+    inner: Loopback,
+    chunks: mpsc::UnboundedSender<(ReplicaOp, oneshot::Sender<()>)>,
+}
+
+impl Replicator for Resyncing {
+    fn replicate(&self, record: ReplicaRecord) -> ReplicaAck {
+        self.inner.replicate(record)
+    }
+
+    fn resync(&self, _vdisk: VdiskId, content: ReplicaOp) -> ReplicaResync {
+        let (done, proceed) = oneshot::channel();
+        self.chunks.send((content, done)).expect("the test listens");
+        Box::pin(async move {
+            let _ = proceed.await;
+            Ok(ChunkResync {
+                copies_sent: 1,
+                copies_same: 0,
+                data_bytes: 0,
+            })
+        })
+    }
+}
+
+/// One write of `data` at `offset` through a connection on reactor 0.
+fn write_on_reactor(
+    engine: &Arc<TestEngine>,
+    offset: u64,
+    data: Vec<u8>,
+) -> tokio::task::JoinHandle<Result<(), IoError>> {
+    let engine2 = engine.clone();
+    let reactor = engine.reactors().handles()[0].clone();
+    tokio::spawn(async move {
+        reactor
+            .run(move || async move {
+                let handle = engine2.open("v").expect("open");
+                handle.write(offset, Bytes::from(data), false).await
+            })
+            .await
+            .expect("reactor")
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunk_being_resynced_holds_back_its_writes_until_its_copies_have_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let owner = start(&dir.path().join("owner")).await;
+    let copy = start(&dir.path().join("copy")).await;
+    let (records, incoming) = mpsc::unbounded_channel();
+    tokio::spawn(apply_in_order(
+        copy.clone(),
+        incoming,
+        Arc::new(Mutex::new(None)),
+        Arc::new(AtomicU64::new(0)),
+    ));
+    let (chunks, mut resyncing) = mpsc::unbounded_channel();
+    let replicator = Resyncing {
+        inner: Loopback {
+            records,
+            fail: Arc::new(AtomicBool::new(false)),
+        },
+        chunks,
+    };
+    owner
+        .set_replicator("v", Some(Box::new(replicator)))
+        .unwrap();
+
+    let before = pattern(1, 4096);
+    write_on_reactor(&owner, 0, before.clone())
+        .await
+        .unwrap()
+        .expect("write before the resync");
+    let shared = owner.vdisk_shared("v").unwrap();
+    let resync = tokio::spawn(async move {
+        shared
+            .call_split(0, 1 << 20, |offset, length| ShardOp::ResyncChunk {
+                offset,
+                length,
+            })
+            .await
+    });
+    // The replicator gets the chunk as it is after every acknowledged write.
+    let (content, proceed) = resyncing
+        .recv()
+        .await
+        .expect("the chunk reaches the replicator");
+    let ReplicaOp::Write { offset: 0, data } = content else {
+        panic!("chunk 0 with data expected, got {content:?}");
+    };
+    assert_eq!(data.len(), 1 << 20);
+    assert!(
+        data[..4096] == before[..],
+        "the chunk misses a write acknowledged before it"
+    );
+
+    // A write into the chunk waits; one elsewhere goes on.
+    let inside = write_on_reactor(&owner, 8192, pattern(2, 4096));
+    write_on_reactor(&owner, 2 << 20, pattern(3, 4096))
+        .await
+        .unwrap()
+        .expect("a write outside the held chunk");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        !inside.is_finished(),
+        "a write into a chunk being resynced went on before its copies had the chunk"
+    );
+
+    proceed.send(()).unwrap();
+    let replies = resync.await.unwrap().expect("resync answered");
+    assert!(matches!(
+        replies.as_slice(),
+        [ShardReply::Resynced(ChunkResync { copies_sent: 1, .. })]
+    ));
+    inside
+        .await
+        .unwrap()
+        .expect("the held write goes on after the resync");
+    assert!(read_all(&owner).await == read_all(&copy).await);
 }

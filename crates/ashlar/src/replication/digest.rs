@@ -25,8 +25,9 @@ pub fn digest_of(op: &ReplicaOp) -> ChunkDigest {
 }
 
 /// Answers a digest request for `[offset, offset + length)` of this node's copy, read below
-/// its serving gate once the writes it took have finished. A chunk that cannot be read is
-/// `Unreadable`, so the claimant sends it again (which also repairs it).
+/// its serving gate: it holds every record this copy acknowledged (the fence of the claim
+/// waited for older owners' records). A chunk that cannot be read is `Unreadable`, so the
+/// claimant sends it again (which also repairs it).
 pub async fn serve(
     engine: &NodeEngine,
     vdisk: VdiskId,
@@ -52,7 +53,6 @@ pub async fn serve(
             ),
         ));
     }
-    shared.settle().await.map_err(|e| failed(e.to_string()))?;
     let reads = (0..length.div_ceil(RESYNC_CHUNK_BYTES)).map(|index| {
         let chunk_offset = offset + index * RESYNC_CHUNK_BYTES;
         let chunk_length = RESYNC_CHUNK_BYTES.min(offset + length - chunk_offset);

@@ -28,7 +28,7 @@ use crate::registry::NodeEngine;
 use anyhow::{anyhow, bail, Context, Result};
 use ashlar_cluster::{
     choose_copies, list_nodes, mark_placement_synced, read_placement_revision, record_placement,
-    renew_copies, replace_placement, NodeId, NodeState, NodeStatus, ResyncRecord,
+    renew_copies, replace_placement, NodeId, NodeState, NodeStatus, PlacementRecord, ResyncRecord,
     RESYNC_RECORD_VERSION,
 };
 use ashlar_core::VdiskId;
@@ -42,6 +42,7 @@ use receiver::ReplicaReceiver;
 pub use resync::unix_ms;
 pub use sender::CopyFailed;
 use sender::{replica_error, PeerReplicator};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -70,6 +71,9 @@ pub struct NodeReplication {
     forward: Arc<ForwardServer>,
     /// Taken once by the ownership layer, which claims a vdisk again when a copy failed.
     failures: std::sync::Mutex<Option<mpsc::Receiver<CopyFailed>>>,
+    /// The online resync of each vdisk's last claim here: its epoch and its outcome once
+    /// ended (one entry per vdisk ever claimed here, replaced by each claim).
+    resyncs: std::sync::Mutex<HashMap<VdiskId, ResyncOutcome>>,
     _server: Server,
 }
 
@@ -116,6 +120,7 @@ impl NodeReplication {
             receiver,
             forward,
             failures: std::sync::Mutex::new(Some(failures)),
+            resyncs: std::sync::Mutex::new(HashMap::new()),
             _server: server,
         })
     }
@@ -159,19 +164,25 @@ impl NodeReplication {
             .await
             .map_err(|e| format!("vdisk {name}: listing nodes: {e}"))?;
         let (previous, copies) = self.copy_set(name, vdisk, rf, &nodes).await?;
-        // A claimant that holds no copy (its client moved here, or every copy holder that
-        // could serve is down or storage-only) first gets one from a node that holds it.
-        let source = (!previous.is_empty() && !previous.contains(&self.node))
-            .then(|| previous.iter().find(|n| copies.contains(n)).copied())
-            .map(|found| {
-                found.ok_or_else(|| {
+        // A claimant that holds no complete copy (its client moved here, every copy holder
+        // that could serve is down or storage-only, or its own copy was still being filled)
+        // first gets one from a node that holds a complete one.
+        let source = match &previous {
+            Some(previous) if !previous.holds_complete_copy(self.node) => {
+                let found = previous.copies.iter().copied().find(|n| {
+                    *n != self.node && copies.contains(n) && previous.holds_complete_copy(*n)
+                });
+                Some(found.ok_or_else(|| {
                     format!(
-                        "vdisk {name}: no node holding a copy ({}) is up",
-                        names(&previous).join(", ")
+                        "vdisk {name}: no node holding a complete copy is up (copies {}, of \
+                         which {} are being filled); it stays offline until one is",
+                        names(&previous.copies).join(", "),
+                        names(&previous.filling).join(", ")
                     )
-                })
-            })
-            .transpose()?;
+                })?)
+            }
+            _ => None,
+        };
         let mut peers = Vec::new();
         for copy in copies.iter().filter(|n| **n != self.node) {
             let address = copy_address(name, *copy, &nodes)?;
@@ -182,6 +193,7 @@ impl NodeReplication {
         self.receiver.handle(fence_message).await.map_err(|e| {
             format!("vdisk {name}: fencing this node's own copy at epoch {epoch}: {e}")
         })?;
+        // Each copy answers once the records of older owners it took are applied.
         for peer in &peers {
             peer.call(fence.clone(), REPLICA_TIMEOUT)
                 .await
@@ -194,7 +206,7 @@ impl NodeReplication {
         }
         let shared = self.engine.vdisk_shared(name).map_err(|e| e.to_string())?;
         // Writes still on their way (the last owner's records this node was applying, or
-        // this node's own before its gate shut) finish first: the resync must read them.
+        // this node's own before its gate shut) finish first.
         shared
             .settle()
             .await
@@ -202,68 +214,118 @@ impl NodeReplication {
         if let Some(source) = source {
             self.pull(name, vdisk, epoch, source, &nodes).await?;
         }
-        // The source of a pull holds what this node now holds: it needs no resync (but it
-        // takes every write from now on, like every other copy).
-        let resync_targets: Vec<_> = peers
-            .iter()
-            .filter(|peer| Some(peer.node()) != source)
-            .cloned()
-            .collect();
-        let started = std::time::Instant::now();
+        assert_eq!(
+            peers.len() + 1,
+            copies.len(),
+            "every other copy takes every write"
+        );
+        let replicator = PeerReplicator::new(epoch, peers, REPLICA_TIMEOUT, self.failed.clone());
+        self.engine
+            .set_replicator(name, Some(Box::new(replicator)))
+            .map_err(|e| e.to_string())?;
+        if previous.is_none() {
+            // The first claim: no copy holds anything yet, so every copy is complete.
+            if let Err(error) = mark_placement_synced(&self.meta, vdisk, &copies, epoch).await {
+                tracing::warn!(vdisk = name, %error, "could not record the new copy set as complete");
+            }
+            return Ok(());
+        }
+        // Every write from now on reaches every copy; what they held before is made equal
+        // to this node's in the background, chunk by chunk, while the vdisk serves.
+        self.start_online_resync(name, vdisk, epoch, shared, copies);
+        Ok(())
+    }
+
+    /// Resyncs the other copies while the vdisk serves (`resync::resync_online`), publishing
+    /// progress for `cluster status`; at the end records the set as complete, or reports a
+    /// copy failure (the vdisk is claimed again).
+    fn start_online_resync(
+        &self,
+        name: &str,
+        vdisk: VdiskId,
+        epoch: u64,
+        shared: Arc<ashlar_engine::vdisk::VdiskShared>,
+        copies: Vec<NodeId>,
+    ) {
         let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let record = ResyncRecord {
             version: RESYNC_RECORD_VERSION,
             vdisk,
             node: self.node,
             epoch,
-            total_bytes: info.size_bytes,
+            total_bytes: shared.size_bytes.load(std::sync::atomic::Ordering::Relaxed),
             done_bytes: 0,
             started_unix_ms: resync::unix_ms(),
             updated_unix_ms: resync::unix_ms(),
         };
-        let stop = Arc::new(tokio::sync::Notify::new());
-        let publisher = tokio::spawn(resync::publish_progress(
-            self.meta.clone(),
-            record,
-            done.clone(),
-            stop.clone(),
-        ));
-        let resynced = resync::resync(shared, vdisk, epoch, &resync_targets, &done).await;
-        stop.notify_one();
-        let _ = publisher.await;
-        let summary =
-            resynced.map_err(|e| format!("vdisk {name}: resynchronizing its copies: {e}"))?;
-        tracing::info!(vdisk = name, epoch, copies = ?names(&copies),
-            chunks_sent = summary.chunks_sent, chunks_same = summary.chunks_same,
-            data_bytes = summary.data_bytes,
-            elapsed_ms = started.elapsed().as_millis() as u64,
-            "copies resynchronized from this node's; replicating the vdisk's writes to every copy");
-        assert_eq!(
-            peers.len() + 1,
-            copies.len(),
-            "every other copy takes every write"
-        );
-        // Every copy now holds all the data: a node the set left behind may drop its own.
-        if let Err(error) = mark_placement_synced(&self.meta, vdisk, &copies, epoch).await {
-            tracing::warn!(vdisk = name, %error,
-                "could not record that the copies are in sync; nodes outside the copy set keep their data for now");
+        let (finished, outcome) = tokio::sync::watch::channel(None);
+        lock(&self.resyncs).insert(vdisk, (epoch, outcome));
+        let meta = self.meta.clone();
+        let failed = self.failed.clone();
+        let name = name.to_string();
+        tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            let stop = Arc::new(tokio::sync::Notify::new());
+            let publisher = tokio::spawn(resync::publish_progress(
+                meta.clone(),
+                record,
+                done.clone(),
+                stop.clone(),
+            ));
+            let resynced = resync::resync_online(&shared, &done).await;
+            stop.notify_one();
+            let _ = publisher.await;
+            let outcome = match resynced {
+                Ok(summary) => {
+                    tracing::info!(vdisk = name, epoch, copies = ?names(&copies),
+                        chunks_sent = summary.chunks_sent, chunks_same = summary.chunks_same,
+                        data_bytes = summary.data_bytes,
+                        elapsed_ms = started.elapsed().as_millis() as u64,
+                        "copies resynchronized from this node's while it served");
+                    if let Err(error) = mark_placement_synced(&meta, vdisk, &copies, epoch).await {
+                        tracing::warn!(vdisk = name, %error,
+                            "could not record that the copies are in sync; they count as being filled until the next claim");
+                    }
+                    Ok(())
+                }
+                Err(error) => {
+                    tracing::warn!(vdisk = name, epoch, %error,
+                        "resynchronizing the copies failed; claiming the vdisk again");
+                    let _ = failed.try_send(CopyFailed { vdisk, epoch });
+                    Err(error)
+                }
+            };
+            let _ = finished.send(Some(outcome));
+        });
+    }
+
+    /// Waits until the online resync of `vdisk` started by this node's last claim of it has
+    /// ended; its error if it failed. `Ok` if none was started.
+    pub async fn wait_resynced(&self, vdisk: VdiskId) -> Result<(), String> {
+        let Some((_, mut outcome)) = lock(&self.resyncs).get(&vdisk).cloned() else {
+            return Ok(());
+        };
+        loop {
+            if let Some(result) = outcome.borrow_and_update().clone() {
+                return result;
+            }
+            if outcome.changed().await.is_err() {
+                return Err(format!("vdisk {vdisk}: its resync stopped"));
+            }
         }
-        let replicator = PeerReplicator::new(epoch, peers, REPLICA_TIMEOUT, self.failed.clone());
-        self.engine
-            .set_replicator(name, Some(Box::new(replicator)))
-            .map_err(|e| e.to_string())?;
-        Ok(())
     }
 
     /// The copy set to serve with: chosen and recorded at the vdisk's first claim; at later
-    /// claims the recorded one, with this node first and copies on down nodes replaced.
+    /// claims the recorded one, with this node first and copies on down nodes replaced (new
+    /// copies recorded as being filled). Also the record as it was before (`None` at the
+    /// first claim).
     async fn copy_set(
         &self,
         name: &str,
         vdisk: VdiskId,
         rf: u8,
         nodes: &[NodeStatus],
-    ) -> Result<(Vec<NodeId>, Vec<NodeId>), String> {
+    ) -> Result<(Option<PlacementRecord>, Vec<NodeId>), String> {
         let recorded = read_placement_revision(&self.meta, vdisk)
             .await
             .map_err(|e| format!("vdisk {name}: reading its placement: {e}"))?;
@@ -279,12 +341,17 @@ impl NodeReplication {
                     "vdisk {name}: another node placed its copies meanwhile; try again"
                 ));
             }
-            return Ok((Vec::new(), placement.copies));
+            return Ok((None, placement.copies));
         };
         let renewed = renew_copies(self.node, rf, &placement.copies, nodes)
             .map_err(|e| format!("vdisk {name}: {e}"))?;
         if renewed != placement.copies {
-            let replaced = replace_placement(&self.meta, vdisk, revision, renewed.clone())
+            let filling: Vec<NodeId> = renewed
+                .iter()
+                .copied()
+                .filter(|n| !placement.holds_complete_copy(*n))
+                .collect();
+            let replaced = replace_placement(&self.meta, vdisk, revision, renewed.clone(), filling)
                 .await
                 .map_err(|e| format!("vdisk {name}: recording its placement: {e}"))?;
             if !replaced {
@@ -295,7 +362,7 @@ impl NodeReplication {
             tracing::info!(vdisk = name, from = ?names(&placement.copies), to = ?names(&renewed),
                 "copy set renewed (this node first, copies on nodes that are down replaced)");
         }
-        Ok((placement.copies, renewed))
+        Ok((Some(placement), renewed))
     }
 
     /// Has `source` (which holds a copy and was fenced at `epoch`) resync this node from its copy.
@@ -326,6 +393,16 @@ impl NodeReplication {
             "got a copy of the vdisk from a node holding one");
         Ok(())
     }
+}
+
+/// An online resync's epoch and outcome (`None` while it runs).
+type ResyncOutcome = (
+    u64,
+    tokio::sync::watch::Receiver<Option<Result<(), String>>>,
+);
+
+fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn names(nodes: &[NodeId]) -> Vec<String> {

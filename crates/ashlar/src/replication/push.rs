@@ -10,6 +10,8 @@ use super::resync::resync;
 use super::wire::{self, Message, FAILED_CODE, MALFORMED_CODE};
 use crate::forwarding::ForwardServer;
 use crate::registry::NodeEngine;
+use ashlar_core::VdiskId;
+use ashlar_engine::vdisk::VdiskShared;
 use ashlar_transport::RemoteError;
 use bytes::Bytes;
 use std::sync::atomic::AtomicU64;
@@ -36,21 +38,12 @@ impl Services {
                 target,
                 address,
             } => {
-                // Fenced at the claim's epoch first: no older owner's record lands here while
-                // (or after) the copy is read.
-                self.receiver
-                    .handle(Message::Fence { vdisk, epoch })
-                    .await?;
                 let failed = |e: String| remote(FAILED_CODE, format!("vdisk {vdisk}: {e}"));
                 let address = address
                     .parse()
                     .map_err(|_| failed(format!("bad push address {address}")))?;
-                let shared = self
-                    .engine
-                    .replica_target(vdisk)
-                    .await
-                    .map_err(|e| failed(e.to_string()))?;
-                shared.settle().await.map_err(|e| failed(e.to_string()))?;
+                // No older owner's record lands here while (or after) the copy is read.
+                let shared = self.fence_and_settle(vdisk, epoch).await?;
                 let peer = self.peers.peer(target, address);
                 let done = AtomicU64::new(0);
                 let sent = resync(shared, vdisk, epoch, &[peer], &done)
@@ -72,8 +65,32 @@ impl Services {
                     .await?;
                 return super::digest::serve(&self.engine, vdisk, offset, length).await;
             }
+            Message::Fence { vdisk, epoch } => {
+                // The claimant compares this copy with its own next.
+                self.fence_and_settle(vdisk, epoch).await?;
+            }
             other => self.receiver.handle(other).await?,
         }
         Ok(Bytes::new())
+    }
+
+    /// Fences this copy at `epoch`, then waits until the older owners' records it took
+    /// before the fence are applied; the copy's shared state.
+    async fn fence_and_settle(
+        &self,
+        vdisk: VdiskId,
+        epoch: u64,
+    ) -> Result<Arc<VdiskShared>, RemoteError> {
+        self.receiver
+            .handle(Message::Fence { vdisk, epoch })
+            .await?;
+        let failed = |e: String| remote(FAILED_CODE, format!("vdisk {vdisk}: {e}"));
+        let shared = self
+            .engine
+            .replica_target(vdisk)
+            .await
+            .map_err(|e| failed(e.to_string()))?;
+        shared.settle().await.map_err(|e| failed(e.to_string()))?;
+        Ok(shared)
     }
 }

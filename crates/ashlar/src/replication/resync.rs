@@ -19,7 +19,7 @@ use super::wire::{self, ChunkDigest, Message};
 use super::REPLICA_TIMEOUT;
 use ashlar_cluster::ResyncRecord;
 use ashlar_core::VdiskId;
-use ashlar_engine::replication::{ReplicaOp, ReplicaRecord};
+use ashlar_engine::replication::{ChunkResync, ReplicaOp, ReplicaRecord};
 use ashlar_engine::shard::{ShardOp, ShardReply};
 use ashlar_engine::vdisk::VdiskShared;
 use ashlar_meta::MetaStore;
@@ -63,14 +63,104 @@ impl ResyncSummary {
     }
 }
 
-/// One copy being brought up to date: its connection and the next seq of its resync stream
-/// (each copy gets only its own differing chunks, numbered without gaps).
-struct Target {
+/// One copy being brought up to date: its connection and the last seq of its resync stream
+/// at this epoch (each copy gets only its own differing chunks, numbered without gaps).
+pub struct Target {
     peer: Arc<Peer>,
     last_seq: AtomicU64,
 }
 
-/// Makes every copy in `peers` hold this node's content of the vdisk at ownership `epoch`.
+impl Target {
+    pub fn new(peer: Arc<Peer>) -> Target {
+        Target {
+            peer,
+            last_seq: AtomicU64::new(0),
+        }
+    }
+
+    /// Sends `op` to this copy as the next record of its resync stream at `epoch`.
+    async fn send(&self, vdisk: VdiskId, epoch: u64, op: ReplicaOp) -> Result<(), String> {
+        let seq = self.last_seq.fetch_add(1, Ordering::Relaxed) + 1;
+        let record = ReplicaRecord {
+            vdisk,
+            shard: 0,
+            stream: RESYNC_STREAM,
+            seq,
+            prev_seq: seq - 1,
+            op,
+        };
+        let payload = wire::encode(&Message::Record { epoch, record });
+        self.peer
+            .call(payload, REPLICA_TIMEOUT)
+            .await
+            .map(|_| ())
+            .map_err(|e| replica_error(self.peer.node(), vdisk, e).to_string())
+    }
+
+    /// The copy's digests of the chunks of `[offset, offset + length)`.
+    async fn digests(
+        &self,
+        vdisk: VdiskId,
+        epoch: u64,
+        offset: u64,
+        length: u64,
+    ) -> Result<Vec<ChunkDigest>, String> {
+        let request = wire::encode(&Message::Digest {
+            vdisk,
+            epoch,
+            offset,
+            length,
+        });
+        let node = self.peer.node();
+        let answer = self
+            .peer
+            .call(request, DIGEST_TIMEOUT)
+            .await
+            .map_err(|e| replica_error(node, vdisk, e).to_string())?;
+        wire::decode_digests(&answer, length.div_ceil(RESYNC_CHUNK_BYTES) as usize)
+            .map_err(|e| format!("node {node} answered a digest request for vdisk {vdisk}: {e}"))
+    }
+}
+
+/// Makes every copy of `targets` hold `content` (one chunk as this node holds it) where it
+/// differs: the online resync of one chunk, which the shard runs with the chunk held still.
+pub async fn sync_chunk(
+    targets: &[Target],
+    vdisk: VdiskId,
+    epoch: u64,
+    content: ReplicaOp,
+) -> Result<ChunkResync, String> {
+    let (offset, length) = content.range();
+    let mine = digest_of(&content);
+    let data_bytes = match &content {
+        ReplicaOp::Write { data, .. } => data.len() as u64,
+        ReplicaOp::Zero { .. } => 0,
+    };
+    let per_copy = targets.iter().map(|target| {
+        let content = content.clone();
+        async move {
+            let held = target.digests(vdisk, epoch, offset, length).await?;
+            if held == [mine] {
+                return Ok(false);
+            }
+            target.send(vdisk, epoch, content).await?;
+            Ok::<_, String>(true)
+        }
+    });
+    let mut outcome = ChunkResync::default();
+    for sent in futures_util::future::try_join_all(per_copy).await? {
+        if sent {
+            outcome.copies_sent += 1;
+            outcome.data_bytes += data_bytes;
+        } else {
+            outcome.copies_same += 1;
+        }
+    }
+    Ok(outcome)
+}
+
+/// Makes every copy in `peers` hold this node's content of the vdisk at ownership `epoch`,
+/// with the vdisk still (no write can race: the gate is shut, or it is not served here).
 /// `done` counts the bytes of the vdisk gone through.
 pub async fn resync(
     shared: Arc<VdiskShared>,
@@ -82,13 +172,7 @@ pub async fn resync(
     if peers.is_empty() {
         return Ok(ResyncSummary::default());
     }
-    let targets: Vec<Target> = peers
-        .iter()
-        .map(|peer| Target {
-            peer: peer.clone(),
-            last_seq: AtomicU64::new(0),
-        })
-        .collect();
+    let targets: Vec<Target> = peers.iter().cloned().map(Target::new).collect();
     let size = shared.size_bytes.load(Ordering::Relaxed);
     let window_bytes = RESYNC_WINDOW_CHUNKS * RESYNC_CHUNK_BYTES;
     let windows = size.div_ceil(window_bytes);
@@ -117,6 +201,48 @@ pub async fn resync(
         .await
 }
 
+/// Chunks of an online resync held and compared at once: client writes to these chunks wait
+/// for their resync (a few milliseconds each); writes elsewhere go on.
+pub const ONLINE_RESYNC_CHUNKS_IN_FLIGHT: usize = 4;
+
+/// The online resync of a vdisk that serves: each 1 MiB chunk in turn is held still by its
+/// shard (`ShardOp::ResyncChunk`), compared with every copy's and sent where it differs
+/// (the installed replicator's `sync_chunk`). `done` counts the bytes gone through.
+pub async fn resync_online(
+    shared: &VdiskShared,
+    done: &AtomicU64,
+) -> Result<ResyncSummary, String> {
+    let size = shared.size_bytes.load(Ordering::Relaxed);
+    stream::iter(0..size.div_ceil(RESYNC_CHUNK_BYTES))
+        .map(|index| async move {
+            let offset = index * RESYNC_CHUNK_BYTES;
+            let length = RESYNC_CHUNK_BYTES.min(size - offset);
+            let replies = shared
+                .call_split(offset, length, |o, l| ShardOp::ResyncChunk {
+                    offset: o,
+                    length: l,
+                })
+                .await
+                .map_err(|e| format!("resyncing the chunk at {offset}: {e}"))?;
+            let mut summary = ResyncSummary::default();
+            for reply in replies {
+                let ShardReply::Resynced(chunk) = reply else {
+                    return Err(format!("unexpected shard reply to a resync: {reply:?}"));
+                };
+                summary.chunks_sent += u64::from(chunk.copies_sent);
+                summary.chunks_same += u64::from(chunk.copies_same);
+                summary.data_bytes += chunk.data_bytes;
+            }
+            done.fetch_add(length, Ordering::Relaxed);
+            Ok(summary)
+        })
+        .buffer_unordered(ONLINE_RESYNC_CHUNKS_IN_FLIGHT)
+        .try_fold(ResyncSummary::default(), |total, summary| async move {
+            Ok(total.add(summary))
+        })
+        .await
+}
+
 /// A run of chunks compared with one digest request per copy.
 struct Window<'a> {
     shared: &'a Arc<VdiskShared>,
@@ -136,7 +262,7 @@ impl Window<'_> {
         });
         let asks = targets
             .iter()
-            .map(|target| self.their_digests(&target.peer));
+            .map(|target| target.digests(self.vdisk, self.epoch, self.offset, self.length));
         let (own, theirs) = futures_util::future::join(
             futures_util::future::try_join_all(reads),
             futures_util::future::try_join_all(asks),
@@ -156,55 +282,11 @@ impl Window<'_> {
                 if let ReplicaOp::Write { data, .. } = op {
                     summary.data_bytes += data.len() as u64;
                 }
-                sends.push(self.send(target, op.clone()));
+                sends.push(target.send(self.vdisk, self.epoch, op.clone()));
             }
         }
         futures_util::future::try_join_all(sends).await?;
         Ok(summary)
-    }
-
-    async fn their_digests(&self, peer: &Peer) -> Result<Vec<ChunkDigest>, String> {
-        let request = wire::encode(&Message::Digest {
-            vdisk: self.vdisk,
-            epoch: self.epoch,
-            offset: self.offset,
-            length: self.length,
-        });
-        let answer = peer
-            .call(request, DIGEST_TIMEOUT)
-            .await
-            .map_err(|e| replica_error(peer.node(), self.vdisk, e).to_string())?;
-        wire::decode_digests(&answer, self.length.div_ceil(RESYNC_CHUNK_BYTES) as usize).map_err(
-            |e| {
-                format!(
-                    "node {} answered a digest request for vdisk {}: {e}",
-                    peer.node(),
-                    self.vdisk
-                )
-            },
-        )
-    }
-
-    async fn send(&self, target: &Target, op: ReplicaOp) -> Result<(), String> {
-        let seq = target.last_seq.fetch_add(1, Ordering::Relaxed) + 1;
-        let record = ReplicaRecord {
-            vdisk: self.vdisk,
-            shard: 0,
-            stream: RESYNC_STREAM,
-            seq,
-            prev_seq: seq - 1,
-            op,
-        };
-        let payload = wire::encode(&Message::Record {
-            epoch: self.epoch,
-            record,
-        });
-        target
-            .peer
-            .call(payload, REPLICA_TIMEOUT)
-            .await
-            .map(|_| ())
-            .map_err(|e| replica_error(target.peer.node(), self.vdisk, e).to_string())
     }
 }
 

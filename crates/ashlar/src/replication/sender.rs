@@ -3,12 +3,15 @@
 //! them hold it durably.
 
 use super::peers::Peer;
+use super::resync::{sync_chunk, Target};
 use super::wire::{self, Message, FENCED_CODE};
 use crate::forwarding::wire::ForwardMessage;
 use ashlar_cluster::NodeId;
 use ashlar_core::IoError;
 use ashlar_core::VdiskId;
-use ashlar_engine::replication::{ReplicaAck, ReplicaFetch, ReplicaRecord, Replicator};
+use ashlar_engine::replication::{
+    ReplicaAck, ReplicaFetch, ReplicaOp, ReplicaRecord, ReplicaResync, Replicator,
+};
 use ashlar_transport::TransportError;
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,6 +25,8 @@ pub struct PeerReplicator {
     /// Where a failed copy is reported, so the vdisk is claimed again (copies resynchronized
     /// or replaced): after a failure a copy may miss records, and its streams cannot go on.
     failed: mpsc::Sender<CopyFailed>,
+    /// The same copies as resync targets (each with its resync stream at `epoch`).
+    resync_targets: Arc<Vec<Target>>,
 }
 
 /// A copy of `vdisk` did not take a record sent at `epoch`.
@@ -38,16 +43,29 @@ impl PeerReplicator {
         timeout: Duration,
         failed: mpsc::Sender<CopyFailed>,
     ) -> PeerReplicator {
+        let resync_targets = Arc::new(peers.iter().cloned().map(Target::new).collect());
         PeerReplicator {
             epoch,
             peers,
             timeout,
             failed,
+            resync_targets,
         }
     }
 }
 
 impl Replicator for PeerReplicator {
+    /// Compares the chunk with every copy's (digests) and sends it where it differs.
+    fn resync(&self, vdisk: VdiskId, content: ReplicaOp) -> ReplicaResync {
+        let targets = self.resync_targets.clone();
+        let epoch = self.epoch;
+        Box::pin(async move {
+            sync_chunk(&targets, vdisk, epoch, content)
+                .await
+                .map_err(IoError::Io)
+        })
+    }
+
     /// Tries the other copies in turn; the first that answers gives the bytes.
     fn fetch(&self, vdisk: VdiskId, offset: u64, length: u64) -> ReplicaFetch {
         let peers = self.peers.clone();

@@ -12,13 +12,14 @@
 //! and run again once no writer runs; only a mismatch that persists is reported.
 
 use super::appends::{LogWrite, LogWrites, WriteFailure};
+use super::holds::{self, Holds};
 use super::inline::{block_range, cache_key, Registration};
 use super::work::{self, DrainError, ReadData, ReadFailure};
 use super::{
     OplogGauges, ShardControl, ShardError, ShardOp, ShardReply, ShardRequest, ShardSpec, Storage,
 };
 use crate::cache::BlockCache;
-use crate::replication::{ReplicaOp, ReplicaRecord, Replicator};
+use crate::replication::{ChunkResync, ReplicaOp, ReplicaRecord, Replicator};
 use ashlar_core::{BlockStatusRun, IoError, BLOCK_SIZE_BYTES};
 use ashlar_storage::oplog::{Append, OplogEvent, PieceSource, Seq};
 use bytes::Bytes;
@@ -65,6 +66,12 @@ enum Finished {
         read: PendingRead,
         error: IoError,
         result: Result<Bytes, IoError>,
+    },
+    /// A chunk held for an online resync was read and given to the replicator.
+    Resynced {
+        request: ShardRequest,
+        range: (u64, u64),
+        result: Result<ChunkResync, IoError>,
     },
     /// Every replica holds record `seq` durably (or one failed to).
     Replicated {
@@ -145,6 +152,8 @@ pub(super) struct Controller {
     parked_reads: Vec<PendingRead>,
     /// `Settle` requests, answered once no write is in flight.
     settling: Vec<ShardRequest>,
+    /// Chunks held still for online resyncs, and the writes held back meanwhile.
+    holds: Holds,
     /// Writes on their way into the oplog (waiting to append, or for their commit).
     log_writes: LogWrites,
     drain: DrainState,
@@ -188,6 +197,7 @@ impl Controller {
             waiting_bypasses: VecDeque::new(),
             parked_reads: Vec::new(),
             settling: Vec::new(),
+            holds: Holds::default(),
             log_writes: LogWrites::default(),
             drain: DrainState::Idle,
             drain_failure: None,
@@ -296,14 +306,17 @@ impl Controller {
         let finished = self.log_writes.take_finished(&self.storage.oplog);
         self.answer_log_writes(finished);
         self.answer_settled();
+        self.start_ready_resyncs();
         self.maybe_hand_over();
         Flow::Continue
     }
 
     /// Answers the `Settle` requests once no write is in flight here.
     fn answer_settled(&mut self) {
-        let writing =
-            self.log_writes.len() + self.waiting_bypasses.len() + self.bypass_ranges.len();
+        let writing = self.log_writes.len()
+            + self.waiting_bypasses.len()
+            + self.bypass_ranges.len()
+            + self.holds.parked_len();
         if writing > 0 || self.settling.is_empty() {
             return;
         }
@@ -346,9 +359,12 @@ impl Controller {
                 + self.waiting_bypasses.len()
                 + self.parked_reads.len()
                 + self.settling.len()
+                + self.holds.parked_len()
+                + self.holds.waiting_len()
                 <= self.requests_in_flight,
             "every queued write or read is a request in flight"
         );
+        self.holds.check_invariants();
     }
 
     // ----- client requests -----
@@ -364,24 +380,13 @@ impl Controller {
                 let read = self.pending_read(request, offset, length, 1);
                 self.start_read(read);
             }
-            ShardOp::Write { offset, ref data } => {
-                let data = data.clone();
+            ShardOp::Write { .. } | ShardOp::WriteZeroes { .. } => {
                 self.requests_in_flight += 1;
-                self.start_write(request, offset, data);
+                self.dispatch_write(request);
             }
-            ShardOp::WriteZeroes {
-                offset,
-                length,
-                punch_hole,
-            } => {
+            ShardOp::ResyncChunk { offset, length } => {
                 self.requests_in_flight += 1;
-                if punch_hole {
-                    self.start_zeroes(request, offset, length);
-                } else {
-                    // The client asked for allocated zeros: store real zero bytes.
-                    let zeros = Bytes::from(vec![0u8; length as usize]);
-                    self.start_write(request, offset, zeros);
-                }
+                self.holds.hold(request, (offset, offset + length));
             }
             ShardOp::Settle { .. } => {
                 self.requests_in_flight += 1;
@@ -396,6 +401,64 @@ impl Controller {
                     Finished::Status { request, result }
                 }));
             }
+        }
+    }
+
+    /// Starts a write request already counted in flight, or holds it back while it meets a
+    /// chunk being resynced.
+    fn dispatch_write(&mut self, request: ShardRequest) {
+        let range = holds::write_range(&request.op).expect("a write request");
+        if self.holds.must_park(range) {
+            self.holds.park(request, range);
+            return;
+        }
+        match request.op {
+            ShardOp::Write { offset, ref data } => {
+                let data = data.clone();
+                self.start_write(request, offset, data);
+            }
+            ShardOp::WriteZeroes {
+                offset,
+                length,
+                punch_hole,
+            } => {
+                if punch_hole {
+                    self.start_zeroes(request, offset, length);
+                } else {
+                    // The client asked for allocated zeros: store real zero bytes.
+                    let zeros = Bytes::from(vec![0u8; length as usize]);
+                    self.start_write(request, offset, zeros);
+                }
+            }
+            _ => unreachable!("write_range accepted it"),
+        }
+    }
+
+    /// Starts the held chunks' resyncs that no write in flight touches any more: each reads
+    /// its chunk and hands it to the replicator.
+    fn start_ready_resyncs(&mut self) {
+        let log_writes = &self.log_writes;
+        let bypass_ranges = &self.bypass_ranges;
+        let waiting_bypasses = &self.waiting_bypasses;
+        let ready = self.holds.take_ready(|(start, end)| {
+            log_writes.overlaps(start, end)
+                || bypass_ranges.iter().any(|r| overlaps(*r, (start, end)))
+                || waiting_bypasses
+                    .iter()
+                    .any(|(_, o, d)| overlaps((*o, o + d.len() as u64), (start, end)))
+        });
+        for (request, range) in ready {
+            let storage = self.storage.clone();
+            let vdisk = self.spec.vdisk;
+            let replicator = self.spec.replication.current();
+            self.work.push(Box::pin(async move {
+                let result = work::resync_chunk(storage, vdisk, range, replicator).await;
+                Finished::Resynced {
+                    request,
+                    range,
+                    result,
+                }
+            }));
         }
     }
 
@@ -613,6 +676,16 @@ impl Controller {
             }
             Finished::Drained(result) => self.finish_drain(result),
             Finished::Replicated { seq, result } => self.log_writes.replica_acked(seq, result),
+            Finished::Resynced {
+                request,
+                range,
+                result,
+            } => {
+                self.answer(request, result.map(ShardReply::Resynced));
+                for write in self.holds.release(range) {
+                    self.dispatch_write(write);
+                }
+            }
             Finished::Fetched {
                 read,
                 error,
@@ -876,6 +949,14 @@ impl Controller {
         requests.close();
         while let Ok(request) = requests.try_recv() {
             request.answer(Err(ShardError::Retired));
+        }
+        let (cancelled, free) = self.holds.cancel_waiting();
+        for request in cancelled {
+            self.requests_in_flight -= 1;
+            request.answer(Err(ShardError::Retired));
+        }
+        for write in free {
+            self.dispatch_write(write);
         }
         self.retiring = Some(Retiring {
             discard,

@@ -14,6 +14,7 @@
 
 mod appends;
 mod controller;
+mod holds;
 mod inline;
 mod work;
 
@@ -66,6 +67,14 @@ pub enum ShardOp {
     Settle {
         offset: u64,
     },
+    /// Online resync of one chunk of a replicated vdisk that serves: new writes overlapping
+    /// `[offset, offset + length)` are held back, the ones in flight finish, the chunk is read
+    /// and handed to the replicator (`Replicator::resync`), then the held writes go on.
+    /// Answered `Resynced` with what the replicator did.
+    ResyncChunk {
+        offset: u64,
+        length: u64,
+    },
 }
 
 #[derive(Debug)]
@@ -73,6 +82,7 @@ pub enum ShardReply {
     Data(Bytes),
     Done,
     Status(Vec<BlockStatusRun>),
+    Resynced(crate::replication::ChunkResync),
 }
 
 #[derive(Debug)]

@@ -341,3 +341,47 @@ pub(super) async fn hand_over(
     storage.store.close_all();
     remove_oplog_dir(&fs, &oplog_dir).await
 }
+
+/// Reads of a resync chunk that found the log moved or a block mid-rewrite before it gives
+/// up (each waits a little: a drain step may be rewriting the chunk's blocks).
+const RESYNC_READ_ATTEMPTS: u32 = 8;
+
+/// Reads the held chunk `range` of the vdisk and hands it to `replicator` (zeros as a zero
+/// record), for an online resync.
+pub(super) async fn resync_chunk(
+    storage: Rc<Storage>,
+    vdisk: VdiskId,
+    range: (u64, u64),
+    replicator: Option<std::sync::Arc<Box<dyn crate::replication::Replicator>>>,
+) -> Result<crate::replication::ChunkResync, IoError> {
+    let Some(replicator) = replicator else {
+        return Err(IoError::Io(format!(
+            "vdisk {vdisk}: no replicator is installed to resync its copies"
+        )));
+    };
+    let (offset, length) = (range.0, range.1 - range.0);
+    let mut attempt = 1;
+    let data = loop {
+        match read(storage.clone(), vdisk, offset, length).await {
+            Ok(read) => break read.data,
+            Err(ReadFailure::LogMoved | ReadFailure::Corrupt(_))
+                if attempt < RESYNC_READ_ATTEMPTS =>
+            {
+                attempt += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+            Err(ReadFailure::LogMoved) => {
+                return Err(IoError::Io(format!(
+                    "vdisk {vdisk}: the oplog kept changing under the resync read at {offset}"
+                )))
+            }
+            Err(ReadFailure::Corrupt(error) | ReadFailure::Failed(error)) => return Err(error),
+        }
+    };
+    let content = if data.iter().all(|&b| b == 0) {
+        crate::replication::ReplicaOp::Zero { offset, length }
+    } else {
+        crate::replication::ReplicaOp::Write { offset, data }
+    };
+    replicator.resync(vdisk, content).await
+}
