@@ -12,7 +12,9 @@
 #     ../shared/bench/peers/run-all.sh
 # then bench/cluster-vs-ceph.py RESULTS_DIR for the issue's ratios.
 # Knobs (environment): see ../shared/bench/peers/lib.sh; ASHLAR_BIN (default: release build),
-#   ASHLAR_CLUSTER_RFS="1 2 3", ASHLAR_CLUSTER_PORT_BASE=2 (node n uses ports <base>n809..811).
+#   ASHLAR_CLUSTER_RFS="1 2 3", ASHLAR_CLUSTER_PORT_BASE=2 (node n uses ports <base>n809..811),
+#   ASHLAR_CLUSTER_NODE_ARGS (extra `ashlar node` flags, e.g. "--cache-size 3G"),
+#   ASHLAR_CLUSTER_WARM=0 (1: read the vdisk once after the fill, so reads start from the cache).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 PEERS=${PEERS:-$HERE/../../shared/bench/peers}
@@ -22,6 +24,8 @@ ASHLAR_BIN=${ASHLAR_BIN:-$HERE/../target/release/ashlar}
 ASHLAR_CLUSTER_RFS=${ASHLAR_CLUSTER_RFS:-"1 2 3"}
 BASE=${ASHLAR_CLUSTER_PORT_BASE:-2}
 ETCD_PORT=${ASHLAR_CLUSTER_ETCD_PORT:-23791}
+NODE_ARGS=${ASHLAR_CLUSTER_NODE_ARGS:-}
+WARM=${ASHLAR_CLUSTER_WARM:-0}
 ensure_pkgs fio jq time libnbd-bin etcd-server || { note ashlar-cluster "could not install packages"; exit 1; }
 [ -x "$ASHLAR_BIN" ] || { note ashlar-cluster "no binary at $ASHLAR_BIN (cargo build --release)"; exit 1; }
 
@@ -45,7 +49,7 @@ NODE_PIDS=""
 for n in 1 2 3; do
     RUST_LOG=warn "$ASHLAR_BIN" node --data-dir "$CLUSTER_DIR/node$n" --etcd "http://127.0.0.1:$ETCD_PORT" \
         --advertise 127.0.0.1 --nbd-listen "127.0.0.1:${BASE}${n}809" --http-listen "127.0.0.1:${BASE}${n}810" \
-        --iscsi-listen "127.0.0.1:${BASE}${n}260" --node-listen "127.0.0.1:${BASE}${n}811" \
+        --iscsi-listen "127.0.0.1:${BASE}${n}260" --node-listen "127.0.0.1:${BASE}${n}811" $NODE_ARGS \
         > "$RESULTS_DIR/logs/ashlar-cluster.node$n.log" 2>&1 &
     PIDS+=($!)
     NODE_PIDS="$NODE_PIDS $!"
@@ -63,8 +67,13 @@ for rf in $ASHLAR_CLUSTER_RFS; do
     log "filling $sys"
     run_bounded 1800 "$FIO" --name=fill --ioengine=nbd --uri="$uri" --rw=write --bs=1M \
         --iodepth=8 >/dev/null 2>&1 || note "$sys" "pre-fill failed (reads may hit holes)"
+    if [ "$WARM" = 1 ]; then
+        log "warming node 1's read cache for $sys"
+        run_bounded 900 "$FIO" --name=warm --ioengine=nbd --uri="$uri" --rw=read --bs=1M \
+            --iodepth=8 >/dev/null 2>&1 || true
+    fi
     sleep 5 # the fill's oplogs drain before the first job
-    note "$sys" "ashlar $("$ASHLAR_BIN" --version | awk '{print $2}'), 3 nodes on one host, RF $rf, vdisk $SIZE claimed by node 1 (client on node 1), default cache and reactors per node; writes durable on every copy at acknowledgement"
+    note "$sys" "ashlar $("$ASHLAR_BIN" --version | awk '{print $2}'), 3 nodes on one host, RF $rf, vdisk $SIZE claimed by node 1 (client on node 1), node flags '${NODE_ARGS:-defaults}', cache warmed: $WARM; writes durable on every copy at acknowledgement"
     log "== $sys: $uri runtime=${RUNTIME}s"
     SERVER_PIDS=$NODE_PIDS
     run_matrix "$sys" --ioengine=nbd --uri="$uri"

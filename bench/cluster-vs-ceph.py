@@ -104,3 +104,15 @@ for workload, qd in [("randwrite4k", "1"), ("randwrite4k", "32")]:
         cells.append(base["per_cpu"] / f["per_cpu"] if f and f["per_cpu"] else None)
     met = "-" if cells[1] is None else ("MET" if cells[1] <= 3.75 else "missed")
     print(f"| {workload} QD{qd} | {fmt(cells[0], 2)}x | {fmt(cells[1], 2)}x | {met} |")
+
+floor = figure("raw-ext4-dsync", "randwrite4k", "1")
+if floor and floor["p50"]:
+    print("\n## The disk's own floor for a durable write\n")
+    print(f"raw fio io_uring direct=1 sync=dsync, 4 KiB random write QD1 on the same disk: p50 "
+          f"{floor['p50']:.1f} us. One durable write on one node costs at least that; a QD1 "
+          f"write p50 of 1/4 of Ceph's is below it wherever the row above asks for less.")
+    for rf in ("2", "3"):
+        theirs = figure(f"ceph-bluestore-s{rf}", "randwrite4k", "1")
+        if theirs and theirs["p50"]:
+            print(f"- RF {rf}: 1/4 of Ceph's p50 = {theirs['p50'] / 4:.1f} us, "
+                  f"{theirs['p50'] / 4 / floor['p50']:.2f}x the raw dsync floor")

@@ -23,39 +23,10 @@ BASE_DIR=${BASE_DIR:-/var/tmp/ashlar-cluster-bench}
 OUT_DIR=${1:-$HERE/results/$(date -u +%Y%m%d-%H%M%S)-$(hostname -s)}
 ETCD_PORT=23791
 
-[ -x "$ASHLAR_BIN" ] || { echo "no binary at $ASHLAR_BIN (cargo build --release -p ashlar)" >&2; exit 1; }
-for tool in etcd fio jq; do
-    command -v "$tool" >/dev/null || { echo "$tool is missing (apt-get install etcd-server fio jq)" >&2; exit 1; }
-done
-rm -rf "$BASE_DIR"
-mkdir -p "$BASE_DIR" "$OUT_DIR"
-PIDS=()
-cleanup() { for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT
-
-etcd --data-dir "$BASE_DIR/etcd" --listen-client-urls "http://127.0.0.1:$ETCD_PORT" \
-    --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
-    --listen-peer-urls "http://127.0.0.1:$((ETCD_PORT + 1))" > "$BASE_DIR/etcd.log" 2>&1 &
-PIDS+=($!)
-for _ in $(seq 50); do
-    curl -sf "http://127.0.0.1:$ETCD_PORT/health" >/dev/null 2>&1 && break
-    sleep 0.2
-done
-# Node n listens on 2n809 (NBD), 2n810 (HTTP), 2n260 (iSCSI), 2n811 (node-to-node).
-for n in 1 2 3; do
-    "$ASHLAR_BIN" node --data-dir "$BASE_DIR/node$n" --etcd "http://127.0.0.1:$ETCD_PORT" \
-        --advertise 127.0.0.1 --nbd-listen "127.0.0.1:2${n}809" --http-listen "127.0.0.1:2${n}810" \
-        --iscsi-listen "127.0.0.1:2${n}260" --node-listen "127.0.0.1:2${n}811" \
-        --node-lease-ttl-ms 3000 > "$BASE_DIR/node$n.log" 2>&1 &
-    PIDS+=($!)
-done
-NODE_PIDS=("${PIDS[@]:1:3}")
-for n in 1 2 3; do
-    for _ in $(seq 100); do
-        curl -sf "http://127.0.0.1:2${n}810/healthz" >/dev/null 2>&1 && break
-        sleep 0.2
-    done
-done
+source "$HERE/cluster-start.sh"
+prepare_cluster_run "$BASE_DIR" "$OUT_DIR"
+start_cluster "$BASE_DIR" "$ETCD_PORT" 2 3000
+NODE_PIDS=("${NODE_PID[1]}" "${NODE_PID[2]}" "${NODE_PID[3]}")
 for rf in $RFS; do
     "$ASHLAR_BIN" --server http://127.0.0.1:21810 vdisk create "rf$rf" --size "$SIZE" --rf "$rf" >/dev/null
     # Fill it (so reads read data) and claim it on node 1.

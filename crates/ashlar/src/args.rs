@@ -261,6 +261,16 @@ pub struct NodeArgs {
     /// of the set is up and holds all the data; then the data is removed. 0 = at once.
     #[arg(long, default_value_t = 60, value_name = "SECONDS", requires = "etcd")]
     pub trim_copies_after_s: u64,
+    /// Most MiB per second a claim's online resync compares and sends (0 = as fast as the
+    /// disks and network go). The resync shares the disk and CPUs with client I/O: a lower
+    /// rate keeps more of the clients' IOPS while a copy is rebuilt, and takes longer.
+    #[arg(
+        long,
+        default_value_t = 0,
+        value_name = "MIB_PER_SECOND",
+        requires = "etcd"
+    )]
+    pub resync_max_mib_s: u64,
 
     /// Mark the node storage-only: it holds replicas of other nodes' vdisks (chosen before
     /// other nodes when copies are placed) and never owns vdisks or serves clients.

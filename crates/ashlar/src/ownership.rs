@@ -63,6 +63,10 @@ struct Clustered {
     control: tokio::runtime::Handle,
     claiming: tokio::sync::Mutex<()>,
     held: Mutex<HashMap<VdiskId, Held>>,
+    /// The last claim of a vdisk that could not serve (a copy unreachable, ...), and why:
+    /// the next attempt waits `CLAIM_FAILURE_BACKOFF`, so clients retrying their requests
+    /// do not claim (and raise the epoch in etcd) hundreds of times a second.
+    failed_claims: Mutex<HashMap<VdiskId, (std::time::Instant, String)>>,
     /// Makes a claimed vdisk's writes reach every copy before its gate opens.
     replication: Arc<NodeReplication>,
 }
@@ -204,6 +208,7 @@ impl NodeOwnership {
             control: tokio::runtime::Handle::current(),
             claiming: tokio::sync::Mutex::new(()),
             held: Mutex::new(HashMap::new()),
+            failed_claims: Mutex::new(HashMap::new()),
             replication,
         });
         tokio::spawn(follow_lease(cluster.clone()));
@@ -531,6 +536,14 @@ impl Clustered {
         if let Some(refused) = self.refuse_while_draining(&wanted, frontend).await {
             return Err(refused);
         }
+        if let Some((at, reason)) = lock(&self.failed_claims).get(&wanted.vdisk) {
+            if at.elapsed() < CLAIM_FAILURE_BACKOFF {
+                return Err(NotServing::for_now(format!(
+                    "{reason} (a claim failed {} ms ago; trying again shortly)",
+                    at.elapsed().as_millis()
+                )));
+            }
+        }
         match claim_to_serve(
             &self.meta,
             wanted.vdisk,
@@ -552,8 +565,11 @@ impl Clustered {
                     if let Err(error) = release(&self.meta, &claim).await {
                         tracing::info!(vdisk = %name, %error, "nothing to release");
                     }
+                    lock(&self.failed_claims)
+                        .insert(wanted.vdisk, (std::time::Instant::now(), message.clone()));
                     return Err(NotServing::for_now(message));
                 }
+                lock(&self.failed_claims).remove(&wanted.vdisk);
                 self.opened(wanted, claim, frontend);
                 Ok(())
             }
@@ -823,6 +839,9 @@ async fn learn(engine: &NodeEngine, name: &str) {
         tracing::warn!(vdisk = name, %error, "could not start a vdisk from the catalog");
     }
 }
+
+/// How long after a claim that could not serve the vdisk is claimed again at the earliest.
+const CLAIM_FAILURE_BACKOFF: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// How long a vdisk waits between attempts to claim it again after a copy failed.
 const RECLAIM_RETRY: std::time::Duration = std::time::Duration::from_secs(1);

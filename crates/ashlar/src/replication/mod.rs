@@ -74,6 +74,8 @@ pub struct NodeReplication {
     /// The online resync of each vdisk's last claim here: its epoch and its outcome once
     /// ended (one entry per vdisk ever claimed here, replaced by each claim).
     resyncs: std::sync::Mutex<HashMap<VdiskId, ResyncOutcome>>,
+    /// `--resync-max-mib-s` in bytes per second (`None`: no limit).
+    resync_rate: Option<u64>,
     _server: Server,
 }
 
@@ -121,6 +123,7 @@ impl NodeReplication {
             forward,
             failures: std::sync::Mutex::new(Some(failures)),
             resyncs: std::sync::Mutex::new(HashMap::new()),
+            resync_rate: (args.resync_max_mib_s > 0).then_some(args.resync_max_mib_s << 20),
             _server: server,
         })
     }
@@ -263,6 +266,7 @@ impl NodeReplication {
         let meta = self.meta.clone();
         let failed = self.failed.clone();
         let name = name.to_string();
+        let rate = self.resync_rate;
         tokio::spawn(async move {
             let started = std::time::Instant::now();
             let stop = Arc::new(tokio::sync::Notify::new());
@@ -272,7 +276,7 @@ impl NodeReplication {
                 done.clone(),
                 stop.clone(),
             ));
-            let resynced = resync::resync_online(&shared, &done).await;
+            let resynced = resync::resync_online(&shared, &done, rate).await;
             stop.notify_one();
             let _ = publisher.await;
             let outcome = match resynced {

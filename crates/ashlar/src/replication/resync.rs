@@ -207,16 +207,24 @@ pub const ONLINE_RESYNC_CHUNKS_IN_FLIGHT: usize = 4;
 
 /// The online resync of a vdisk that serves: each 1 MiB chunk in turn is held still by its
 /// shard (`ShardOp::ResyncChunk`), compared with every copy's and sent where it differs
-/// (the installed replicator's `sync_chunk`). `done` counts the bytes gone through.
+/// (the installed replicator's `sync_chunk`). `done` counts the bytes gone through. With
+/// `rate` (bytes per second), chunk n starts no earlier than n chunks' worth of time after
+/// the first.
 pub async fn resync_online(
     shared: &VdiskShared,
     done: &AtomicU64,
+    rate: Option<u64>,
 ) -> Result<ResyncSummary, String> {
     let size = shared.size_bytes.load(Ordering::Relaxed);
+    let started = tokio::time::Instant::now();
     stream::iter(0..size.div_ceil(RESYNC_CHUNK_BYTES))
         .map(|index| async move {
             let offset = index * RESYNC_CHUNK_BYTES;
             let length = RESYNC_CHUNK_BYTES.min(size - offset);
+            if let Some(rate) = rate {
+                let due = std::time::Duration::from_secs_f64(offset as f64 / rate as f64);
+                tokio::time::sleep_until(started + due).await;
+            }
             let replies = shared
                 .call_split(offset, length, |o, l| ShardOp::ResyncChunk {
                     offset: o,
