@@ -261,12 +261,13 @@ pub struct NodeArgs {
     /// of the set is up and holds all the data; then the data is removed. 0 = at once.
     #[arg(long, default_value_t = 60, value_name = "SECONDS", requires = "etcd")]
     pub trim_copies_after_s: u64,
-    /// Most MiB per second a claim's online resync compares and sends (0 = as fast as the
-    /// disks and network go). The resync shares the disk and CPUs with client I/O: a lower
-    /// rate keeps more of the clients' IOPS while a copy is rebuilt, and takes longer.
+    /// Most MiB per second a claim's online resync compares and sends while clients do I/O
+    /// on the vdisk (0 = no limit); with no client I/O it goes as fast as the disks and
+    /// network go. The resync shares the disk and CPUs with client I/O: a lower rate keeps
+    /// more of the clients' IOPS while a copy is rebuilt, and takes longer.
     #[arg(
         long,
-        default_value_t = 0,
+        default_value_t = 32,
         value_name = "MIB_PER_SECOND",
         requires = "etcd"
     )]

@@ -294,7 +294,7 @@ impl NodeReplication {
                 }
                 Err(error) => {
                     tracing::warn!(vdisk = name, epoch, %error,
-                        "resynchronizing the copies failed; claiming the vdisk again");
+                        "resynchronizing the copies failed; the vdisk is claimed again if this node still holds it at this epoch");
                     let _ = failed.try_send(CopyFailed { vdisk, epoch });
                     Err(error)
                 }

@@ -205,26 +205,84 @@ pub async fn resync(
 /// for their resync (a few milliseconds each); writes elsewhere go on.
 pub const ONLINE_RESYNC_CHUNKS_IN_FLIGHT: usize = 4;
 
+/// How often an online resync looks whether clients use the vdisk.
+pub const CLIENT_ACTIVITY_WINDOW: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// When the chunks of an online resync start: as fast as they go while no client uses the
+/// vdisk, at most `busy_rate` bytes per second while one does (its I/O count moved within
+/// the last [`CLIENT_ACTIVITY_WINDOW`]). Pure: the caller gives the count and the time.
+pub struct Pacer {
+    busy_rate: Option<u64>,
+    last_ops: u64,
+    last_check: tokio::time::Instant,
+    clients_active: bool,
+    next_start: tokio::time::Instant,
+}
+
+impl Pacer {
+    pub fn new(busy_rate: Option<u64>, ops: u64, now: tokio::time::Instant) -> Pacer {
+        Pacer {
+            busy_rate,
+            last_ops: ops,
+            last_check: now,
+            clients_active: false,
+            next_start: now,
+        }
+    }
+
+    /// How long the next chunk of `length` bytes waits before it starts, given the vdisk's
+    /// client I/O count `ops` at `now`.
+    pub fn delay(
+        &mut self,
+        length: u64,
+        ops: u64,
+        now: tokio::time::Instant,
+    ) -> std::time::Duration {
+        if now.duration_since(self.last_check) >= CLIENT_ACTIVITY_WINDOW {
+            self.clients_active = ops != self.last_ops;
+            self.last_ops = ops;
+            self.last_check = now;
+        }
+        let Some(rate) = self.busy_rate.filter(|_| self.clients_active) else {
+            self.next_start = now;
+            return std::time::Duration::ZERO;
+        };
+        let start = self.next_start.max(now);
+        self.next_start = start + std::time::Duration::from_secs_f64(length as f64 / rate as f64);
+        start - now
+    }
+}
+
 /// The online resync of a vdisk that serves: each 1 MiB chunk in turn is held still by its
 /// shard (`ShardOp::ResyncChunk`), compared with every copy's and sent where it differs
-/// (the installed replicator's `sync_chunk`). `done` counts the bytes gone through. With
-/// `rate` (bytes per second), chunk n starts no earlier than n chunks' worth of time after
-/// the first.
+/// (the installed replicator's `sync_chunk`), paced by a [`Pacer`] at `busy_rate` bytes per
+/// second while clients use the vdisk. `done` counts the bytes gone through.
 pub async fn resync_online(
     shared: &VdiskShared,
     done: &AtomicU64,
-    rate: Option<u64>,
+    busy_rate: Option<u64>,
 ) -> Result<ResyncSummary, String> {
     let size = shared.size_bytes.load(Ordering::Relaxed);
-    let started = tokio::time::Instant::now();
+    let client_ops = || {
+        shared.counters.read_ops.load(Ordering::Relaxed)
+            + shared.counters.write_ops.load(Ordering::Relaxed)
+    };
+    let mut pacer = Pacer::new(busy_rate, client_ops(), tokio::time::Instant::now());
     stream::iter(0..size.div_ceil(RESYNC_CHUNK_BYTES))
+        .then(move |index| {
+            let wait = pacer.delay(
+                RESYNC_CHUNK_BYTES,
+                client_ops(),
+                tokio::time::Instant::now(),
+            );
+            async move {
+                tokio::time::sleep(wait).await;
+                index
+            }
+        })
         .map(|index| async move {
             let offset = index * RESYNC_CHUNK_BYTES;
             let length = RESYNC_CHUNK_BYTES.min(size - offset);
-            if let Some(rate) = rate {
-                let due = std::time::Duration::from_secs_f64(offset as f64 / rate as f64);
-                tokio::time::sleep_until(started + due).await;
-            }
             let replies = shared
                 .call_split(offset, length, |o, l| ShardOp::ResyncChunk {
                     offset: o,
@@ -366,4 +424,44 @@ pub fn unix_ms() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_resync_goes_full_speed_while_idle_and_at_the_busy_rate_while_clients_do_io() {
+        let start = tokio::time::Instant::now();
+        let mib = 1 << 20;
+        let mut pacer = Pacer::new(Some(32 * mib), 0, start);
+        // No client I/O: no wait, chunk after chunk.
+        assert_eq!(pacer.delay(mib, 0, start), Duration::ZERO);
+        let later = start + Duration::from_millis(150);
+        assert_eq!(pacer.delay(mib, 0, later), Duration::ZERO);
+        // Clients did I/O in the last window: 1 MiB per 1/32 s from now on.
+        let busy = later + Duration::from_millis(150);
+        assert_eq!(pacer.delay(mib, 500, busy), Duration::ZERO);
+        assert_eq!(
+            pacer.delay(mib, 500, busy),
+            Duration::from_secs_f64(1.0 / 32.0)
+        );
+        assert_eq!(
+            pacer.delay(mib, 500, busy),
+            Duration::from_secs_f64(2.0 / 32.0)
+        );
+        // The count did not move for a window: idle again, full speed.
+        let idle = busy + Duration::from_millis(150);
+        assert_eq!(pacer.delay(mib, 500, idle), Duration::ZERO);
+    }
+
+    #[test]
+    fn without_a_busy_rate_a_resync_never_waits() {
+        let start = tokio::time::Instant::now();
+        let mut pacer = Pacer::new(None, 0, start);
+        let busy = start + Duration::from_millis(150);
+        assert_eq!(pacer.delay(1 << 20, 99, busy), Duration::ZERO);
+        assert_eq!(pacer.delay(1 << 20, 199, busy), Duration::ZERO);
+    }
 }
