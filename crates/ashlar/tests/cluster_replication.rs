@@ -31,6 +31,16 @@ fn pattern(dir: &Path, seed: u8) -> (PathBuf, Vec<u8>) {
     (path, data)
 }
 
+/// A file of 32 MiB: pattern 1, then other non-zero data, so a resync that sent everything
+/// is told apart from one that sends what differs. Its path, the pattern and all of it.
+fn filled_pattern(dir: &Path) -> (PathBuf, Vec<u8>, Vec<u8>) {
+    let (path, pattern_data) = pattern(dir, 1);
+    let mut filled = pattern_data.clone();
+    filled.extend((0..FILLED_BYTES - PATTERN_BYTES).map(|i| (i % 253) as u8 | 1));
+    std::fs::write(&path, &filled).unwrap();
+    (path, pattern_data, filled)
+}
+
 /// nbdcopy from `from` to `to`: whether it succeeded, and what it printed.
 fn nbdcopy(from: &str, to: &str) -> (bool, String) {
     let out = run_bounded_env("nbdcopy", &[from, to], &[("LIBNBD_DEBUG", "1")], 60);
@@ -115,12 +125,7 @@ fn rf2_writes_reach_the_copy_node_which_is_resynced_or_replaced_when_it_fails() 
     out.assert_ok("vdisk create --rf 2");
     assert!(out.stdout.contains("rf 2"), "{}", out.stdout);
     let dir = tempfile::tempdir().unwrap();
-    let (first, first_data) = pattern(dir.path(), 1);
-    // The first write fills 32 MiB (the pattern, then other non-zero data), so a resync that
-    // sent everything would be told apart from one that sends what differs.
-    let mut filled = first_data.clone();
-    filled.extend((0..FILLED_BYTES - PATTERN_BYTES).map(|i| (i % 253) as u8 | 1));
-    std::fs::write(&first, &filled).unwrap();
+    let (first, first_data, _) = filled_pattern(dir.path());
 
     let (ok, text) = nbdcopy(first.to_str().unwrap(), &a.uri(VDISK));
     assert!(
@@ -245,6 +250,114 @@ fn rf2_writes_reach_the_copy_node_which_is_resynced_or_replaced_when_it_fails() 
         &vdisk_dir,
         &third_data,
         "B's extent store does not hold the third pattern",
+    );
+}
+
+/// A copy node that does not answer for a while (stopped with SIGSTOP, longer than the
+/// replica timeout, shorter than its lease) but keeps running: writes fail meanwhile, and once
+/// it answers again the owner's claim compares and sends only the chunks those failed writes
+/// touched (a catch-up), not the whole vdisk; the copy then holds every acknowledged write.
+#[test]
+fn a_copy_that_stopped_answering_for_a_while_catches_up_on_the_chunks_failed_writes_touched() {
+    let etcd = EtcdServer::start();
+    let a = cluster_node(&etcd.url, &[]);
+    // C's lease outlives its pause: it stays a member that is up, so it stays a copy.
+    let mut c = Node::start_with(&[
+        "--etcd",
+        &etcd.url,
+        "--advertise",
+        "127.0.0.1",
+        "--node-lease-ttl-ms",
+        "60000",
+    ]);
+    a.cli(&["vdisk", "create", VDISK, "--size", "64M", "--rf", "2"])
+        .assert_ok("vdisk create --rf 2");
+    let dir = tempfile::tempdir().unwrap();
+    let (first, _, filled) = filled_pattern(dir.path());
+    let (ok, text) = nbdcopy(first.to_str().unwrap(), &a.uri(VDISK));
+    assert!(ok, "write through A: {text}\n{}", a.log());
+    let copies = a.show(VDISK)["ownership"]["copies"].clone();
+    assert_eq!(copies, serde_json::json!([node_id(&a), node_id(&c)]));
+    let vdisk_dir = a.vdisk_dir_name(VDISK);
+
+    let signal = |name: &str| {
+        let status = std::process::Command::new("kill")
+            .args([name, &c.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill {name}");
+    };
+    signal("-STOP");
+    let (second, second_data) = pattern(dir.path(), 2);
+    let writer = {
+        let (uri, second) = (a.uri(VDISK), second.clone());
+        std::thread::spawn(move || {
+            let start = Instant::now();
+            let mut failures = 0;
+            loop {
+                let (ok, _) = nbdcopy(second.to_str().unwrap(), &uri);
+                if ok {
+                    return failures;
+                }
+                failures += 1;
+                assert!(
+                    start.elapsed() < Duration::from_secs(90),
+                    "no write acknowledged"
+                );
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        })
+    };
+    // Longer than the replica timeout (5 s): the owner's writes to C fail.
+    std::thread::sleep(Duration::from_secs(8));
+    signal("-CONT");
+    let failures = writer.join().unwrap();
+    assert!(failures > 0, "a write succeeded while C was stopped");
+
+    // The claim after C answered again compared only the 4 chunks of the second pattern
+    // (the failed writes' chunks), not the 64 of the vdisk.
+    let start = Instant::now();
+    let caught_up = loop {
+        let log = a.log();
+        let line = log
+            .lines()
+            .rfind(|line| line.contains("copies resynchronized") && line.contains("caught_up=true"))
+            .map(str::to_string);
+        if let Some(line) = line {
+            break line;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no catch-up: {log}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let counts = resync_counts(&caught_up);
+    let (sent, same) = counts[0];
+    let pattern_chunks = (PATTERN_BYTES >> 20) as u64;
+    assert!(
+        sent + same >= 1 && sent + same <= pattern_chunks,
+        "the catch-up compared {} chunks: {caught_up}",
+        sent + same
+    );
+    assert!(
+        !a.log()
+            .lines()
+            .any(|line| line.contains("copies resynchronized") && line.contains("caught_up=false")),
+        "a claim compared the whole vdisk: {}",
+        a.log()
+    );
+    let back = dir.path().join("back");
+    let (ok, text) = nbdcopy(&a.uri(VDISK), back.to_str().unwrap());
+    assert!(ok, "read through A: {text}");
+    let read = std::fs::read(&back).unwrap();
+    assert!(read[..PATTERN_BYTES] == second_data[..]);
+    assert!(read[PATTERN_BYTES..FILLED_BYTES] == filled[PATTERN_BYTES..]);
+    assert_copy_holds(
+        &mut c,
+        &vdisk_dir,
+        &second_data,
+        "C's extent store does not hold the second pattern after its catch-up",
     );
 }
 

@@ -123,6 +123,39 @@ impl VdiskShared {
         Ok(())
     }
 
+    /// The chunks (of `UNREPLICATED_CHUNK_BYTES`) that failed writes touched since the last
+    /// call, over every shard, sorted; `None` if any shard does not know (see
+    /// [`ShardOp::TakeUnreplicated`]). Each shard starts a new set. Call it settled, with
+    /// the gate shut. Off the reactors only.
+    pub async fn take_unreplicated(&self) -> IoResult<Option<Vec<u64>>> {
+        let count = self.shard_count() as u64;
+        let takes = (0..count).map(|i| {
+            let offset = i * SHARD_RANGE_BYTES;
+            self.call(move || ShardOp::TakeUnreplicated { offset }, offset)
+        });
+        let mut known = Some(Vec::new());
+        for result in futures_util::future::join_all(takes).await {
+            match result? {
+                ShardReply::Unreplicated(Some(chunks)) => {
+                    if let Some(all) = &mut known {
+                        all.extend(chunks);
+                    }
+                }
+                ShardReply::Unreplicated(None) => known = None,
+                other => {
+                    return Err(IoError::Io(format!(
+                        "unexpected shard reply to a take of unreplicated chunks: {other:?}"
+                    )))
+                }
+            }
+        }
+        Ok(known.map(|mut chunks| {
+            chunks.sort_unstable();
+            chunks.dedup();
+            chunks
+        }))
+    }
+
     /// The reactor whose shard serves `offset` (`None` off the reactors, in tests): where a
     /// request that arrives off the reactors is cheapest to run.
     pub fn reactor_for(&self, offset: u64) -> Option<ReactorId> {

@@ -12,6 +12,7 @@
 //! this node's copy (`resync`) and installs the replicator; a copy node that cannot be
 //! reached refuses the claim, since no write could be acknowledged.
 
+mod catch_up;
 mod digest;
 mod fence;
 mod peers;
@@ -76,6 +77,8 @@ pub struct NodeReplication {
     resyncs: std::sync::Mutex<HashMap<VdiskId, ResyncOutcome>>,
     /// `--resync-max-mib-s` in bytes per second (`None`: no limit).
     resync_rate: Option<u64>,
+    /// What this node's claims of each replicated vdisk did (`catch_up`).
+    tracks: Arc<std::sync::Mutex<catch_up::Tracks>>,
     _server: Server,
 }
 
@@ -98,6 +101,7 @@ impl NodeReplication {
             forward: forward.clone(),
             receiver: receiver.clone(),
             peers: peers.clone(),
+            run: random_run()?,
         });
         let handler = handler_fn(move |_peer, payload| {
             let services = services.clone();
@@ -124,6 +128,7 @@ impl NodeReplication {
             failures: std::sync::Mutex::new(Some(failures)),
             resyncs: std::sync::Mutex::new(HashMap::new()),
             resync_rate: (args.resync_max_mib_s > 0).then_some(args.resync_max_mib_s << 20),
+            tracks: Arc::default(),
             _server: server,
         })
     }
@@ -160,9 +165,11 @@ impl NodeReplication {
         let info = self.engine.vdisk(name).map_err(|e| e.to_string())?;
         let rf = info.replication_factor;
         if rf <= 1 {
+            lock(&self.tracks).forget(vdisk);
             let _ = self.engine.set_replicator(name, None);
             return Ok(());
         }
+        let consecutive = lock(&self.tracks).claim(vdisk, epoch);
         let nodes = list_nodes(&self.meta)
             .await
             .map_err(|e| format!("vdisk {name}: listing nodes: {e}"))?;
@@ -197,8 +204,10 @@ impl NodeReplication {
             format!("vdisk {name}: fencing this node's own copy at epoch {epoch}: {e}")
         })?;
         // Each copy answers once the records of older owners it took are applied.
+        let mut identities = Vec::new();
         for peer in &peers {
-            peer.call(fence.clone(), REPLICA_TIMEOUT)
+            let answer = peer
+                .call(fence.clone(), REPLICA_TIMEOUT)
                 .await
                 .map_err(|e| {
                     format!(
@@ -206,6 +215,7 @@ impl NodeReplication {
                         replica_error(peer.node(), vdisk, e)
                     )
                 })?;
+            identities.push((peer.node(), wire::decode_fence_answer(&answer)));
         }
         let shared = self.engine.vdisk_shared(name).map_err(|e| e.to_string())?;
         // Writes still on their way (the last owner's records this node was applying, or
@@ -214,6 +224,26 @@ impl NodeReplication {
             .settle()
             .await
             .map_err(|e| format!("vdisk {name}: waiting for writes in flight: {e}"))?;
+        // What failed writes touched since the last claim: with the gate shut and the shards
+        // settled, nothing is added until the replicator below is installed.
+        let missed = shared
+            .take_unreplicated()
+            .await
+            .map_err(|e| format!("vdisk {name}: {e}"))?;
+        let found = catch_up::ClaimFound {
+            epoch,
+            copies: identities,
+            size_bytes: shared.size_bytes.load(std::sync::atomic::Ordering::Relaxed),
+            set_changed: previous
+                .as_ref()
+                .is_none_or(|p| p.copies != copies || !p.filling.is_empty() || source.is_some()),
+        };
+        let catch_up = {
+            let mut tracks = lock(&self.tracks);
+            let catch_up = tracks.may_catch_up(vdisk, consecutive, &found);
+            tracks.resync_started(vdisk, &found, previous.is_none());
+            catch_up.then_some(missed).flatten()
+        };
         if let Some(source) = source {
             self.pull(name, vdisk, epoch, source, &nodes).await?;
         }
@@ -235,7 +265,7 @@ impl NodeReplication {
         }
         // Every write from now on reaches every copy; what they held before is made equal
         // to this node's in the background, chunk by chunk, while the vdisk serves.
-        self.start_online_resync(name, vdisk, epoch, shared, copies);
+        self.start_online_resync(name, vdisk, epoch, shared, copies, catch_up);
         Ok(())
     }
 
@@ -249,14 +279,17 @@ impl NodeReplication {
         epoch: u64,
         shared: Arc<ashlar_engine::vdisk::VdiskShared>,
         copies: Vec<NodeId>,
+        catch_up: Option<Vec<u64>>,
     ) {
         let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let size_bytes = shared.size_bytes.load(std::sync::atomic::Ordering::Relaxed);
+        let chunks = resync::ResyncChunks::new(size_bytes, catch_up);
         let record = ResyncRecord {
             version: RESYNC_RECORD_VERSION,
             vdisk,
             node: self.node,
             epoch,
-            total_bytes: shared.size_bytes.load(std::sync::atomic::Ordering::Relaxed),
+            total_bytes: chunks.bytes(),
             done_bytes: 0,
             started_unix_ms: resync::unix_ms(),
             updated_unix_ms: resync::unix_ms(),
@@ -267,6 +300,7 @@ impl NodeReplication {
         let failed = self.failed.clone();
         let name = name.to_string();
         let rate = self.resync_rate;
+        let tracks = self.tracks.clone();
         tokio::spawn(async move {
             let started = std::time::Instant::now();
             let stop = Arc::new(tokio::sync::Notify::new());
@@ -276,14 +310,16 @@ impl NodeReplication {
                 done.clone(),
                 stop.clone(),
             ));
-            let resynced = resync::resync_online(&shared, &done, rate).await;
+            let caught_up = chunks.is_catch_up();
+            let resynced = resync::resync_online(&shared, chunks, &done, rate).await;
             stop.notify_one();
             let _ = publisher.await;
             let outcome = match resynced {
                 Ok(summary) => {
+                    lock(&tracks).resync_completed(vdisk, epoch);
                     tracing::info!(vdisk = name, epoch, copies = ?names(&copies),
                         chunks_sent = summary.chunks_sent, chunks_same = summary.chunks_same,
-                        data_bytes = summary.data_bytes,
+                        data_bytes = summary.data_bytes, caught_up,
                         elapsed_ms = started.elapsed().as_millis() as u64,
                         "copies resynchronized from this node's while it served");
                     if let Err(error) = mark_placement_synced(&meta, vdisk, &copies, epoch).await {
@@ -431,6 +467,13 @@ fn copy_address(name: &str, node: NodeId, nodes: &[NodeStatus]) -> Result<Socket
             status.record.addresses.node
         )
     })
+}
+
+/// A random id of this run of the node (its fence answers' identity).
+fn random_run() -> Result<u64> {
+    let mut bytes = [0u8; 8];
+    getrandom::fill(&mut bytes).map_err(|e| anyhow!("drawing the node's run id: {e}"))?;
+    Ok(u64::from_le_bytes(bytes))
 }
 
 /// The secret from `--cluster-secret-file`, else the one kept in etcd (generated by the

@@ -10,7 +10,8 @@
 //! copy the chunks where it differs as one stream of records (a chunk of zeros as a zero
 //! record). Copies apply the stream in order like any other. A copy that was away briefly
 //! gets what it missed, not the whole vdisk; both sides still read their whole copy (holes
-//! cost no disk read).
+//! cost no disk read), unless the claim may catch up (`catch_up`): then only the chunks
+//! that failed writes touched are compared.
 
 use super::digest::digest_of;
 use super::peers::Peer;
@@ -32,8 +33,8 @@ use std::time::Duration;
 /// The stream id of a resync (shard controllers' streams are their shard-map epochs, which
 /// never get near it).
 pub const RESYNC_STREAM: u64 = u64::MAX;
-/// Bytes per resync record, and per chunk digest.
-pub const RESYNC_CHUNK_BYTES: u64 = 1 << 20;
+/// Bytes per resync record, and per chunk digest: the chunk shards track failed writes in.
+pub const RESYNC_CHUNK_BYTES: u64 = ashlar_engine::shard::UNREPLICATED_CHUNK_BYTES;
 /// Chunks compared per digest request (and read at once on each side).
 pub const RESYNC_WINDOW_CHUNKS: u64 = 8;
 /// Windows compared and sent at once: the claimant holds at most this many windows of its
@@ -253,36 +254,76 @@ impl Pacer {
     }
 }
 
-/// The online resync of a vdisk that serves: each 1 MiB chunk in turn is held still by its
-/// shard (`ShardOp::ResyncChunk`), compared with every copy's and sent where it differs
+/// The chunks an online resync goes through: all of the vdisk, or (a catch-up) those that
+/// failed writes touched.
+pub struct ResyncChunks {
+    size_bytes: u64,
+    only: Option<Vec<u64>>,
+}
+
+impl ResyncChunks {
+    /// Every chunk of a vdisk of `size_bytes`, or only the (sorted) `only` ones inside it.
+    pub fn new(size_bytes: u64, only: Option<Vec<u64>>) -> ResyncChunks {
+        let count = size_bytes.div_ceil(RESYNC_CHUNK_BYTES);
+        let only = only.map(|mut chunks| {
+            chunks.retain(|&chunk| chunk < count);
+            chunks
+        });
+        ResyncChunks { size_bytes, only }
+    }
+
+    pub fn is_catch_up(&self) -> bool {
+        self.only.is_some()
+    }
+
+    /// (offset, length) of each chunk, in order (lazily: a whole vdisk has many).
+    fn ranges(&self) -> impl Iterator<Item = (u64, u64)> + Send + '_ {
+        let size_bytes = self.size_bytes;
+        let range = move |index: u64| {
+            let offset = index * RESYNC_CHUNK_BYTES;
+            (offset, RESYNC_CHUNK_BYTES.min(size_bytes - offset))
+        };
+        let every = self
+            .only
+            .is_none()
+            .then_some(0..size_bytes.div_ceil(RESYNC_CHUNK_BYTES));
+        let only = self.only.iter().flatten().copied();
+        every.into_iter().flatten().chain(only).map(range)
+    }
+
+    /// Bytes of the vdisk the resync goes through.
+    pub fn bytes(&self) -> u64 {
+        match &self.only {
+            Some(_) => self.ranges().map(|(_, length)| length).sum(),
+            None => self.size_bytes,
+        }
+    }
+}
+
+/// The online resync of a vdisk that serves: each 1 MiB chunk of `chunks` in turn is held
+/// still by its shard (`ShardOp::ResyncChunk`), compared with every copy's and sent where it differs
 /// (the installed replicator's `sync_chunk`), paced by a [`Pacer`] at `busy_rate` bytes per
 /// second while clients use the vdisk. `done` counts the bytes gone through.
 pub async fn resync_online(
     shared: &VdiskShared,
+    chunks: ResyncChunks,
     done: &AtomicU64,
     busy_rate: Option<u64>,
 ) -> Result<ResyncSummary, String> {
-    let size = shared.size_bytes.load(Ordering::Relaxed);
     let client_ops = || {
         shared.counters.read_ops.load(Ordering::Relaxed)
             + shared.counters.write_ops.load(Ordering::Relaxed)
     };
     let mut pacer = Pacer::new(busy_rate, client_ops(), tokio::time::Instant::now());
-    stream::iter(0..size.div_ceil(RESYNC_CHUNK_BYTES))
-        .then(move |index| {
-            let wait = pacer.delay(
-                RESYNC_CHUNK_BYTES,
-                client_ops(),
-                tokio::time::Instant::now(),
-            );
+    stream::iter(chunks.ranges())
+        .then(move |(offset, length)| {
+            let wait = pacer.delay(length, client_ops(), tokio::time::Instant::now());
             async move {
                 tokio::time::sleep(wait).await;
-                index
+                (offset, length)
             }
         })
-        .map(|index| async move {
-            let offset = index * RESYNC_CHUNK_BYTES;
-            let length = RESYNC_CHUNK_BYTES.min(size - offset);
+        .map(|(offset, length)| async move {
             let replies = shared
                 .call_split(offset, length, |o, l| ShardOp::ResyncChunk {
                     offset: o,
@@ -454,6 +495,26 @@ mod tests {
         // The count did not move for a window: idle again, full speed.
         let idle = busy + Duration::from_millis(150);
         assert_eq!(pacer.delay(mib, 500, idle), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_catch_up_goes_through_its_chunks_only_and_the_last_one_may_be_short() {
+        let mib = RESYNC_CHUNK_BYTES;
+        let all = ResyncChunks::new(3 * mib + 4096, None);
+        assert!(!all.is_catch_up());
+        assert_eq!(
+            all.ranges().collect::<Vec<_>>(),
+            vec![(0, mib), (mib, mib), (2 * mib, mib), (3 * mib, 4096)]
+        );
+        assert_eq!(all.bytes(), 3 * mib + 4096);
+        // Chunks past the end (none should be) are left out.
+        let some = ResyncChunks::new(3 * mib + 4096, Some(vec![1, 3, 9]));
+        assert!(some.is_catch_up());
+        assert_eq!(
+            some.ranges().collect::<Vec<_>>(),
+            vec![(mib, mib), (3 * mib, 4096)]
+        );
+        assert_eq!(some.bytes(), mib + 4096);
     }
 
     #[test]

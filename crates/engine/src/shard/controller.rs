@@ -14,6 +14,7 @@
 use super::appends::{LogWrite, LogWrites, WriteFailure};
 use super::holds::{self, Holds};
 use super::inline::{block_range, cache_key, Registration};
+use super::unreplicated::UnreplicatedChunks;
 use super::work::{self, DrainError, ReadData, ReadFailure};
 use super::{
     OplogGauges, ShardControl, ShardError, ShardOp, ShardReply, ShardRequest, ShardSpec, Storage,
@@ -154,6 +155,8 @@ pub(super) struct Controller {
     settling: Vec<ShardRequest>,
     /// Chunks held still for online resyncs, and the writes held back meanwhile.
     holds: Holds,
+    /// Chunks failed writes touched since the last claim took them.
+    unreplicated: UnreplicatedChunks,
     /// Writes on their way into the oplog (waiting to append, or for their commit).
     log_writes: LogWrites,
     drain: DrainState,
@@ -198,6 +201,7 @@ impl Controller {
             parked_reads: Vec::new(),
             settling: Vec::new(),
             holds: Holds::default(),
+            unreplicated: UnreplicatedChunks::default(),
             log_writes: LogWrites::default(),
             drain: DrainState::Idle,
             drain_failure: None,
@@ -391,6 +395,10 @@ impl Controller {
             ShardOp::Settle { .. } => {
                 self.requests_in_flight += 1;
                 self.settling.push(request);
+            }
+            ShardOp::TakeUnreplicated { .. } => {
+                let taken = self.unreplicated.take();
+                request.answer(Ok(ShardReply::Unreplicated(taken)));
             }
             ShardOp::BlockStatus { offset, length } => {
                 self.requests_in_flight += 1;
@@ -601,6 +609,10 @@ impl Controller {
     /// Answers a write that went through the log (once it has an outcome, or was refused).
     fn answer_log_write(&mut self, write: LogWrite, result: Result<(), IoError>) {
         let (offset, end) = write.range;
+        if result.is_err() {
+            // It may have reached some copies and not others (or this node's log only).
+            self.unreplicated.mark(offset, end);
+        }
         self.invalidate(offset, end - offset);
         self.publish_usage();
         self.answer(write.request, result.map(|()| ShardReply::Done));

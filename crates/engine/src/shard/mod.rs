@@ -16,9 +16,11 @@ mod appends;
 mod controller;
 mod holds;
 mod inline;
+mod unreplicated;
 mod work;
 
 pub use inline::read_cached_now;
+pub use unreplicated::{MAX_UNREPLICATED_CHUNKS, UNREPLICATED_CHUNK_BYTES};
 pub use work::{drain_all, remove_oplog_dir};
 
 use crate::cache::BlockCache;
@@ -75,6 +77,12 @@ pub enum ShardOp {
         offset: u64,
         length: u64,
     },
+    /// Answered `Unreplicated` at once with the chunks failed writes touched since the last
+    /// take (`None`: not known), starting a new set. Sent with the gate shut and the shard
+    /// settled, when this node claims the vdisk again. `offset` only picks the shard.
+    TakeUnreplicated {
+        offset: u64,
+    },
 }
 
 #[derive(Debug)]
@@ -83,6 +91,8 @@ pub enum ShardReply {
     Done,
     Status(Vec<BlockStatusRun>),
     Resynced(crate::replication::ChunkResync),
+    /// Chunk indexes (of `UNREPLICATED_CHUNK_BYTES`), `None` when not known.
+    Unreplicated(Option<Vec<u64>>),
 }
 
 #[derive(Debug)]
