@@ -306,25 +306,47 @@ fn damage(dir: &Path, block: u64) {
     file.sync_all().unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_damaged_owner_block_is_served_and_repaired_from_the_copy() {
-    let dir = tempfile::tempdir().unwrap();
-    let owner_dir = dir.path().join("owner");
-    let owner = start(&owner_dir).await;
-    let copy = start(&dir.path().join("copy")).await;
+/// An owner and a copy in `dir`, and a loopback replicator that applies the owner's
+/// records to the copy.
+async fn owner_and_copy(dir: &Path) -> (Arc<TestEngine>, Arc<TestEngine>, Loopback) {
+    let owner = start(&dir.join("owner")).await;
+    let copy = start(&dir.join("copy")).await;
     let (records, incoming) = mpsc::unbounded_channel();
-    let applied = Arc::new(AtomicU64::new(0));
     tokio::spawn(apply_in_order(
         copy.clone(),
         incoming,
         Arc::new(Mutex::new(None)),
-        applied,
+        Arc::new(AtomicU64::new(0)),
     ));
+    let loopback = Loopback {
+        records,
+        fail: Arc::new(AtomicBool::new(false)),
+    };
+    (owner, copy, loopback)
+}
+
+/// Waits until `blocks` of egroup 0 on the owner's disk hold `image` again.
+async fn wait_repaired(owner_dir: &Path, blocks: &[usize], image: &[u8]) {
+    let repaired = |on_disk: &[u8]| {
+        blocks
+            .iter()
+            .all(|block| on_disk[block * 4096..][..4096] == image[block * 4096..][..4096])
+    };
+    let mut tries = 0;
+    while !repaired(&egroup0_blocks(owner_dir)) {
+        tries += 1;
+        assert!(tries < 200, "the damage stays on the owner's disk");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_owner_block_is_served_and_repaired_from_the_copy() {
+    let dir = tempfile::tempdir().unwrap();
+    let owner_dir = dir.path().join("owner");
+    let (owner, copy, loopback) = owner_and_copy(dir.path()).await;
     let replicator = Fetching {
-        inner: Loopback {
-            records,
-            fail: Arc::new(AtomicBool::new(false)),
-        },
+        inner: loopback,
         copy: copy.clone(),
     };
     owner
@@ -342,17 +364,7 @@ async fn a_damaged_owner_block_is_served_and_repaired_from_the_copy() {
         "damaged blocks served wrong"
     );
     // The rewrite drains into the owner's extent store: the damage is gone from its disk.
-    let repaired = |on_disk: &[u8]| {
-        [2usize, 300, 700]
-            .iter()
-            .all(|block| on_disk[block * 4096..][..4096] == image[block * 4096..][..4096])
-    };
-    let mut tries = 0;
-    while !repaired(&egroup0_blocks(&owner_dir)) {
-        tries += 1;
-        assert!(tries < 200, "the damage stays on the owner's disk");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_repaired(&owner_dir, &[2, 300, 700], &image).await;
     wait_drained(&owner).await;
     assert!(read_all(&copy).await == image);
 }
@@ -416,21 +428,10 @@ fn write_on_reactor(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chunk_being_resynced_holds_back_its_writes_until_its_copies_have_it() {
     let dir = tempfile::tempdir().unwrap();
-    let owner = start(&dir.path().join("owner")).await;
-    let copy = start(&dir.path().join("copy")).await;
-    let (records, incoming) = mpsc::unbounded_channel();
-    tokio::spawn(apply_in_order(
-        copy.clone(),
-        incoming,
-        Arc::new(Mutex::new(None)),
-        Arc::new(AtomicU64::new(0)),
-    ));
+    let (owner, copy, loopback) = owner_and_copy(dir.path()).await;
     let (chunks, mut resyncing) = mpsc::unbounded_channel();
     let replicator = Resyncing {
-        inner: Loopback {
-            records,
-            fail: Arc::new(AtomicBool::new(false)),
-        },
+        inner: loopback,
         chunks,
     };
     owner
@@ -488,4 +489,75 @@ async fn a_chunk_being_resynced_holds_back_its_writes_until_its_copies_have_it()
         .unwrap()
         .expect("the held write goes on after the resync");
     assert!(read_all(&owner).await == read_all(&copy).await);
+}
+
+/// Reads from the copy like `Fetching`; its `resync` hands the chunk to the test.
+struct FetchingResyncing {
+    fetching: Fetching,
+    chunks: mpsc::UnboundedSender<ReplicaOp>,
+}
+
+impl Replicator for FetchingResyncing {
+    fn replicate(&self, record: ReplicaRecord) -> ReplicaAck {
+        self.fetching.replicate(record)
+    }
+
+    fn fetch(&self, vdisk: VdiskId, offset: u64, length: u64) -> ReplicaFetch {
+        self.fetching.fetch(vdisk, offset, length)
+    }
+
+    fn resync(&self, _vdisk: VdiskId, content: ReplicaOp) -> ReplicaResync {
+        self.chunks.send(content).expect("the test listens");
+        Box::pin(async move { Ok(ChunkResync::default()) })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunk_the_owner_cannot_read_is_resynced_from_another_copy_and_repaired() {
+    let dir = tempfile::tempdir().unwrap();
+    let owner_dir = dir.path().join("owner");
+    let (owner, copy, loopback) = owner_and_copy(dir.path()).await;
+    let (chunks, mut resynced) = mpsc::unbounded_channel();
+    let replicator = FetchingResyncing {
+        fetching: Fetching {
+            inner: loopback,
+            copy: copy.clone(),
+        },
+        chunks,
+    };
+    owner
+        .set_replicator("v", Some(Box::new(replicator)))
+        .unwrap();
+    let image = pattern(47, SIZE);
+    write_all(&owner, image.clone()).await;
+    wait_drained(&owner).await;
+    // Blocks 2 and 200 of chunk 0 rot on the owner's disk.
+    for block in [2, 200] {
+        damage(&owner_dir, block);
+    }
+    let shared = owner.vdisk_shared("v").unwrap();
+    let replies = shared
+        .call_split(0, 1 << 20, |offset, length| ShardOp::ResyncChunk {
+            offset,
+            length,
+        })
+        .await
+        .expect("the resync of a damaged chunk succeeds");
+    assert!(matches!(replies.as_slice(), [ShardReply::Resynced(_)]));
+    // The other copies get the chunk as written: the damaged blocks from the copy, never
+    // the rotted bytes.
+    let content = resynced
+        .recv()
+        .await
+        .expect("the chunk reaches the replicator");
+    let ReplicaOp::Write { offset: 0, data } = content else {
+        panic!("chunk 0 with data expected, got {content:?}");
+    };
+    assert!(
+        data[..] == image[..1 << 20],
+        "the chunk sent is not what was written"
+    );
+    // And the owner's own blocks are repaired on its disk.
+    wait_repaired(&owner_dir, &[2, 200], &image).await;
+    assert!(read_all(&owner).await == image);
 }

@@ -252,7 +252,24 @@ impl NodeReplication {
             copies.len(),
             "every other copy takes every write"
         );
-        let replicator = PeerReplicator::new(epoch, peers, REPLICA_TIMEOUT, self.failed.clone());
+        // A repair reads from copies complete at the claim only, until the resync ended.
+        let peers = peers
+            .into_iter()
+            .map(|peer| {
+                let complete = previous
+                    .as_ref()
+                    .is_none_or(|p| p.holds_complete_copy(peer.node()));
+                (peer, complete)
+            })
+            .collect();
+        let resynced = Arc::new(std::sync::atomic::AtomicBool::new(previous.is_none()));
+        let replicator = PeerReplicator::new(
+            epoch,
+            peers,
+            REPLICA_TIMEOUT,
+            self.failed.clone(),
+            resynced.clone(),
+        );
         self.engine
             .set_replicator(name, Some(Box::new(replicator)))
             .map_err(|e| e.to_string())?;
@@ -265,25 +282,33 @@ impl NodeReplication {
         }
         // Every write from now on reaches every copy; what they held before is made equal
         // to this node's in the background, chunk by chunk, while the vdisk serves.
-        self.start_online_resync(name, vdisk, epoch, shared, copies, catch_up);
+        let size_bytes = shared.size_bytes.load(std::sync::atomic::Ordering::Relaxed);
+        self.start_online_resync(OnlineResync {
+            name: name.to_string(),
+            vdisk,
+            epoch,
+            shared,
+            copies,
+            chunks: resync::ResyncChunks::new(size_bytes, catch_up),
+            all_complete: resynced,
+        });
         Ok(())
     }
 
     /// Resyncs the other copies while the vdisk serves (`resync::resync_online`), publishing
     /// progress for `cluster status`; at the end records the set as complete, or reports a
     /// copy failure (the vdisk is claimed again).
-    fn start_online_resync(
-        &self,
-        name: &str,
-        vdisk: VdiskId,
-        epoch: u64,
-        shared: Arc<ashlar_engine::vdisk::VdiskShared>,
-        copies: Vec<NodeId>,
-        catch_up: Option<Vec<u64>>,
-    ) {
+    fn start_online_resync(&self, resync: OnlineResync) {
+        let OnlineResync {
+            name,
+            vdisk,
+            epoch,
+            shared,
+            copies,
+            chunks,
+            all_complete,
+        } = resync;
         let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let size_bytes = shared.size_bytes.load(std::sync::atomic::Ordering::Relaxed);
-        let chunks = resync::ResyncChunks::new(size_bytes, catch_up);
         let record = ResyncRecord {
             version: RESYNC_RECORD_VERSION,
             vdisk,
@@ -298,7 +323,6 @@ impl NodeReplication {
         lock(&self.resyncs).insert(vdisk, (epoch, outcome));
         let meta = self.meta.clone();
         let failed = self.failed.clone();
-        let name = name.to_string();
         let rate = self.resync_rate;
         let tracks = self.tracks.clone();
         tokio::spawn(async move {
@@ -317,6 +341,7 @@ impl NodeReplication {
             let outcome = match resynced {
                 Ok(summary) => {
                     lock(&tracks).resync_completed(vdisk, epoch);
+                    all_complete.store(true, std::sync::atomic::Ordering::SeqCst);
                     tracing::info!(vdisk = name, epoch, copies = ?names(&copies),
                         chunks_sent = summary.chunks_sent, chunks_same = summary.chunks_same,
                         data_bytes = summary.data_bytes, caught_up,
@@ -433,6 +458,18 @@ impl NodeReplication {
             "got a copy of the vdisk from a node holding one");
         Ok(())
     }
+}
+
+/// What a claim's online resync goes through, and for whom.
+struct OnlineResync {
+    name: String,
+    vdisk: VdiskId,
+    epoch: u64,
+    shared: Arc<ashlar_engine::vdisk::VdiskShared>,
+    copies: Vec<NodeId>,
+    chunks: resync::ResyncChunks,
+    /// Set when it ends well: the replicator may then repair from every copy.
+    all_complete: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// An online resync's epoch and outcome (`None` while it runs).

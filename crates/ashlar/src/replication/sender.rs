@@ -13,6 +13,7 @@ use ashlar_engine::replication::{
     ReplicaAck, ReplicaFetch, ReplicaOp, ReplicaRecord, ReplicaResync, Replicator,
 };
 use ashlar_transport::TransportError;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -27,6 +28,12 @@ pub struct PeerReplicator {
     failed: mpsc::Sender<CopyFailed>,
     /// The same copies as resync targets (each with its resync stream at `epoch`).
     resync_targets: Arc<Vec<Target>>,
+    /// The copies that were complete when the vdisk was claimed: until the claim's online
+    /// resync has ended, only these may supply blocks to repair this node's copy (a copy
+    /// being filled answers zeros, or older data, for chunks it has not got yet).
+    complete: Vec<Arc<Peer>>,
+    /// Set once the claim's online resync ended well: every copy is complete.
+    resynced: Arc<AtomicBool>,
 }
 
 /// A copy of `vdisk` did not take a record sent at `epoch`.
@@ -37,12 +44,21 @@ pub struct CopyFailed {
 }
 
 impl PeerReplicator {
+    /// `complete` says, for each of `peers`, whether it held a complete copy at the claim;
+    /// `resynced` is set when the claim's online resync ends well.
     pub fn new(
         epoch: u64,
-        peers: Vec<Arc<Peer>>,
+        peers: Vec<(Arc<Peer>, bool)>,
         timeout: Duration,
         failed: mpsc::Sender<CopyFailed>,
+        resynced: Arc<AtomicBool>,
     ) -> PeerReplicator {
+        let complete = peers
+            .iter()
+            .filter(|(_, complete)| *complete)
+            .map(|(peer, _)| peer.clone())
+            .collect();
+        let peers: Vec<Arc<Peer>> = peers.into_iter().map(|(peer, _)| peer).collect();
         let resync_targets = Arc::new(peers.iter().cloned().map(Target::new).collect());
         PeerReplicator {
             epoch,
@@ -50,6 +66,17 @@ impl PeerReplicator {
             timeout,
             failed,
             resync_targets,
+            complete,
+            resynced,
+        }
+    }
+
+    /// The copies a repair may read from now.
+    fn repair_sources(&self) -> Vec<Arc<Peer>> {
+        if self.resynced.load(Ordering::SeqCst) {
+            self.peers.clone()
+        } else {
+            self.complete.clone()
         }
     }
 }
@@ -66,9 +93,9 @@ impl Replicator for PeerReplicator {
         })
     }
 
-    /// Tries the other copies in turn; the first that answers gives the bytes.
+    /// Tries the other complete copies in turn; the first that answers gives the bytes.
     fn fetch(&self, vdisk: VdiskId, offset: u64, length: u64) -> ReplicaFetch {
-        let peers = self.peers.clone();
+        let peers = self.repair_sources();
         let timeout = self.timeout;
         Box::pin(async move {
             let length = u32::try_from(length)
@@ -142,5 +169,44 @@ pub fn replica_error(node: NodeId, vdisk: VdiskId, error: TransportError) -> IoE
         other => IoError::Io(format!(
             "vdisk {vdisk}: replica node {node} did not take the write: {other}"
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replication::peers::Peers;
+    use ashlar_transport::{ClusterSecret, TcpTransport, TransportConfig, TransportLimits};
+
+    fn node(n: u128) -> NodeId {
+        NodeId::new(n).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_copy_being_filled_supplies_no_repair_until_the_resync_ended() {
+        let secret = ClusterSecret::new(vec![7; 32]).unwrap();
+        let config = TransportConfig::new(
+            ashlar_transport::NodeId(1),
+            secret,
+            TransportLimits::default(),
+        );
+        let peers = Peers::new(Arc::new(TcpTransport::new(config)));
+        let complete = peers.peer(node(2), "127.0.0.1:1".parse().unwrap());
+        let filling = peers.peer(node(3), "127.0.0.1:2".parse().unwrap());
+        let (failed, _failures) = mpsc::channel(1);
+        let resynced = Arc::new(AtomicBool::new(false));
+        let replicator = PeerReplicator::new(
+            5,
+            vec![(filling, false), (complete, true)],
+            Duration::from_secs(1),
+            failed,
+            resynced.clone(),
+        );
+        let sources = |r: &PeerReplicator| -> Vec<NodeId> {
+            r.repair_sources().iter().map(|p| p.node()).collect()
+        };
+        assert_eq!(sources(&replicator), vec![node(2)]);
+        resynced.store(true, Ordering::SeqCst);
+        assert_eq!(sources(&replicator), vec![node(3), node(2)]);
     }
 }

@@ -20,7 +20,7 @@ use super::{
     OplogGauges, ShardControl, ShardError, ShardOp, ShardReply, ShardRequest, ShardSpec, Storage,
 };
 use crate::cache::BlockCache;
-use crate::replication::{ChunkResync, ReplicaOp, ReplicaRecord, Replicator};
+use crate::replication::{ReplicaOp, ReplicaRecord, Replicator};
 use ashlar_core::{BlockStatusRun, IoError, BLOCK_SIZE_BYTES};
 use ashlar_storage::oplog::{Append, OplogEvent, PieceSource, Seq};
 use bytes::Bytes;
@@ -72,7 +72,7 @@ enum Finished {
     Resynced {
         request: ShardRequest,
         range: (u64, u64),
-        result: Result<ChunkResync, IoError>,
+        result: Result<work::ChunkResynced, IoError>,
     },
     /// Every replica holds record `seq` durably (or one failed to).
     Replicated {
@@ -693,9 +693,16 @@ impl Controller {
                 range,
                 result,
             } => {
-                self.answer(request, result.map(ShardReply::Resynced));
+                let damaged = result
+                    .as_ref()
+                    .map(|r| r.damaged_blocks.clone())
+                    .unwrap_or_default();
+                self.answer(request, result.map(|r| ShardReply::Resynced(r.outcome)));
                 for write in self.holds.release(range) {
                     self.dispatch_write(write);
+                }
+                for block in damaged {
+                    self.repair_block(block);
                 }
             }
             Finished::Fetched {
@@ -747,6 +754,25 @@ impl Controller {
             }
             Err(ReadFailure::Failed(error)) => self.answer(read.request, Err(error)),
         }
+    }
+
+    /// Repairs this copy's block at `offset`, which failed its checks during a resync: a
+    /// read no client waits for, which finds the damage and takes the block from another
+    /// copy like any read (`fetch_from_copy`, with its rules against overwriting newer
+    /// writes).
+    fn repair_block(&mut self, offset: u64) {
+        let (reply, _) = oneshot::channel();
+        let request = ShardRequest {
+            op: ShardOp::Read {
+                offset,
+                length: BLOCK_SIZE_BYTES,
+            },
+            reply,
+            route: None,
+        };
+        self.requests_in_flight += 1;
+        let read = self.pending_read(request, offset, BLOCK_SIZE_BYTES, 1);
+        self.start_read(read);
     }
 
     /// This copy failed its checksums under `read` and no write overlapped it: read the

@@ -346,42 +346,119 @@ pub(super) async fn hand_over(
 /// up (each waits a little: a drain step may be rewriting the chunk's blocks).
 const RESYNC_READ_ATTEMPTS: u32 = 8;
 
+/// What one held chunk's resync did, and the blocks of this copy that failed their checks
+/// (their content came from another copy; the controller then repairs them here).
+pub(super) struct ChunkResynced {
+    pub outcome: crate::replication::ChunkResync,
+    pub damaged_blocks: Vec<u64>,
+}
+
 /// Reads the held chunk `range` of the vdisk and hands it to `replicator` (zeros as a zero
-/// record), for an online resync.
+/// record), for an online resync. Blocks of this copy that keep failing their checks are
+/// taken from another copy the replicator may repair from (`Replicator::fetch`): the
+/// others then get them as that copy holds them, never a guess.
 pub(super) async fn resync_chunk(
     storage: Rc<Storage>,
     vdisk: VdiskId,
     range: (u64, u64),
     replicator: Option<std::sync::Arc<Box<dyn crate::replication::Replicator>>>,
-) -> Result<crate::replication::ChunkResync, IoError> {
+) -> Result<ChunkResynced, IoError> {
     let Some(replicator) = replicator else {
         return Err(IoError::Io(format!(
             "vdisk {vdisk}: no replicator is installed to resync its copies"
         )));
     };
     let (offset, length) = (range.0, range.1 - range.0);
-    let mut attempt = 1;
-    let data = loop {
-        match read(storage.clone(), vdisk, offset, length).await {
-            Ok(read) => break read.data,
-            Err(ReadFailure::LogMoved | ReadFailure::Corrupt(_))
-                if attempt < RESYNC_READ_ATTEMPTS =>
-            {
-                attempt += 1;
-                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-            }
-            Err(ReadFailure::LogMoved) => {
-                return Err(IoError::Io(format!(
-                    "vdisk {vdisk}: the oplog kept changing under the resync read at {offset}"
-                )))
-            }
-            Err(ReadFailure::Corrupt(error) | ReadFailure::Failed(error)) => return Err(error),
+    let (data, damaged_blocks) = match read_held(storage.clone(), vdisk, offset, length).await {
+        Ok(data) => (data, Vec::new()),
+        Err(ReadFailure::Corrupt(error)) => {
+            tracing::warn!(%vdisk, offset, length, %error,
+                "this copy failed its checksums in a chunk being resynced; taking those blocks from another copy");
+            patch_from_copy(&storage, vdisk, offset, length, &**replicator).await?
         }
+        Err(ReadFailure::LogMoved) => {
+            return Err(IoError::Io(format!(
+                "vdisk {vdisk}: the oplog kept changing under the resync read at {offset}"
+            )))
+        }
+        Err(ReadFailure::Failed(error)) => return Err(error),
     };
     let content = if data.iter().all(|&b| b == 0) {
         crate::replication::ReplicaOp::Zero { offset, length }
     } else {
         crate::replication::ReplicaOp::Write { offset, data }
     };
-    replicator.resync(vdisk, content).await
+    let outcome = replicator.resync(vdisk, content).await?;
+    Ok(ChunkResynced {
+        outcome,
+        damaged_blocks,
+    })
+}
+
+/// Reads a held range, again a few times while the log moves or a block looks corrupt (a
+/// drain step may be rewriting it).
+async fn read_held(
+    storage: Rc<Storage>,
+    vdisk: VdiskId,
+    offset: u64,
+    length: u64,
+) -> Result<Bytes, ReadFailure> {
+    let mut attempt = 1;
+    loop {
+        match read(storage.clone(), vdisk, offset, length).await {
+            Ok(read) => return Ok(read.data),
+            Err(ReadFailure::LogMoved | ReadFailure::Corrupt(_))
+                if attempt < RESYNC_READ_ATTEMPTS =>
+            {
+                attempt += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+            Err(failure) => return Err(failure),
+        }
+    }
+}
+
+/// The held chunk with every block that fails its checks here replaced by the block as
+/// another copy holds it; and those blocks' offsets. Blocks that read well stay this copy's
+/// (the newest: this node owns the vdisk).
+async fn patch_from_copy(
+    storage: &Rc<Storage>,
+    vdisk: VdiskId,
+    offset: u64,
+    length: u64,
+    replicator: &dyn crate::replication::Replicator,
+) -> Result<(Bytes, Vec<u64>), IoError> {
+    let theirs = replicator.fetch(vdisk, offset, length).await.map_err(|e| {
+        IoError::Io(format!(
+            "vdisk {vdisk}: this copy is damaged at {offset} (+{length}) and no other copy could supply it: {e}"
+        ))
+    })?;
+    if theirs.len() as u64 != length {
+        return Err(IoError::Io(format!(
+            "vdisk {vdisk}: another copy answered {} bytes for {length}",
+            theirs.len()
+        )));
+    }
+    let mut data = BytesMut::with_capacity(length as usize);
+    let mut damaged = Vec::new();
+    let mut block = offset;
+    while block < offset + length {
+        let block_length = BLOCK_SIZE_BYTES.min(offset + length - block);
+        match read_held(storage.clone(), vdisk, block, block_length).await {
+            Ok(mine) => data.extend_from_slice(&mine),
+            Err(ReadFailure::Corrupt(_)) => {
+                let at = (block - offset) as usize;
+                data.extend_from_slice(&theirs[at..at + block_length as usize]);
+                damaged.push(block);
+            }
+            Err(ReadFailure::LogMoved) => {
+                return Err(IoError::Io(format!(
+                    "vdisk {vdisk}: the oplog kept changing under the resync read at {block}"
+                )))
+            }
+            Err(ReadFailure::Failed(error)) => return Err(error),
+        }
+        block += block_length;
+    }
+    Ok((data.freeze(), damaged))
 }
