@@ -264,11 +264,14 @@ impl TargetRegistry for IscsiRegistry {
 /// retries: the node stays up and serves NBD meanwhile; iSCSI logins wait in the backlog.
 async fn load_reservations(
     groups: &NodeVolumeGroups,
+    ownership: &NodeOwnership,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<MetaReservations<crate::cluster::NodeMeta>> {
     let mut warned = false;
+    // Changes are fenced by the vdisks' ownership claims (nothing to fence on one node).
+    let fence: Arc<dyn reservations::ServingClaims> = Arc::new(ownership.clone());
     loop {
-        match MetaReservations::load(groups.meta().clone()).await {
+        match MetaReservations::load_fenced(groups.meta().clone(), Some(fence.clone())).await {
             Ok(reservations) => {
                 if warned {
                     tracing::info!("iSCSI persistent reservations loaded; the portal serves");
@@ -362,7 +365,7 @@ pub async fn accept_loop(
         ownership,
         cluster,
     } = targets;
-    let reservations = Arc::new(load_reservations(&groups, shutdown.clone()).await?);
+    let reservations = Arc::new(load_reservations(&groups, &ownership, shutdown.clone()).await?);
     let failback = cluster.map(|cluster| {
         // Every node's copy of the reservations follows the store.
         tokio::spawn(reservations::follow_changes(reservations.clone()));

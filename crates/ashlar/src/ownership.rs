@@ -415,6 +415,26 @@ impl NodeOwnership {
             .await
     }
 
+    /// The claim under which this node serves `vdisk` now (its gate open): what a change
+    /// of the vdisk's shared state in the metadata store (iSCSI persistent reservations) is
+    /// fenced by. `Ok(None)` on a single node (nothing to fence); `Err` with the reason when
+    /// this node does not serve the vdisk now (never claimed, lapsed, or taken elsewhere).
+    pub fn serving_claim(&self, vdisk: VdiskId) -> Result<Option<OwnershipClaim>, String> {
+        let Some(cluster) = &self.cluster else {
+            return Ok(None);
+        };
+        match lock(&cluster.held).get(&vdisk) {
+            Some(held) if held.wanted.admitted_now() => Ok(Some(held.claim.clone())),
+            Some(held) => Err(format!(
+                "vdisk {}: this node's ownership claim (epoch {}) is not surely valid now",
+                held.wanted.name, held.claim.epoch
+            )),
+            None => Err(format!(
+                "vdisk {vdisk}: this node holds no ownership claim of it"
+            )),
+        }
+    }
+
     /// Ownership as `vdisk show` and `vdisk list` show it; `None` on a single node.
     pub async fn view(&self, vdisk: VdiskId) -> Result<Option<OwnershipView>, String> {
         let Some(cluster) = &self.cluster else {

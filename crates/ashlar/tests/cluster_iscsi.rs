@@ -224,12 +224,21 @@ fn an_owner_whose_lease_lapsed_fails_lun_io_until_it_claims_again() {
     let asked = Instant::now();
     let write = session.write16(0, 8, &block);
     let read = session.read16(0, 0, 8);
+    // Nor may the node change the unit's reservations: PERSISTENT RESERVE OUT and
+    // RESERVE(6) get the same answer (the claim fences them as it fences I/O).
+    let register = session.pr_out(0, PR_REGISTER, 0, 0, PR_KEY, false);
+    let reserve6 = session.scsi(0, &[0x16, 0, 0, 0, 0, 0], &[], 0);
     assert!(
         asked.elapsed() < Duration::from_secs(5),
         "{:?}",
         asked.elapsed()
     );
-    for (what, reply) in [("write", &write), ("read", &read)] {
+    for (what, reply) in [
+        ("write", &write),
+        ("read", &read),
+        ("PERSISTENT RESERVE OUT", &register),
+        ("RESERVE(6)", &reserve6),
+    ] {
         assert_eq!(reply.status, CHECK_CONDITION, "{what} on a lapsed claim");
         assert_eq!(sense_of(&reply.sense), (0x02, 0x04, 0x01), "{what}");
     }
@@ -249,6 +258,13 @@ fn an_owner_whose_lease_lapsed_fails_lun_io_until_it_claims_again() {
     let read = session.read16(0, 0, 16);
     assert_eq!(read.status, GOOD);
     assert_eq!(read.data, [block.as_slice(), block.as_slice()].concat());
+    let keys = session.pr_in(0, PR_READ_KEYS);
+    assert_eq!(keys.status, GOOD);
+    assert_eq!(
+        be32(&keys.data[4..8]),
+        0,
+        "the refused REGISTER left no key"
+    );
     let owned = ownership(&a, "shared");
     assert!(owned["owner_epoch"].as_u64() > Some(1), "{owned}");
     assert!(a.log().contains("claiming the vdisk again"), "{}", a.log());
