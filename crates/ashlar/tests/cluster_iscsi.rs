@@ -5,10 +5,12 @@
 //! once the owner is killed the other node turns the login away with "service unavailable"
 //! (the data is on the dead node only) while it still claims and serves a group of its own;
 //! the owner restarted claims again at epoch 2 with its data intact. An owner whose lease
-//! lapsed (etcd frozen) answers LUN I/O with CHECK CONDITION / NOT READY at once, and the
-//! same session works again after the node claims the vdisk again. A replicated target fails
-//! over: its owner killed, a login at another node serves every acknowledged write, and a
-//! persistent reservation made through the old owner holds there. Failback: once the
+//! lapsed (etcd frozen) answers LUN I/O, PERSISTENT RESERVE OUT and RESERVE(6) with CHECK
+//! CONDITION / NOT READY at once, and the same session works again after the node claims the
+//! vdisk again. A replicated target fails over: its owner killed, a login at another node
+//! serves every acknowledged write, each nexus's first command there gets UNIT ATTENTION
+//! 29/00 (the unit is served anew), and a persistent reservation made through the old owner
+//! holds there. Failback: once the
 //! target's preferred node (the first that served it) is up again for the configured time,
 //! the node serving the target ends its sessions and releases it, and the initiator's next
 //! login is redirected to the preferred node, which serves every acknowledged write.
@@ -203,12 +205,22 @@ fn sense_of(sense: &[u8]) -> (u8, u8, u8) {
     (sense[2] & 0x0f, sense[12], sense[13])
 }
 
+/// The reply is CHECK CONDITION / UNIT ATTENTION, POWER ON, RESET, OR BUS DEVICE RESET
+/// OCCURRED (06/29/00): what a node serving a unit anew tells each nexus once.
+fn assert_unit_attention(reply: &common::iscsi::Reply, what: &str) {
+    assert_eq!(reply.status, CHECK_CONDITION, "{what}: {reply:?}");
+    assert_eq!(sense_of(&reply.sense), (0x06, 0x29, 0x00), "{what}");
+}
+
 #[test]
 fn an_owner_whose_lease_lapsed_fails_lun_io_until_it_claims_again() {
     let etcd = EtcdServer::start();
     let a = cluster_node(&etcd.url, &[]);
     group_of_one(&a, "db", "shared");
     let mut session = open(a.iscsi_port, INITIATOR, Some(&target_iqn("db")));
+    // A serves the unit for the first time: the nexus's first command gets the power-on
+    // unit attention, as after a target's start.
+    assert_unit_attention(&session.test_unit_ready(0), "first command after the claim");
     let block = Rng::new(3).bytes(4096);
     assert_eq!(session.write16(0, 0, &block).status, GOOD);
     assert_eq!(ownership(&a, "shared")["owner_epoch"], 1);
@@ -292,6 +304,7 @@ fn a_replicated_target_fails_over_to_another_node_with_every_write_and_its_reser
     // Through A, after B started (B's copy of the reservations, loaded at its start, does
     // not hold this): the test initiator registers a key and reserves WRITE EXCLUSIVE.
     let mut holder = login_to(&a, "db").expect("login at A");
+    assert_unit_attention(&holder.test_unit_ready(0), "first command at A");
     assert_eq!(
         holder.pr_out(0, PR_REGISTER, 0, 0, PR_KEY, false).status,
         GOOD
@@ -312,6 +325,21 @@ fn a_replicated_target_fails_over_to_another_node_with_every_write_and_its_reser
     let mut holder = login_to(&b, "db").expect("login at B after A died");
     assert_eq!(ownership(&b, "mirrored")["owner"], id_b.as_str());
     let mut other = open_isid(b.iscsi_port, INITIATOR, &target_iqn("db"), 2);
+    // B serves the unit anew (A served it last): as after a power on, each nexus's first
+    // command gets UNIT ATTENTION 29/00, ahead of any reservation conflict, and runs
+    // normally when sent again. What A held in memory for the nexuses (unit attentions,
+    // RESERVE(6)) is gone; the reset tells them to look again.
+    assert_unit_attention(&holder.read16(0, 0, 8), "holder's first command at B");
+    let read = holder.read16(0, 0, 8);
+    assert_eq!(
+        read.status, GOOD,
+        "the holder's second command at B: {read:?}"
+    );
+    assert_eq!(read.data, first_block, "every acknowledged write");
+    assert_unit_attention(
+        &other.write16(0, 0, &first_block),
+        "other's first command at B",
+    );
     let refused = other.write16(0, 0, &first_block);
     assert_eq!(
         refused.status, RESERVATION_CONFLICT,
@@ -420,6 +448,7 @@ fn a_target_fails_back_to_its_preferred_node_once_that_node_is_up_again() {
         "B not listed down"
     );
     let mut session = login_to(&c, "db").expect("login at C after B died");
+    assert_unit_attention(&session.read16(0, 0, 8), "first command at C");
     let read = session.read16(0, 0, 8);
     assert_eq!(read.status, GOOD);
     assert_eq!(read.data, std::fs::read(&first).unwrap()[..4096]);
@@ -458,6 +487,10 @@ fn a_target_fails_back_to_its_preferred_node_once_that_node_is_up_again() {
         Ok(_) => panic!("C still serves a target it handed back"),
     }
     let mut session = login_to(&b, "db").expect("login at B after the hand-back");
+    assert_unit_attention(
+        &session.read16(0, 0, 8),
+        "first command at B after failback",
+    );
     let read = session.read16(0, 0, 8);
     assert_eq!(read.status, GOOD);
     assert_eq!(

@@ -724,8 +724,25 @@ impl LunReservations {
 
     /// An I_T nexus opened a session to the unit; `route` reaches its commands.
     pub(crate) fn nexus_joined(&self, nexus: &str, route: AbortRoute) {
-        self.attentions().joined(nexus);
+        let mut attentions = self.attentions();
+        attentions.joined(nexus);
+        self.attention_pending
+            .store(!attentions.is_empty(), Ordering::Release);
+        drop(attentions);
         self.sessions().add(nexus, route);
+    }
+
+    /// The unit is served here anew: this node serves it for the first time, or another node
+    /// may have served it since this node last did (a failover or a failback). As after a
+    /// power on, the RESERVE(6) held here is gone and every I_T nexus's next command (of a
+    /// session open now or opened later) gets UNIT ATTENTION, POWER ON, RESET, OR BUS DEVICE
+    /// RESET OCCURRED, once.
+    pub fn served_anew(&self) {
+        self.update(|state| state.legacy = None);
+        let mut attentions = self.attentions();
+        attentions.served_anew();
+        self.attention_pending
+            .store(!attentions.is_empty(), Ordering::Release);
     }
 
     /// Session `session` of an I_T nexus ended: what the nexus held only for its lifetime
