@@ -21,7 +21,7 @@ mod common;
 #[path = "../../meta/tests/common/etcd_server.rs"]
 mod etcd_server;
 
-use ashlar_iscsi::pdu::{op, NO_TAG};
+use ashlar_iscsi::pdu::{async_event, op, Pdu, NO_TAG};
 use common::iscsi::{
     login, open, open_isid, target_iqn, LoginError, LoginSpec, Session, INITIATOR,
 };
@@ -398,24 +398,27 @@ fn be64(bytes: &[u8]) -> u64 {
 }
 
 /// Waits until the target closes the session's connection, answering its NOP-In pings
-/// meanwhile; false if it is still open after `limit`.
-fn closed_by_target_within(session: &mut Session, limit: Duration) -> bool {
+/// meanwhile; the Asynchronous Messages it sent first, or `None` if it is still open after
+/// `limit`. Any other PDU fails the test (the session is idle).
+fn closed_by_target_within(session: &mut Session, limit: Duration) -> Option<Vec<Pdu>> {
     let deadline = Instant::now() + limit;
+    let mut messages = Vec::new();
     while Instant::now() < deadline {
         match session.raw.recv() {
             Ok(pdu) if pdu.bhs.opcode() == op::NOP_IN && pdu.bhs.itt() == NO_TAG => {
                 session.answer_ping(&pdu)
             }
+            Ok(pdu) if pdu.bhs.opcode() == op::ASYNC_MESSAGE => messages.push(pdu),
             Ok(pdu) => panic!("unexpected PDU on an idle session: {:?}", pdu.bhs),
             Err(e)
                 if matches!(
                     e.kind(),
                     std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
                 ) => {}
-            Err(_) => return true, // end of stream or reset: closed
+            Err(_) => return Some(messages), // end of stream or reset: closed
         }
     }
-    false
+    None
 }
 
 #[test]
@@ -464,11 +467,22 @@ fn a_target_fails_back_to_its_preferred_node_once_that_node_is_up_again() {
     // logs it in again at the portal it uses, C's, as open-iscsi or libiscsi would after
     // the connection dropped: C redirects it to B, which claims the target.
     b.restart();
-    assert!(
-        closed_by_target_within(&mut session, Duration::from_secs(40)),
-        "C never ended the session:\n{}",
-        c.log()
+    let messages = closed_by_target_within(&mut session, Duration::from_secs(40))
+        .unwrap_or_else(|| panic!("C never ended the session:\n{}", c.log()));
+    // Before closing, C said so in an Asynchronous Message (RFC 7143 11.9): AsyncEvent 2,
+    // "the target will drop the connection" (CID 0, the test's), Time2Wait 0 (log in again
+    // at once), Time2Retain 0 (no task kept), numbered like any status it sends.
+    assert_eq!(messages.len(), 1, "one Async Message before the close");
+    let message = &messages[0].bhs;
+    assert_eq!(message.0[36], async_event::DROPPING_CONNECTION);
+    assert_eq!(
+        (message.u16_at(38), message.u16_at(40), message.u16_at(42)),
+        (0, 0, 0),
+        "CID, Time2Wait, Time2Retain"
     );
+    let last_stat_sn = session.last_stat_sn.expect("the session had answers");
+    assert_eq!(message.u32_at(24), last_stat_sn + 1, "the next StatSN");
+    assert_eq!(message.u32_at(28), session.next_cmd_sn(), "ExpCmdSN");
     assert!(c.log().contains("handing the target back"), "{}", c.log());
     // A login made while C releases the target waits for it; the release is logged.
     assert!(
