@@ -264,11 +264,14 @@ impl TargetRegistry for IscsiRegistry {
 /// retries: the node stays up and serves NBD meanwhile; iSCSI logins wait in the backlog.
 async fn load_reservations(
     groups: &NodeVolumeGroups,
+    ownership: &NodeOwnership,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<MetaReservations<crate::cluster::NodeMeta>> {
     let mut warned = false;
+    // Changes are fenced by the vdisks' ownership claims (nothing to fence on one node).
+    let fence: Arc<dyn reservations::ServingClaims> = Arc::new(ownership.clone());
     loop {
-        match MetaReservations::load(groups.meta().clone()).await {
+        match MetaReservations::load_fenced(groups.meta().clone(), Some(fence.clone())).await {
             Ok(reservations) => {
                 if warned {
                     tracing::info!("iSCSI persistent reservations loaded; the portal serves");
@@ -286,6 +289,41 @@ async fn load_reservations(
             _ = shutdown.changed() => bail!("stopped while loading iSCSI persistent reservations"),
         }
     }
+}
+
+/// Cluster mode: which logical units this node serves anew with each claim it makes, so
+/// that their I_T nexuses are told (UNIT ATTENTION 29/00) as after a power on. A claim
+/// continues this node's serving only if its epoch is the one right after the epoch this
+/// node last held (every claim raises the epoch, so nobody else claimed in between). Any
+/// other claim, the first on this node included, may follow another node's serving: the
+/// unit attentions, RESERVE(6) and task state that node held are gone, and the nexuses must
+/// look again.
+struct ServedAnew {
+    /// The last epoch this node claimed each unit (vdisk id) at.
+    last_epoch: std::sync::Mutex<std::collections::HashMap<u64, u64>>,
+    reservations: Arc<MetaReservations<crate::cluster::NodeMeta>>,
+}
+
+impl ServedAnew {
+    fn claimed(&self, vdisk: ashlar_core::VdiskId, epoch: ashlar_cluster::OwnershipEpoch) {
+        let previous = self
+            .last_epoch
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(vdisk.0, epoch.0);
+        if continues(previous, epoch.0) {
+            return;
+        }
+        self.reservations.unit(vdisk.0).served_anew();
+        tracing::info!(%vdisk, %epoch, previous_here = ?previous,
+            "iSCSI unit served anew on this node: each I_T nexus's next command gets UNIT ATTENTION (29/00 power on, reset)");
+    }
+}
+
+/// Whether a claim at `epoch` continues this node's serving that last held `previous` (the
+/// same claim told again, or the next epoch).
+fn continues(previous: Option<u64>, epoch: u64) -> bool {
+    previous.is_some_and(|last| last == epoch || last.checked_add(1) == Some(epoch))
 }
 
 /// An iSCSI session on its way to the reactor that runs its target's shards.
@@ -362,10 +400,17 @@ pub async fn accept_loop(
         ownership,
         cluster,
     } = targets;
-    let reservations = Arc::new(load_reservations(&groups, shutdown.clone()).await?);
+    let reservations = Arc::new(load_reservations(&groups, &ownership, shutdown.clone()).await?);
     let failback = cluster.map(|cluster| {
         // Every node's copy of the reservations follows the store.
         tokio::spawn(reservations::follow_changes(reservations.clone()));
+        let served_anew = ServedAnew {
+            last_epoch: Default::default(),
+            reservations: reservations.clone(),
+        };
+        ownership.on_claimed(Arc::new(move |vdisk, epoch| {
+            served_anew.claimed(vdisk, epoch)
+        }));
         let failback = Arc::new(Failback::new(
             groups.meta().clone(),
             cluster.node,
@@ -455,5 +500,19 @@ pub async fn accept_loop(
         if spawned.is_err() {
             tracing::warn!(%peer, "reactor queue full; iSCSI connection dropped");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::continues;
+
+    #[test]
+    fn only_the_next_epoch_continues_this_nodes_serving() {
+        assert!(!continues(None, 1), "the first claim here");
+        assert!(continues(Some(4), 5), "claimed again, nobody in between");
+        assert!(continues(Some(5), 5), "the same claim told twice");
+        assert!(!continues(Some(4), 6), "another claim came in between");
+        assert!(!continues(Some(u64::MAX), 0));
     }
 }

@@ -36,6 +36,10 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
 
+/// Told of each claim this node makes (the vdisk and the claim's epoch); see
+/// [`NodeOwnership::on_claimed`].
+pub type ClaimListener = Arc<dyn Fn(VdiskId, OwnershipEpoch) + Send + Sync>;
+
 /// The node's ownership layer; `None` inside on a single node.
 #[derive(Clone)]
 pub struct NodeOwnership {
@@ -69,6 +73,8 @@ struct Clustered {
     failed_claims: Mutex<HashMap<VdiskId, (std::time::Instant, String)>>,
     /// Makes a claimed vdisk's writes reach every copy before its gate opens.
     replication: Arc<NodeReplication>,
+    /// Told of every claim made, before the client that asked for it is served.
+    listeners: Mutex<Vec<ClaimListener>>,
 }
 
 /// A claim this node holds (or held, until it is claimed again) and the gate it opens.
@@ -210,6 +216,7 @@ impl NodeOwnership {
             held: Mutex::new(HashMap::new()),
             failed_claims: Mutex::new(HashMap::new()),
             replication,
+            listeners: Mutex::new(Vec::new()),
         });
         tokio::spawn(follow_lease(cluster.clone()));
         if let Some(failures) = cluster.replication.take_failures() {
@@ -413,6 +420,45 @@ impl NodeOwnership {
         cluster
             .on_control(move |cluster| async move { cluster.claim_group(wanted).await })
             .await
+    }
+
+    /// Calls `listener` with every claim this node makes from now on (the vdisk and the
+    /// claim's epoch: a new claim or one made again), synchronously, before the client that
+    /// asked for it is served (before the vdisk's gate opens); and at once with each claim it
+    /// holds now (one claim may be told twice). Nothing on a single node (no claims).
+    pub fn on_claimed(&self, listener: ClaimListener) {
+        let Some(cluster) = &self.cluster else {
+            return;
+        };
+        // Added first, so a claim made meanwhile is not missed (it may be told twice).
+        lock(&cluster.listeners).push(listener.clone());
+        let held: Vec<(VdiskId, OwnershipEpoch)> = lock(&cluster.held)
+            .values()
+            .map(|held| (held.claim.vdisk, held.claim.epoch))
+            .collect();
+        for (vdisk, epoch) in held {
+            listener(vdisk, epoch);
+        }
+    }
+
+    /// The claim under which this node serves `vdisk` now (its gate open): what a change
+    /// of the vdisk's shared state in the metadata store (iSCSI persistent reservations) is
+    /// fenced by. `Ok(None)` on a single node (nothing to fence); `Err` with the reason when
+    /// this node does not serve the vdisk now (never claimed, lapsed, or taken elsewhere).
+    pub fn serving_claim(&self, vdisk: VdiskId) -> Result<Option<OwnershipClaim>, String> {
+        let Some(cluster) = &self.cluster else {
+            return Ok(None);
+        };
+        match lock(&cluster.held).get(&vdisk) {
+            Some(held) if held.wanted.admitted_now() => Ok(Some(held.claim.clone())),
+            Some(held) => Err(format!(
+                "vdisk {}: this node's ownership claim (epoch {}) is not surely valid now",
+                held.wanted.name, held.claim.epoch
+            )),
+            None => Err(format!(
+                "vdisk {vdisk}: this node holds no ownership claim of it"
+            )),
+        }
     }
 
     /// Ownership as `vdisk show` and `vdisk list` show it; `None` on a single node.
@@ -717,6 +763,12 @@ impl Clustered {
             claim.node, self.node,
             "a node only records claims it made itself"
         );
+        // Before the gate opens: no command of a client here runs under the new claim
+        // before the listeners know of it (iSCSI units served anew tell their nexuses).
+        let listeners = lock(&self.listeners).clone();
+        for listener in listeners {
+            listener(claim.vdisk, claim.epoch);
+        }
         if status.lease == claim.lease {
             wanted.gate.open_until(status.valid_until.into_std());
         }

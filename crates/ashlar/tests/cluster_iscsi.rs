@@ -5,10 +5,12 @@
 //! once the owner is killed the other node turns the login away with "service unavailable"
 //! (the data is on the dead node only) while it still claims and serves a group of its own;
 //! the owner restarted claims again at epoch 2 with its data intact. An owner whose lease
-//! lapsed (etcd frozen) answers LUN I/O with CHECK CONDITION / NOT READY at once, and the
-//! same session works again after the node claims the vdisk again. A replicated target fails
-//! over: its owner killed, a login at another node serves every acknowledged write, and a
-//! persistent reservation made through the old owner holds there. Failback: once the
+//! lapsed (etcd frozen) answers LUN I/O, PERSISTENT RESERVE OUT and RESERVE(6) with CHECK
+//! CONDITION / NOT READY at once, and the same session works again after the node claims the
+//! vdisk again. A replicated target fails over: its owner killed, a login at another node
+//! serves every acknowledged write, each nexus's first command there gets UNIT ATTENTION
+//! 29/00 (the unit is served anew), and a persistent reservation made through the old owner
+//! holds there. Failback: once the
 //! target's preferred node (the first that served it) is up again for the configured time,
 //! the node serving the target ends its sessions and releases it, and the initiator's next
 //! login is redirected to the preferred node, which serves every acknowledged write.
@@ -19,7 +21,7 @@ mod common;
 #[path = "../../meta/tests/common/etcd_server.rs"]
 mod etcd_server;
 
-use ashlar_iscsi::pdu::{op, NO_TAG};
+use ashlar_iscsi::pdu::{async_event, op, Pdu, NO_TAG};
 use common::iscsi::{
     login, open, open_isid, target_iqn, LoginError, LoginSpec, Session, INITIATOR,
 };
@@ -203,12 +205,22 @@ fn sense_of(sense: &[u8]) -> (u8, u8, u8) {
     (sense[2] & 0x0f, sense[12], sense[13])
 }
 
+/// The reply is CHECK CONDITION / UNIT ATTENTION, POWER ON, RESET, OR BUS DEVICE RESET
+/// OCCURRED (06/29/00): what a node serving a unit anew tells each nexus once.
+fn assert_unit_attention(reply: &common::iscsi::Reply, what: &str) {
+    assert_eq!(reply.status, CHECK_CONDITION, "{what}: {reply:?}");
+    assert_eq!(sense_of(&reply.sense), (0x06, 0x29, 0x00), "{what}");
+}
+
 #[test]
 fn an_owner_whose_lease_lapsed_fails_lun_io_until_it_claims_again() {
     let etcd = EtcdServer::start();
     let a = cluster_node(&etcd.url, &[]);
     group_of_one(&a, "db", "shared");
     let mut session = open(a.iscsi_port, INITIATOR, Some(&target_iqn("db")));
+    // A serves the unit for the first time: the nexus's first command gets the power-on
+    // unit attention, as after a target's start.
+    assert_unit_attention(&session.test_unit_ready(0), "first command after the claim");
     let block = Rng::new(3).bytes(4096);
     assert_eq!(session.write16(0, 0, &block).status, GOOD);
     assert_eq!(ownership(&a, "shared")["owner_epoch"], 1);
@@ -224,12 +236,21 @@ fn an_owner_whose_lease_lapsed_fails_lun_io_until_it_claims_again() {
     let asked = Instant::now();
     let write = session.write16(0, 8, &block);
     let read = session.read16(0, 0, 8);
+    // Nor may the node change the unit's reservations: PERSISTENT RESERVE OUT and
+    // RESERVE(6) get the same answer (the claim fences them as it fences I/O).
+    let register = session.pr_out(0, PR_REGISTER, 0, 0, PR_KEY, false);
+    let reserve6 = session.scsi(0, &[0x16, 0, 0, 0, 0, 0], &[], 0);
     assert!(
         asked.elapsed() < Duration::from_secs(5),
         "{:?}",
         asked.elapsed()
     );
-    for (what, reply) in [("write", &write), ("read", &read)] {
+    for (what, reply) in [
+        ("write", &write),
+        ("read", &read),
+        ("PERSISTENT RESERVE OUT", &register),
+        ("RESERVE(6)", &reserve6),
+    ] {
         assert_eq!(reply.status, CHECK_CONDITION, "{what} on a lapsed claim");
         assert_eq!(sense_of(&reply.sense), (0x02, 0x04, 0x01), "{what}");
     }
@@ -249,6 +270,13 @@ fn an_owner_whose_lease_lapsed_fails_lun_io_until_it_claims_again() {
     let read = session.read16(0, 0, 16);
     assert_eq!(read.status, GOOD);
     assert_eq!(read.data, [block.as_slice(), block.as_slice()].concat());
+    let keys = session.pr_in(0, PR_READ_KEYS);
+    assert_eq!(keys.status, GOOD);
+    assert_eq!(
+        be32(&keys.data[4..8]),
+        0,
+        "the refused REGISTER left no key"
+    );
     let owned = ownership(&a, "shared");
     assert!(owned["owner_epoch"].as_u64() > Some(1), "{owned}");
     assert!(a.log().contains("claiming the vdisk again"), "{}", a.log());
@@ -276,6 +304,7 @@ fn a_replicated_target_fails_over_to_another_node_with_every_write_and_its_reser
     // Through A, after B started (B's copy of the reservations, loaded at its start, does
     // not hold this): the test initiator registers a key and reserves WRITE EXCLUSIVE.
     let mut holder = login_to(&a, "db").expect("login at A");
+    assert_unit_attention(&holder.test_unit_ready(0), "first command at A");
     assert_eq!(
         holder.pr_out(0, PR_REGISTER, 0, 0, PR_KEY, false).status,
         GOOD
@@ -296,6 +325,21 @@ fn a_replicated_target_fails_over_to_another_node_with_every_write_and_its_reser
     let mut holder = login_to(&b, "db").expect("login at B after A died");
     assert_eq!(ownership(&b, "mirrored")["owner"], id_b.as_str());
     let mut other = open_isid(b.iscsi_port, INITIATOR, &target_iqn("db"), 2);
+    // B serves the unit anew (A served it last): as after a power on, each nexus's first
+    // command gets UNIT ATTENTION 29/00, ahead of any reservation conflict, and runs
+    // normally when sent again. What A held in memory for the nexuses (unit attentions,
+    // RESERVE(6)) is gone; the reset tells them to look again.
+    assert_unit_attention(&holder.read16(0, 0, 8), "holder's first command at B");
+    let read = holder.read16(0, 0, 8);
+    assert_eq!(
+        read.status, GOOD,
+        "the holder's second command at B: {read:?}"
+    );
+    assert_eq!(read.data, first_block, "every acknowledged write");
+    assert_unit_attention(
+        &other.write16(0, 0, &first_block),
+        "other's first command at B",
+    );
     let refused = other.write16(0, 0, &first_block);
     assert_eq!(
         refused.status, RESERVATION_CONFLICT,
@@ -354,24 +398,27 @@ fn be64(bytes: &[u8]) -> u64 {
 }
 
 /// Waits until the target closes the session's connection, answering its NOP-In pings
-/// meanwhile; false if it is still open after `limit`.
-fn closed_by_target_within(session: &mut Session, limit: Duration) -> bool {
+/// meanwhile; the Asynchronous Messages it sent first, or `None` if it is still open after
+/// `limit`. Any other PDU fails the test (the session is idle).
+fn closed_by_target_within(session: &mut Session, limit: Duration) -> Option<Vec<Pdu>> {
     let deadline = Instant::now() + limit;
+    let mut messages = Vec::new();
     while Instant::now() < deadline {
         match session.raw.recv() {
             Ok(pdu) if pdu.bhs.opcode() == op::NOP_IN && pdu.bhs.itt() == NO_TAG => {
                 session.answer_ping(&pdu)
             }
+            Ok(pdu) if pdu.bhs.opcode() == op::ASYNC_MESSAGE => messages.push(pdu),
             Ok(pdu) => panic!("unexpected PDU on an idle session: {:?}", pdu.bhs),
             Err(e)
                 if matches!(
                     e.kind(),
                     std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
                 ) => {}
-            Err(_) => return true, // end of stream or reset: closed
+            Err(_) => return Some(messages), // end of stream or reset: closed
         }
     }
-    false
+    None
 }
 
 #[test]
@@ -404,6 +451,7 @@ fn a_target_fails_back_to_its_preferred_node_once_that_node_is_up_again() {
         "B not listed down"
     );
     let mut session = login_to(&c, "db").expect("login at C after B died");
+    assert_unit_attention(&session.read16(0, 0, 8), "first command at C");
     let read = session.read16(0, 0, 8);
     assert_eq!(read.status, GOOD);
     assert_eq!(read.data, std::fs::read(&first).unwrap()[..4096]);
@@ -419,11 +467,22 @@ fn a_target_fails_back_to_its_preferred_node_once_that_node_is_up_again() {
     // logs it in again at the portal it uses, C's, as open-iscsi or libiscsi would after
     // the connection dropped: C redirects it to B, which claims the target.
     b.restart();
-    assert!(
-        closed_by_target_within(&mut session, Duration::from_secs(40)),
-        "C never ended the session:\n{}",
-        c.log()
+    let messages = closed_by_target_within(&mut session, Duration::from_secs(40))
+        .unwrap_or_else(|| panic!("C never ended the session:\n{}", c.log()));
+    // Before closing, C said so in an Asynchronous Message (RFC 7143 11.9): AsyncEvent 2,
+    // "the target will drop the connection" (CID 0, the test's), Time2Wait 0 (log in again
+    // at once), Time2Retain 0 (no task kept), numbered like any status it sends.
+    assert_eq!(messages.len(), 1, "one Async Message before the close");
+    let message = &messages[0].bhs;
+    assert_eq!(message.0[36], async_event::DROPPING_CONNECTION);
+    assert_eq!(
+        (message.u16_at(38), message.u16_at(40), message.u16_at(42)),
+        (0, 0, 0),
+        "CID, Time2Wait, Time2Retain"
     );
+    let last_stat_sn = session.last_stat_sn.expect("the session had answers");
+    assert_eq!(message.u32_at(24), last_stat_sn + 1, "the next StatSN");
+    assert_eq!(message.u32_at(28), session.next_cmd_sn(), "ExpCmdSN");
     assert!(c.log().contains("handing the target back"), "{}", c.log());
     // A login made while C releases the target waits for it; the release is logged.
     assert!(
@@ -442,6 +501,10 @@ fn a_target_fails_back_to_its_preferred_node_once_that_node_is_up_again() {
         Ok(_) => panic!("C still serves a target it handed back"),
     }
     let mut session = login_to(&b, "db").expect("login at B after the hand-back");
+    assert_unit_attention(
+        &session.read16(0, 0, 8),
+        "first command at B after failback",
+    );
     let read = session.read16(0, 0, 8);
     assert_eq!(read.status, GOOD);
     assert_eq!(

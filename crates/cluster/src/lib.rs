@@ -25,9 +25,9 @@ pub use membership::{
 };
 pub use node_id::{load_or_create_node_id, NodeId, NODE_ID_FILE};
 pub use ownership::{
-    all_owners, claim, claim_to_serve, current_epoch, current_owner, read_ownership, release,
-    watch_ownership, Owner, OwnershipChange, OwnershipClaim, OwnershipEpoch, OwnershipState,
-    OwnershipWatch,
+    all_owners, claim, claim_held, claim_to_serve, current_epoch, current_owner, holds_claim,
+    read_ownership, release, watch_ownership, Owner, OwnershipChange, OwnershipClaim,
+    OwnershipEpoch, OwnershipState, OwnershipWatch,
 };
 pub use placement::{
     choose_copies, mark_placement_synced, read_placement, read_placement_revision,

@@ -311,29 +311,44 @@ pub async fn current_epoch<M: MetaStore>(
     Ok(read_epoch(store, vdisk).await?.epoch)
 }
 
-/// Gives up ownership: deletes the owner key if it still is this claim's (same lease, same
-/// record). The epoch stays, so the next claim raises it.
-pub async fn release<M: MetaStore>(store: &M, claim: &OwnershipClaim) -> Result<(), ReleaseError> {
+/// The conditions under which `claim` still is the vdisk's ownership: the owner key holds
+/// this claim's record (same node, same epoch) on this claim's lease. A transaction guarded by
+/// them changes the store only while the claim holds, which fences a former owner's writes to
+/// the store as the epoch fences its writes to the copies.
+pub fn claim_held(claim: &OwnershipClaim) -> [Compare; 2] {
     let owner_key = keys::owner_key(claim.vdisk);
     let ours = OwnerRecord {
         version: OWNERSHIP_RECORD_VERSION,
         node_id: claim.node,
         epoch: claim.epoch,
     };
+    [
+        Compare::value(
+            owner_key.clone(),
+            ashlar_meta::CompareOp::Equal,
+            record::encode(&ours),
+        ),
+        Compare::lease(owner_key, ashlar_meta::CompareOp::Equal, Some(claim.lease)),
+    ]
+}
+
+/// Whether `claim` still is the vdisk's ownership in the store ([`claim_held`]).
+pub async fn holds_claim<M: MetaStore>(
+    store: &M,
+    claim: &OwnershipClaim,
+) -> Result<bool, ClusterError> {
+    Ok(store
+        .txn(Txn::new().when(claim_held(claim)))
+        .await?
+        .succeeded)
+}
+
+/// Gives up ownership: deletes the owner key if it still is this claim's (same lease, same
+/// record). The epoch stays, so the next claim raises it.
+pub async fn release<M: MetaStore>(store: &M, claim: &OwnershipClaim) -> Result<(), ReleaseError> {
     let txn = Txn::new()
-        .when([
-            Compare::value(
-                owner_key.clone(),
-                ashlar_meta::CompareOp::Equal,
-                record::encode(&ours),
-            ),
-            Compare::lease(
-                owner_key.clone(),
-                ashlar_meta::CompareOp::Equal,
-                Some(claim.lease),
-            ),
-        ])
-        .and_then([TxnOp::delete(KeyRange::key(owner_key))]);
+        .when(claim_held(claim))
+        .and_then([TxnOp::delete(KeyRange::key(keys::owner_key(claim.vdisk)))]);
     if store.txn(txn).await?.succeeded {
         Ok(())
     } else {

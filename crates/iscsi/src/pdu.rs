@@ -32,7 +32,21 @@ pub mod op {
     pub const DATA_IN: u8 = 0x25;
     pub const LOGOUT_RESPONSE: u8 = 0x26;
     pub const R2T: u8 = 0x31;
+    pub const ASYNC_MESSAGE: u8 = 0x32;
     pub const REJECT: u8 = 0x3f;
+}
+
+/// AsyncEvent codes of an Asynchronous Message (RFC 7143 11.9.1).
+pub mod async_event {
+    /// A SCSI asynchronous event: sense data in the data segment.
+    pub const SCSI_EVENT: u8 = 0;
+    /// The target asks the initiator to log out within Parameter3 seconds.
+    pub const REQUEST_LOGOUT: u8 = 1;
+    /// The target will drop the connection whose CID is Parameter1; Parameter2 is
+    /// Time2Wait, Parameter3 Time2Retain.
+    pub const DROPPING_CONNECTION: u8 = 2;
+    /// The target will drop every connection of the session (Time2Wait, Time2Retain).
+    pub const DROPPING_ALL_CONNECTIONS: u8 = 3;
 }
 
 /// Reject reasons (RFC 7143 11.17.1).
@@ -166,6 +180,23 @@ impl Pdu {
             data,
         }
     }
+}
+
+/// An Asynchronous Message (RFC 7143 11.9) telling the initiator that the target will drop
+/// connection `cid` (AsyncEvent 2): Parameter1 the CID, Parameter2 `time2wait` (seconds
+/// before the initiator may log in again; 0: at once), Parameter3 `time2retain` (seconds the
+/// target keeps the connection's tasks for reassignment; 0: none). F set, no LUN (not a SCSI
+/// event), ITT reserved, no data segment. StatSN, ExpCmdSN and MaxCmdSN are stamped by the
+/// connection's writer, as in every PDU the target sends.
+pub fn dropping_connection(cid: u16, time2wait: u16, time2retain: u16) -> Pdu {
+    let mut bhs = Bhs::new(op::ASYNC_MESSAGE);
+    bhs.set_flags(0x80);
+    bhs.set_itt(NO_TAG);
+    bhs.0[36] = async_event::DROPPING_CONNECTION;
+    bhs.set_u16_at(38, cid);
+    bhs.set_u16_at(40, time2wait);
+    bhs.set_u16_at(42, time2retain);
+    Pdu::new(bhs, Bytes::new())
 }
 
 /// Where the parts of a PDU lie after its 48-byte BHS.
@@ -352,6 +383,23 @@ pub fn sn_le(a: u32, b: u32) -> bool {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn the_dropping_connection_async_message_is_laid_out_as_rfc_7143_says() {
+        let pdu = dropping_connection(0x0102, 0, 20);
+        let bytes = encode(&pdu, Digests::default());
+        let mut expected = [0u8; BHS_LEN];
+        expected[0] = 0x32; // opcode, I bit clear
+        expected[1] = 0x80; // F
+        expected[16..20].copy_from_slice(&[0xff; 4]); // ITT reserved
+        expected[36] = 2; // AsyncEvent: target will drop the connection
+        expected[38..40].copy_from_slice(&[0x01, 0x02]); // Parameter1: CID
+        expected[40..42].copy_from_slice(&[0, 0]); // Parameter2: Time2Wait
+        expected[42..44].copy_from_slice(&[0, 20]); // Parameter3: Time2Retain
+        assert_eq!(&bytes[..], &expected[..], "48 bytes, no data segment");
+        let (decoded, used) = decode(&bytes, Digests::default(), 0).unwrap().unwrap();
+        assert_eq!((decoded, used), (pdu, BHS_LEN));
+    }
 
     fn sample(data: &[u8]) -> Pdu {
         let mut bhs = Bhs::new(op::NOP_OUT);

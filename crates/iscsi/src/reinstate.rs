@@ -98,9 +98,9 @@ impl SessionTable {
     }
 
     /// Tells every session of `target` on this node to end as after a logout request: no
-    /// new command is read, running ones finish and are answered, then the connection
-    /// closes (the initiator logs in again: ERL 0 session recovery). Returns how many were
-    /// told.
+    /// new command is read, running ones finish and are answered, an Asynchronous Message
+    /// says the connection drops (AsyncEvent 2, Time2Wait 0), then the connection closes
+    /// (the initiator logs in again: ERL 0 session recovery). Returns how many were told.
     pub fn end_target(&self, target: &str) -> usize {
         let live = self.lock();
         let mut told = 0;

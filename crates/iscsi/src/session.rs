@@ -47,6 +47,9 @@ const REPLY_QUEUE_PDUS: usize = 256;
 const MAX_IMMEDIATE_COMMANDS: usize = 16;
 /// On shutdown or logout, how long running commands may take before the connection closes.
 const DRAIN_GRACE: Duration = Duration::from_secs(30);
+/// How long the Asynchronous Message announcing a dropped connection may wait for room in
+/// the writer's queue; an initiator that reads nothing gets the close only.
+const ASYNC_MESSAGE_WAIT: Duration = Duration::from_secs(5);
 /// TSIH given to sessions (one connection each, so one value per node is enough for the
 /// initiator to tell its sessions apart: they differ by ISID).
 const TSIH: u16 = 1;
@@ -119,7 +122,7 @@ pub async fn serve_or_hand_over<R: TargetRegistry>(
         ),
     )
     .await;
-    let logged_in = match login {
+    let (logged_in, cid) = match login {
         Ok(Ok(Some(logged_in))) => logged_in,
         Ok(Ok(None)) => return Ok(None),
         Ok(Err(error)) => return Err(error),
@@ -131,6 +134,7 @@ pub async fn serve_or_hand_over<R: TargetRegistry>(
     let started = Started {
         logged_in,
         sequence,
+        cid,
         log,
         limits,
         local,
@@ -173,6 +177,8 @@ pub async fn resume<R: TargetRegistry>(
 struct Started {
     logged_in: login::LoggedIn,
     sequence: Sequence,
+    /// The connection's CID, from its login.
+    cid: u16,
     log: ViolationLog,
     limits: Effective,
     local: Option<std::net::SocketAddr>,
@@ -231,6 +237,7 @@ async fn serve_session<R: TargetRegistry, Rd: AsyncBufRead + Unpin>(
     let Started {
         logged_in,
         sequence,
+        cid,
         mut log,
         limits,
         local,
@@ -285,6 +292,7 @@ async fn serve_session<R: TargetRegistry, Rd: AsyncBufRead + Unpin>(
         next_ttt: Cell::new(1),
         portal: local.map(|a| a.to_string()).unwrap_or_default(),
         received: Cell::new(0),
+        cid,
     });
     let dead = Rc::new(Notify::new());
     let pinger = session
@@ -301,6 +309,7 @@ async fn serve_session<R: TargetRegistry, Rd: AsyncBufRead + Unpin>(
         digests,
         held: BTreeMap::new(),
         text_pending: None,
+        target_moved: false,
     };
     let ending = registration.as_ref().map(|r| r.ending.clone());
     let ended = feature
@@ -318,6 +327,9 @@ async fn serve_session<R: TargetRegistry, Rd: AsyncBufRead + Unpin>(
         |task| !matches!(task.state, TaskState::Running(_)),
     );
     let drained = tokio::time::timeout(DRAIN_GRACE, session.wait_idle()).await;
+    if feature.target_moved && drained.is_ok() {
+        session.announce_drop().await;
+    }
     drop(joined);
     drop(feature);
     drop(session);
@@ -482,6 +494,8 @@ async fn frame<W: AsyncWrite + Unpin>(
     Ok(())
 }
 
+/// Runs a connection's login: the session logged in (`None` if the initiator left) with
+/// the connection's CID.
 async fn login_phase<Rd, Wr, R>(
     reader: &mut Rd,
     writer: &mut Wr,
@@ -490,7 +504,7 @@ async fn login_phase<Rd, Wr, R>(
     sequence: &mut Sequence,
     log: &mut ViolationLog,
     mut before_final_reply: impl FnMut(&login::LoggedIn),
-) -> Result<Option<login::LoggedIn>, IscsiError>
+) -> Result<Option<(login::LoggedIn, u16)>, IscsiError>
 where
     Rd: AsyncBufRead + Unpin,
     Wr: AsyncWrite + Unpin,
@@ -558,7 +572,8 @@ where
         }
         send_login_reply(writer, &bhs, &reply, sequence, done.is_some()).await?;
         if let Some(logged_in) = done {
-            return Ok(Some(*logged_in));
+            // With the connection's CID (bytes 20-21 of a login request).
+            return Ok(Some((*logged_in, bhs.u16_at(20))));
         }
     }
 }
@@ -667,6 +682,8 @@ struct Session<D> {
     portal: String,
     /// PDUs read so far: the ping task's proof that the initiator is alive.
     received: Cell<u64>,
+    /// The connection's CID (named in an Asynchronous Message about it).
+    cid: u16,
 }
 
 impl<D: ashlar_core::BlockDevice + 'static> Session<D> {
@@ -795,6 +812,23 @@ impl<D: ashlar_core::BlockDevice + 'static> Session<D> {
         lun.and_then(|lun| self.luns.get(usize::from(lun.0)))
     }
 
+    /// Tells the initiator that the target drops this connection now (RFC 7143 11.9,
+    /// AsyncEvent 2), sent once its running commands are answered, just before the close:
+    /// Time2Wait 0, so it logs in again at once (open-iscsi takes its reconnect delay from
+    /// it; libiscsi its next reconnect time, which would otherwise be 3 s after its last
+    /// reconnect), and Time2Retain 0, as error recovery level 0 keeps no task for
+    /// reassignment.
+    /// Bounded by [`ASYNC_MESSAGE_WAIT`]: an initiator that reads nothing gets the close only.
+    async fn announce_drop(&self) {
+        let message = pdu::dropping_connection(self.cid, 0, 0);
+        let sent =
+            tokio::time::timeout(ASYNC_MESSAGE_WAIT, self.send(message, StatSn::Advance)).await;
+        if sent.is_err() {
+            tracing::info!(target = %self.target_name,
+                "the initiator reads nothing; closing without the Async Message");
+        }
+    }
+
     /// Sends a NOP-In ping (RFC 7143 11.19: ITT reserved, a TTT the answer echoes, StatSN
     /// not consumed). Never waits: with the writer's queue full the initiator is not
     /// reading, which the ping's timeout then catches.
@@ -864,6 +898,8 @@ struct FullFeature<R: TargetRegistry> {
     held: BTreeMap<u32, Pdu>,
     /// The rest of a text response too long for one PDU, with its TTT.
     text_pending: Option<(u32, Vec<u8>)>,
+    /// The reader stopped because the session's target moved to another node.
+    target_moved: bool,
 }
 
 /// Why the reader loop stops.
@@ -901,9 +937,10 @@ impl<R: TargetRegistry> FullFeature<R> {
                 biased;
                 _ = &mut stop => return Ok(()),
                 target_moved = &mut ending => {
+                    self.target_moved = target_moved;
                     if target_moved {
                         tracing::info!(peer = log.peer(), target = %self.session.target_name,
-                            "iSCSI session ended: its target moved to another node; running commands finish, then the connection closes and the initiator logs in again");
+                            "iSCSI session ended: its target moved to another node; running commands finish, then an Async Message tells the initiator the connection drops (log in again at once) and it closes");
                     } else {
                         tracing::info!(peer = log.peer(), "iSCSI session reinstated by a new login; ending the old one");
                     }
@@ -1861,6 +1898,68 @@ mod admission {
 }
 
 #[cfg(test)]
+mod target_moved {
+    //! A session told that its target moved to another node (failback): an Asynchronous
+    //! Message says the connection drops, stamped like any other target PDU, then the
+    //! connection closes.
+    use super::*;
+    use crate::testing::{against_server, login_request, ServerEnd, TestRegistry, TARGET};
+
+    /// The initiator's CID in the test's login.
+    const CID: u16 = 0x0107;
+
+    async fn next(reader: &mut BufReader<tokio::net::tcp::OwnedReadHalf>) -> Option<Pdu> {
+        let read = read_pdu(reader, Digests::default(), 1 << 20);
+        tokio::time::timeout(Duration::from_secs(10), read)
+            .await
+            .expect("the target answers or closes")
+            .expect("a well-formed PDU")
+    }
+
+    #[test]
+    fn the_initiator_is_told_the_connection_drops_before_it_closes() {
+        let limits = IscsiLimits {
+            nop: None,
+            ..IscsiLimits::default()
+        };
+        let table = limits.sessions.clone();
+        let (seen, end) = against_server(TestRegistry::open(), limits, |stream| async move {
+            let (read_half, mut writer) = stream.into_split();
+            let mut login = login_request();
+            login[20..22].copy_from_slice(&CID.to_be_bytes());
+            writer.write_all(&login).await.unwrap();
+            let mut reader = BufReader::new(read_half);
+            let reply = next(&mut reader).await.expect("a login response");
+            assert_eq!(reply.bhs.u16_at(36), 0, "logged in");
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            while table.live_sessions_of(TARGET) == 0 {
+                assert!(tokio::time::Instant::now() < deadline, "never registered");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert_eq!(table.end_target(TARGET), 1);
+            let mut seen = Vec::new();
+            while let Some(pdu) = next(&mut reader).await {
+                seen.push(pdu);
+            }
+            (reply.bhs, seen)
+        });
+        assert_eq!(end, ServerEnd::Finished);
+        let (login, seen) = seen;
+        let opcodes: Vec<u8> = seen.iter().map(|p| p.bhs.opcode()).collect();
+        assert_eq!(opcodes, vec![op::ASYNC_MESSAGE], "then the close");
+        let message = seen[0].bhs;
+        assert_eq!(message.0[36], pdu::async_event::DROPPING_CONNECTION);
+        assert_eq!(message.u16_at(38), CID, "Parameter1: the connection's CID");
+        assert_eq!(message.u16_at(40), 0, "Time2Wait: log in again at once");
+        assert_eq!(message.u16_at(42), 0, "Time2Retain: no task is kept");
+        assert_eq!(message.itt(), NO_TAG);
+        assert_eq!(message.u32_at(24), login.u32_at(24) + 1, "the next StatSN");
+        assert_eq!(message.u32_at(28), login.u32_at(28), "ExpCmdSN");
+        assert_eq!(message.u32_at(32), login.u32_at(32), "MaxCmdSN");
+    }
+}
+
+#[cfg(test)]
 mod writing {
     //! The writer frames PDUs into its buffer or, for large data, writes the data where it
     //! is; either way the bytes are exactly what `pdu::encode` gives, in queue order, each
@@ -1906,6 +2005,33 @@ mod writing {
         assert_eq!(written.len(), expected.len());
         assert!(written == expected, "the bytes differ from encode()'s");
         assert_eq!(sequence.stat_sn.get(), model.stat_sn.get());
+    }
+
+    #[tokio::test]
+    async fn the_async_message_carries_and_consumes_the_next_stat_sn() {
+        let (replies, queue) = mpsc::channel(1);
+        let pdu = pdu::dropping_connection(3, 0, 0);
+        let stat = StatSn::Advance;
+        let last = true;
+        replies.send(Outgoing { pdu, stat, last }).await.unwrap();
+        let sequence = Rc::new(Sequence::default());
+        sequence.stat_sn.set(7);
+        sequence.exp_cmd_sn.set(20);
+        sequence.window.set(4);
+        sequence.active.set(1);
+        let mut written = Vec::new();
+        write_pdus(queue, &mut written, sequence.clone(), Digests::default())
+            .await
+            .unwrap();
+        assert_eq!(written.len(), BHS_LEN, "a header alone");
+        let bhs = Bhs(written[..BHS_LEN].try_into().unwrap());
+        assert_eq!(bhs.opcode(), op::ASYNC_MESSAGE);
+        assert_eq!(bhs.u32_at(24), 7, "StatSN");
+        assert_eq!(bhs.u32_at(28), 20, "ExpCmdSN");
+        assert_eq!(bhs.u32_at(32), 22, "MaxCmdSN: ExpCmdSN + 3 free slots - 1");
+        assert_eq!(bhs.0[36], pdu::async_event::DROPPING_CONNECTION);
+        assert_eq!(bhs.u16_at(38), 3, "CID");
+        assert_eq!(sequence.stat_sn.get(), 8, "consumed, as by a response");
     }
 
     #[test]

@@ -13,11 +13,12 @@
 //! - With `--iscsi-failback-after-s N` (N > 0), a node serving a target whose preferred node
 //!   is another one hands the target back once it has seen that node up for N seconds
 //!   (the same run of it, continuously; checked every second): logins to the target wait,
-//!   its sessions here end as after a logout (running commands finish and are answered,
-//!   then the connections close), the vdisks' gates shut, writes in flight settle and the
-//!   claims are released; the initiators' next logins are redirected to the preferred node,
-//!   which claims the vdisks. Only targets whose every vdisk is replicated are handed back:
-//!   an unreplicated vdisk's data is on this node only.
+//!   its sessions here end as after a logout (running commands finish and are answered, an
+//!   Async Message says the connection drops, then the connections close), the vdisks'
+//!   gates shut, writes in flight settle and the claims are released; the initiators' next
+//!   logins are redirected to the preferred node, which claims the vdisks. Only targets
+//!   whose every vdisk is replicated are handed back: an unreplicated vdisk's data is on
+//!   this node only.
 
 use super::NodeVolumeGroups;
 use crate::cluster::NodeMeta;

@@ -9,7 +9,14 @@
 //! whenever the record changes ([`follow_changes`], a watch of the records).
 //!
 //! RESERVE(6) reservations end with their I_T nexus and are never saved.
+//!
+//! In a cluster a change is fenced by the unit's vdisk's ownership claim ([`ServingClaims`]):
+//! it is refused (NOT READY) while this node does not serve the vdisk under a surely valid
+//! claim, and it is saved by a transaction that also compares the owner key with this node's
+//! claim, so a node whose claim ended (another node may serve the unit now) changes nothing.
 
+use ashlar_cluster::{claim_held, holds_claim, OwnershipClaim};
+use ashlar_core::VdiskId;
 use ashlar_iscsi::{
     BackendFuture, LunReservations, PrState, Registration, Reservation, ReservationBackend,
     ReservationError, ReservationStore,
@@ -124,12 +131,39 @@ fn decode(unit_id: u64, value: &[u8]) -> Result<PrState, ReservationError> {
     Ok(record.into_state())
 }
 
+/// Which vdisks this node serves, and under which ownership claim (the node's ownership
+/// layer; a unit's id is its vdisk's id).
+pub trait ServingClaims: Send + Sync + 'static {
+    /// `Ok(Some(claim))`: this node serves `vdisk` under `claim`, surely valid now;
+    /// `Ok(None)`: there are no claims (a single node serves everything); `Err(why)`: this
+    /// node does not serve `vdisk` now.
+    fn serving_claim(&self, vdisk: VdiskId) -> Result<Option<OwnershipClaim>, String>;
+}
+
+impl ServingClaims for crate::ownership::NodeOwnership {
+    fn serving_claim(&self, vdisk: VdiskId) -> Result<Option<OwnershipClaim>, String> {
+        crate::ownership::NodeOwnership::serving_claim(self, vdisk)
+    }
+}
+
 /// Saves units' states in the MetaStore.
 struct MetaBackend<M> {
     meta: M,
+    /// `None`: changes are not fenced (a store of one node, or tests).
+    fence: Option<Arc<dyn ServingClaims>>,
 }
 
 impl<M: MetaStore> MetaBackend<M> {
+    /// The claim a change of unit `unit_id` must be made under (`None`: no fencing).
+    fn claim(&self, unit_id: u64) -> Result<Option<OwnershipClaim>, ReservationError> {
+        match &self.fence {
+            None => Ok(None),
+            Some(fence) => fence
+                .serving_claim(VdiskId(unit_id))
+                .map_err(ReservationError::NotServing),
+        }
+    }
+
     /// The saved state of `unit_id` (empty if it has no record).
     async fn read(&self, unit_id: u64) -> Result<PrState, ReservationError> {
         match self
@@ -150,6 +184,8 @@ impl<M: MetaStore> MetaBackend<M> {
     ) -> Result<PrState, ReservationError> {
         let key = unit_key(unit_id);
         loop {
+            // Asked again on each attempt: the claim may have lapsed or been made again.
+            let claim = self.claim(unit_id)?;
             let current = self.meta.get(&key).await.map_err(store_error)?;
             let (mut state, unchanged) = match &current {
                 Some(kv) => (
@@ -165,11 +201,13 @@ impl<M: MetaStore> MetaBackend<M> {
             state.legacy = None;
             let value = serde_json::to_vec(&ReservationRecord::from_state(unit_id, &state))
                 .map_err(store_error)?;
+            let mut guards = vec![unchanged];
+            guards.extend(claim.iter().flat_map(claim_held));
             let response = self
                 .meta
                 .txn(
                     Txn::new()
-                        .when([unchanged])
+                        .when(guards)
                         .and_then([TxnOp::put(key.clone(), value, None)]),
                 )
                 .await
@@ -177,8 +215,22 @@ impl<M: MetaStore> MetaBackend<M> {
             if response.succeeded {
                 return Ok(state);
             }
-            // Changed meanwhile (another node): decide again on the newer state.
+            if let Some(claim) = &claim {
+                self.still_held(claim).await?;
+            }
+            // The record changed meanwhile (another node): decide again on the newer state.
         }
+    }
+
+    /// Ok if `claim` still is its vdisk's ownership in the store, else `NotServing`.
+    async fn still_held(&self, claim: &OwnershipClaim) -> Result<(), ReservationError> {
+        if holds_claim(&self.meta, claim).await.map_err(store_error)? {
+            return Ok(());
+        }
+        Err(ReservationError::NotServing(format!(
+            "vdisk {}: this node's ownership claim (epoch {}) ended; another node may serve it",
+            claim.vdisk, claim.epoch
+        )))
     }
 }
 
@@ -190,6 +242,10 @@ impl<M: MetaStore> ReservationBackend for MetaBackend<M> {
     ) -> BackendFuture<'a, PrState> {
         Box::pin(self.update_record(unit_id, change))
     }
+
+    fn serving(&self, unit_id: u64) -> Result<(), ReservationError> {
+        self.claim(unit_id).map(|_| ())
+    }
 }
 
 /// The reservation state of every unit of the node, saved in the MetaStore.
@@ -199,13 +255,23 @@ pub struct MetaReservations<M> {
 }
 
 impl<M: MetaStore> MetaReservations<M> {
-    /// Loads every saved unit state.
+    /// Loads every saved unit state; changes are not fenced.
+    #[cfg(test)]
     pub async fn load(meta: M) -> Result<Self, ReservationError> {
+        Self::load_fenced(meta, None).await
+    }
+
+    /// Loads every saved unit state; with `fence`, a change of a unit is made only while
+    /// this node serves the unit's vdisk under a live ownership claim (see the module notes).
+    pub async fn load_fenced(
+        meta: M,
+        fence: Option<Arc<dyn ServingClaims>>,
+    ) -> Result<Self, ReservationError> {
         let kvs = meta
             .range(KeyRange::prefix(RESERVATIONS_PREFIX), None)
             .await
             .map_err(store_error)?;
-        let backend = Arc::new(MetaBackend { meta });
+        let backend = Arc::new(MetaBackend { meta, fence });
         let mut units = HashMap::new();
         for kv in kvs {
             let unit_id = unit_of_key(&kv.key)?;
@@ -328,19 +394,105 @@ impl<M: MetaStore> ReservationStore for MetaReservations<M> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ashlar_iscsi::scsi::reservation::Access;
+    use ashlar_iscsi::scsi::reservation::{Access, PrOutcome};
+    use ashlar_iscsi::scsi::sense::Sense;
     use ashlar_meta::EmbeddedMetaStore;
 
     /// PERSISTENT RESERVE OUT with APTPL: REGISTER (action 0) or RESERVE (1) of type WRITE
-    /// EXCLUSIVE; must succeed.
-    async fn reserve_out(unit: &LunReservations, nexus: &str, action: u8, key: u64, sa: u64) {
+    /// EXCLUSIVE.
+    async fn try_reserve_out(
+        unit: &LunReservations,
+        nexus: &str,
+        action: u8,
+        key: u64,
+        sa: u64,
+    ) -> PrOutcome {
         let cdb = [0x5f, action, 1, 0, 0, 0, 0, 0, 24, 0];
         let mut params = vec![0u8; 24];
         params[0..8].copy_from_slice(&key.to_be_bytes());
         params[8..16].copy_from_slice(&sa.to_be_bytes());
         params[20] = 0x01; // APTPL
-        let outcome = unit.reserve_out(nexus, &cdb, &params).await;
+        unit.reserve_out(nexus, &cdb, &params).await
+    }
+
+    /// [`try_reserve_out`], which must succeed.
+    async fn reserve_out(unit: &LunReservations, nexus: &str, action: u8, key: u64, sa: u64) {
+        let outcome = try_reserve_out(unit, nexus, action, key, sa).await;
         assert_eq!(outcome.status(), 0, "{outcome:?}");
+    }
+
+    /// The ownership layer of one node, as the test sets it.
+    struct TestFence(Mutex<Result<Option<OwnershipClaim>, String>>);
+
+    impl TestFence {
+        fn set(&self, serving: Result<Option<OwnershipClaim>, String>) {
+            *self.0.lock().unwrap() = serving;
+        }
+    }
+
+    impl ServingClaims for TestFence {
+        fn serving_claim(&self, _vdisk: VdiskId) -> Result<Option<OwnershipClaim>, String> {
+            self.0.lock().unwrap().clone()
+        }
+    }
+
+    #[tokio::test]
+    async fn changes_are_fenced_by_the_ownership_claim() {
+        let dir = tempfile::tempdir().unwrap();
+        let meta = EmbeddedMetaStore::open(&dir.path().join("meta.redb")).unwrap();
+        let node = |n| ashlar_cluster::NodeId::new(n).unwrap();
+        let vdisk = VdiskId(8);
+        let lease = meta.grant_lease(Duration::from_secs(60)).await.unwrap();
+        let mine = ashlar_cluster::claim(&meta, vdisk, node(1), lease)
+            .await
+            .unwrap();
+        let fence = Arc::new(TestFence(Mutex::new(Ok(Some(mine.clone())))));
+        let store = MetaReservations::load_fenced(meta.clone(), Some(fence.clone()))
+            .await
+            .unwrap();
+        let unit = store.unit(vdisk.0);
+        // Served under a live claim: the change is saved.
+        reserve_out(&unit, "iqn.a,i,0x01", 0, 0, 0xaa).await;
+        let not_ready = PrOutcome::Check(Sense::LUN_BECOMING_READY);
+
+        // The claim lapsed here (the gate shut): refused at once, RESERVE(6) too.
+        fence.set(Err("lapsed".into()));
+        let outcome = try_reserve_out(&unit, "iqn.a,i,0x01", 1, 0xaa, 0).await;
+        assert_eq!(outcome, not_ready);
+        assert_eq!(unit.reserve6("iqn.b,i,0x02"), not_ready);
+        assert_eq!(unit.release6("iqn.b,i,0x02"), not_ready);
+        assert_eq!(unit.snapshot().legacy, None, "RESERVE(6) not taken");
+
+        // Another node took the vdisk while this node still believes in its claim (its gate
+        // not shut yet): the save compares the owner key, so nothing is saved.
+        ashlar_cluster::release(&meta, &mine).await.unwrap();
+        let theirs = meta.grant_lease(Duration::from_secs(60)).await.unwrap();
+        ashlar_cluster::claim(&meta, vdisk, node(2), theirs)
+            .await
+            .unwrap();
+        fence.set(Ok(Some(mine.clone())));
+        let outcome = try_reserve_out(&unit, "iqn.a,i,0x01", 1, 0xaa, 0).await;
+        assert_eq!(outcome, not_ready);
+        let register = try_reserve_out(&unit, "iqn.b,i,0x02", 0, 0, 0xbb).await;
+        assert_eq!(register, not_ready);
+
+        // The store and the copy here hold the one registration saved under the claim.
+        for state in [
+            unit.snapshot(),
+            MetaReservations::load(meta.clone())
+                .await
+                .unwrap()
+                .unit(vdisk.0)
+                .snapshot(),
+        ] {
+            let keys: Vec<u64> = state.registrations.iter().map(|r| r.key).collect();
+            assert_eq!(keys, vec![0xaa]);
+            assert_eq!(state.reservation, None);
+            assert_eq!(state.generation, 1);
+        }
+        // A single node's store is not fenced.
+        let unfenced = MetaReservations::load(meta).await.unwrap();
+        reserve_out(&unfenced.unit(vdisk.0), "iqn.a,i,0x01", 1, 0xaa, 0).await;
     }
 
     #[tokio::test]

@@ -114,6 +114,9 @@ pub struct Session {
     pub raw: Raw,
     cmd_sn: u32,
     itt: u32,
+    /// The StatSN of the last status the target sent (a SCSI Response or a Data-In with
+    /// status), if any.
+    pub last_stat_sn: Option<u32>,
 }
 
 /// Why a login failed: the status the target answered with, a redirection (status class 1)
@@ -261,6 +264,7 @@ fn login_isid(port: u16, spec: &LoginSpec, isid_low: u8) -> Result<Session, Logi
         raw,
         cmd_sn: 1,
         itt: 0x100,
+        last_stat_sn: None,
     })
 }
 
@@ -274,6 +278,11 @@ pub struct Reply {
 }
 
 impl Session {
+    /// The CmdSN of the next command (what the target's ExpCmdSN is once it read them all).
+    pub fn next_cmd_sn(&self) -> u32 {
+        self.cmd_sn
+    }
+
     fn next_itt(&mut self) -> u32 {
         self.itt += 1;
         self.itt
@@ -320,6 +329,7 @@ impl Session {
                     assert_eq!(pdu.bhs.itt(), itt);
                     data.extend_from_slice(&pdu.data);
                     if pdu.bhs.flags() & 0x01 != 0 {
+                        self.last_stat_sn = Some(pdu.bhs.u32_at(24));
                         return Reply {
                             status: pdu.bhs.0[3],
                             data,
@@ -352,6 +362,7 @@ impl Session {
                 }
                 op::SCSI_RESPONSE => {
                     assert_eq!(pdu.bhs.itt(), itt);
+                    self.last_stat_sn = Some(pdu.bhs.u32_at(24));
                     let sense = if pdu.data.len() > 2 {
                         pdu.data[2..].to_vec()
                     } else {

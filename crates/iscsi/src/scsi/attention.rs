@@ -7,11 +7,15 @@
 
 use super::reservation::{PrState, Registration};
 use super::sense::Sense;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 /// Conditions queued for one I_T nexus; older ones are dropped past this (a nexus that never
 /// sends a command cannot make the node hold more).
 pub const MAX_PENDING_PER_NEXUS: usize = 8;
+
+/// Nexuses remembered as told of the unit being served anew. Past this the memory starts
+/// over: a nexus may then be told twice, which costs it one retried command and nothing else.
+pub const MAX_TOLD_SERVED_ANEW: usize = 4096;
 
 /// The pending conditions of every I_T nexus of one unit, and the nexuses now connected to it
 /// (those a reset or a capacity change notifies).
@@ -21,6 +25,10 @@ pub struct Attentions {
     /// Sessions open to the unit per nexus (a nexus may reconnect before its old session
     /// has ended).
     connected: HashMap<String, usize>,
+    /// Once the unit was served anew on this node ([`Attentions::served_anew`]): the nexuses
+    /// that have reported a reset condition since. Every other nexus gets one when it joins.
+    /// `None` while the unit was never served anew (a single node).
+    told_since_served_anew: Option<HashSet<String>>,
 }
 
 impl Attentions {
@@ -60,11 +68,43 @@ impl Attentions {
         if queue.is_empty() {
             self.pending.remove(nexus);
         }
+        if sense.is_some_and(|s| s.asc == 0x29) {
+            self.told_of_reset(nexus);
+        }
         sense
     }
 
+    /// `nexus` reported a reset condition: that covers the unit being served anew too.
+    fn told_of_reset(&mut self, nexus: &str) {
+        if let Some(told) = &mut self.told_since_served_anew {
+            if told.len() >= MAX_TOLD_SERVED_ANEW {
+                told.clear();
+            }
+            told.insert(nexus.to_string());
+        }
+    }
+
+    /// A session of `nexus` joined the unit; a nexus not told yet that the unit is served
+    /// anew gets the reset condition now, for its first command.
     pub fn joined(&mut self, nexus: &str) {
         *self.connected.entry(nexus.to_string()).or_default() += 1;
+        let untold = self
+            .told_since_served_anew
+            .as_ref()
+            .is_some_and(|told| !told.contains(nexus));
+        if untold {
+            self.post(nexus, Sense::RESET_OCCURRED);
+        }
+    }
+
+    /// The unit is served by this node anew (first served here, or another node may have
+    /// served it since this node last did): as after a power on (SAM-5 6.3.1), every I_T
+    /// nexus, connected now or joining later, gets POWER ON, RESET, OR BUS DEVICE RESET
+    /// OCCURRED once, which replaces its older conditions (conditions another node held for
+    /// it are lost; the reset tells it to look again).
+    pub fn served_anew(&mut self) {
+        self.told_since_served_anew = Some(HashSet::new());
+        self.post_connected(Sense::RESET_OCCURRED);
     }
 
     /// A session of `nexus` ended. Once none is left, its pending conditions are dropped
@@ -247,6 +287,41 @@ mod tests {
             a.post(B, Sense::CAPACITY_DATA_CHANGED);
         }
         assert!(a.pending[B].len() <= MAX_PENDING_PER_NEXUS);
+    }
+
+    #[test]
+    fn a_unit_served_anew_tells_every_nexus_once_connected_or_joining_later() {
+        let mut a = Attentions::default();
+        a.joined(A);
+        // Never served anew (a single node): nobody is told anything.
+        assert!(a.is_empty());
+        a.post(A, Sense::CAPACITY_DATA_CHANGED);
+        a.served_anew();
+        // The connected nexus: the reset replaces what was queued.
+        assert_eq!(a.take(A), Some(Sense::RESET_OCCURRED));
+        assert_eq!(a.take(A), None);
+        // A nexus joining later is told once, on its first command; again after rejoining
+        // only if it never reported it.
+        a.joined(B);
+        assert_eq!(a.take(B), Some(Sense::RESET_OCCURRED));
+        a.left(B, false);
+        a.joined(B);
+        assert_eq!(a.take(B), None, "told once");
+        a.joined(C);
+        a.left(C, false);
+        a.joined(C);
+        assert_eq!(a.take(C), Some(Sense::RESET_OCCURRED), "never reported it");
+        // A condition after the reset follows it.
+        a.joined(C);
+        a.post(C, Sense::REGISTRATIONS_PREEMPTED);
+        assert_eq!(a.take(C), Some(Sense::REGISTRATIONS_PREEMPTED));
+        // Served anew again: everybody is told again.
+        a.served_anew();
+        assert_eq!(a.take(A), Some(Sense::RESET_OCCURRED));
+        assert_eq!(a.take(B), Some(Sense::RESET_OCCURRED));
+        a.left(A, false);
+        a.joined(A);
+        assert_eq!(a.take(A), None);
     }
 
     #[test]

@@ -194,16 +194,8 @@ pub async fn execute<D: BlockDevice>(
             let outcome = unit.shared.reserve_out(nexus, cdb, &data_out).await;
             pr_result(outcome, 0).with_transfer(length)
         }
-        0x16 => pr_result(
-            unit.shared
-                .update(|state| reservation::reserve6(state, nexus)),
-            0,
-        ),
-        0x17 => pr_result(
-            unit.shared
-                .update(|state| reservation::release6(state, nexus)),
-            0,
-        ),
+        0x16 => pr_result(unit.shared.reserve6(nexus), 0),
+        0x17 => pr_result(unit.shared.release6(nexus), 0),
         _ => ScsiResult::check(Sense::INVALID_OPCODE),
     }
 }

@@ -448,6 +448,23 @@ pub enum ReservationError {
     Store(String),
     #[error("corrupt reservation record of unit {unit_id}: {reason}")]
     Corrupt { unit_id: u64, reason: String },
+    /// This node may not change the unit's state now: it does not serve the unit (in a
+    /// cluster: its ownership claim of the unit's vdisk lapsed or another node took it).
+    /// Answered NOT READY, like the unit's I/O.
+    #[error("not serving the unit: {0}")]
+    NotServing(String),
+}
+
+impl ReservationError {
+    /// The sense a command that could not save its change answers with.
+    fn sense(&self) -> Sense {
+        match self {
+            ReservationError::NotServing(_) => Sense::LUN_BECOMING_READY,
+            ReservationError::Store(_) | ReservationError::Corrupt { .. } => {
+                Sense::INTERNAL_TARGET_FAILURE
+            }
+        }
+    }
 }
 
 /// A future of a [`ReservationBackend`]; it runs on the reactor of the session that asked.
@@ -465,6 +482,15 @@ pub trait ReservationBackend: Send + Sync + 'static {
         unit_id: u64,
         change: &'a mut dyn FnMut(&mut PrState) -> bool,
     ) -> BackendFuture<'a, PrState>;
+
+    /// Whether this node may change `unit_id`'s reservations now (asked before every
+    /// change, RESERVE(6) and RELEASE(6) included): `Err(NotServing)` while it does not
+    /// serve the unit. [`Self::update`] must also refuse with `NotServing` when serving
+    /// stopped while it ran. Always yes for a store of one node.
+    fn serving(&self, unit_id: u64) -> Result<(), ReservationError> {
+        let _ = unit_id;
+        Ok(())
+    }
 }
 
 /// A unit's saved state: where, and under which number.
@@ -573,6 +599,9 @@ impl LunReservations {
     /// here; the nexuses it affects get their unit attentions. A PREEMPT AND ABORT is
     /// answered only once the preempted nexuses' earlier commands are aborted.
     pub async fn reserve_out(&self, nexus: &str, cdb: &[u8], params: &[u8]) -> PrOutcome {
+        if let Err(error) = self.serving() {
+            return PrOutcome::Check(error.sense());
+        }
         let serial = self.changes.lock().await;
         let action = cdb[1] & 0x1f;
         let current = self.snapshot();
@@ -594,10 +623,15 @@ impl LunReservations {
             }
             Some(saved) => match saved.backend.update(saved.unit_id, &mut change).await {
                 Ok(state) => state,
+                Err(error @ ReservationError::NotServing(_)) => {
+                    tracing::warn!(unit = saved.unit_id, %error,
+                        "PERSISTENT RESERVE OUT refused: this node no longer serves the unit");
+                    return PrOutcome::Check(error.sense());
+                }
                 Err(error) => {
                     tracing::error!(unit = saved.unit_id, %error,
                         "cannot save persistent reservation state; command failed");
-                    return PrOutcome::Check(Sense::INTERNAL_TARGET_FAILURE);
+                    return PrOutcome::Check(error.sense());
                 }
             },
         };
@@ -622,6 +656,33 @@ impl LunReservations {
             self.abort_preempted(&preempted).await;
         }
         outcome
+    }
+
+    /// Whether this node may change the unit's reservations now (see
+    /// [`ReservationBackend::serving`]); a unit held in memory only always may.
+    fn serving(&self) -> Result<(), ReservationError> {
+        match &self.saved {
+            Some(saved) => saved.backend.serving(saved.unit_id),
+            None => Ok(()),
+        }
+    }
+
+    /// RESERVE(6) for `nexus`. Held in memory only, but refused (NOT READY) on a node that
+    /// does not serve the unit: the initiator would believe it holds a reservation that the
+    /// node serving the unit knows nothing of.
+    pub fn reserve6(&self, nexus: &str) -> PrOutcome {
+        match self.serving() {
+            Ok(()) => self.update(|state| reserve6(state, nexus)),
+            Err(error) => PrOutcome::Check(error.sense()),
+        }
+    }
+
+    /// RELEASE(6) for `nexus`; refused like [`Self::reserve6`] where the unit is not served.
+    pub fn release6(&self, nexus: &str) -> PrOutcome {
+        match self.serving() {
+            Ok(()) => self.update(|state| release6(state, nexus)),
+            Err(error) => PrOutcome::Check(error.sense()),
+        }
     }
 
     /// Makes the saved state that `read` reads (again, from where the backend saves it) the
@@ -663,8 +724,25 @@ impl LunReservations {
 
     /// An I_T nexus opened a session to the unit; `route` reaches its commands.
     pub(crate) fn nexus_joined(&self, nexus: &str, route: AbortRoute) {
-        self.attentions().joined(nexus);
+        let mut attentions = self.attentions();
+        attentions.joined(nexus);
+        self.attention_pending
+            .store(!attentions.is_empty(), Ordering::Release);
+        drop(attentions);
         self.sessions().add(nexus, route);
+    }
+
+    /// The unit is served here anew: this node serves it for the first time, or another node
+    /// may have served it since this node last did (a failover or a failback). As after a
+    /// power on, the RESERVE(6) held here is gone and every I_T nexus's next command (of a
+    /// session open now or opened later) gets UNIT ATTENTION, POWER ON, RESET, OR BUS DEVICE
+    /// RESET OCCURRED, once.
+    pub fn served_anew(&self) {
+        self.update(|state| state.legacy = None);
+        let mut attentions = self.attentions();
+        attentions.served_anew();
+        self.attention_pending
+            .store(!attentions.is_empty(), Ordering::Release);
     }
 
     /// Session `session` of an I_T nexus ended: what the nexus held only for its lifetime
