@@ -272,6 +272,13 @@ pub struct NodeArgs {
         requires = "etcd"
     )]
     pub resync_max_mib_s: u64,
+    /// While clients do I/O on a vdisk being resynced, the resync slows down (halves its
+    /// rate, every 100 ms) whenever the clients' mean latency exceeds this percentage of
+    /// their baseline (the lowest 100 ms mean of the last 10 s), and speeds up again (by
+    /// 4 MiB/s per 100 ms, up to --resync-max-mib-s) while it stays below. 0 = no latency
+    /// control: the rate is --resync-max-mib-s.
+    #[arg(long, default_value_t = 130, value_name = "PERCENT", requires = "etcd")]
+    pub resync_latency_percent: u32,
 
     /// Mark the node storage-only: it holds replicas of other nodes' vdisks (chosen before
     /// other nodes when copies are placed) and never owns vdisks or serves clients.

@@ -23,7 +23,7 @@
 use crate::cluster::NodeMeta;
 use crate::forwarding::Migrations;
 use crate::registry::NodeEngine;
-use crate::replication::{CopyFailed, NodeReplication};
+use crate::replication::{CopyFailed, NodeReplication, Reclaim};
 use ashlar_cluster::{
     claim_to_serve, gate_step, read_ownership, release, AdvertisedAddresses, GateStep, LeaseStatus,
     NodeId, NodeRecord, OwnershipClaim, OwnershipEpoch, ServeError, ServeRefusal,
@@ -226,6 +226,34 @@ impl NodeOwnership {
             cluster: Some(cluster),
             migrations: Arc::new(Migrations::new(migrate_after)),
         }
+    }
+
+    /// This node's id (`None` on a single node).
+    pub fn node_id(&self) -> Option<NodeId> {
+        self.cluster.as_ref().map(|cluster| cluster.node)
+    }
+
+    /// Whether node `asker` may take `vdisk` (held here) over now: `None` if it holds a
+    /// complete copy, else why it must wait (it is being given one while the vdisk serves:
+    /// `NodeReplication::copy_before_hand_over`).
+    pub async fn copy_before_hand_over(
+        &self,
+        vdisk: VdiskId,
+        asker: NodeId,
+    ) -> Result<Option<String>, String> {
+        let Some(cluster) = &self.cluster else {
+            return Ok(None);
+        };
+        let epoch = lock(&cluster.held)
+            .get(&vdisk)
+            .map(|held| held.claim.epoch.0)
+            .ok_or_else(|| format!("vdisk {vdisk} is not served here"))?;
+        let replication = cluster.replication.clone();
+        cluster
+            .control
+            .spawn(async move { replication.copy_before_hand_over(vdisk, asker, epoch).await })
+            .await
+            .map_err(|e| format!("checking the asking node's copy failed: {e}"))?
     }
 
     /// The node's forwarded I/O per vdisk.
@@ -921,8 +949,12 @@ async fn reclaim_after_copy_failures(
             }
             wanted.gate.close();
             if last_reason.is_empty() {
-                tracing::warn!(vdisk = %wanted.name, epoch,
-                    "a copy failed; claiming the vdisk again to resynchronize or replace its copies");
+                match failed.reason {
+                    Reclaim::CopyFailed => tracing::warn!(vdisk = %wanted.name, epoch,
+                        "a copy failed; claiming the vdisk again to resynchronize or replace its copies"),
+                    Reclaim::CopyWanted => tracing::info!(vdisk = %wanted.name, epoch,
+                        "a node carrying the vdisk's clients wants a copy; claiming the vdisk again to add it"),
+                }
             }
             match cluster.claim(wanted, frontend).await {
                 Ok(()) => break,

@@ -128,6 +128,24 @@ fn a_client_of_another_node_is_forwarded_and_ownership_follows_sustained_io() {
         b.log()
     );
     assert!(a.log().contains("handed the vdisk over"), "{}", a.log());
+    // B held no copy: A first added it to the copy set and filled it while it served (one
+    // short re-claim), so B took the vdisk over with a complete copy and pulled nothing with
+    // its gate shut.
+    assert!(
+        a.log()
+            .contains("wants a copy; claiming the vdisk again to add it"),
+        "{}",
+        a.log()
+    );
+    assert!(
+        !b.log()
+            .contains("got a copy of the vdisk from a node holding one"),
+        "B pulled a copy before serving: {}",
+        b.log()
+    );
+    let copies = moved["copies"].as_array().unwrap().clone();
+    assert_eq!(copies.len(), 2, "{moved}");
+    assert_eq!(copies[0], id_b.as_str(), "{moved}");
     // Every earlier write is there, through the new owner and through the old one (which
     // now forwards to B).
     assert!(read_back(&b, vdisk, dir.path(), &nodes) == second_data);

@@ -84,6 +84,9 @@ pub struct VdiskCounters {
     pub errors: AtomicU64,
     pub read_latency: LatencyHistogram,
     pub write_latency: LatencyHistogram,
+    /// Latencies of every read and write summed, in nanoseconds (a mean over any interval,
+    /// which an online resync paces itself by).
+    pub latency_nanos: AtomicU64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,6 +107,8 @@ impl VdiskCounters {
         ops.fetch_add(1, Ordering::Relaxed);
         total.fetch_add(bytes, Ordering::Relaxed);
         histogram.record(latency);
+        let nanos = u64::try_from(latency.as_nanos()).unwrap_or(u64::MAX);
+        self.latency_nanos.fetch_add(nanos, Ordering::Relaxed);
     }
 
     pub fn snapshot(&self) -> CounterSnapshot {

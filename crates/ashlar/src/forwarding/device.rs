@@ -319,7 +319,10 @@ async fn move_here(
     }
     tracing::info!(vdisk = name, %owner,
         "this node has forwarded the vdisk's client I/O for a while; asking its owner to hand it over");
-    let ask = wire::encode(&ForwardMessage::HandOver { vdisk });
+    let ask = wire::encode(&ForwardMessage::HandOver {
+        vdisk,
+        asker: ownership.node_id(),
+    });
     if let Err(error) = peer.call(ask, HAND_OVER_TIMEOUT).await {
         tracing::info!(vdisk = name, %owner, %error, "the owner keeps the vdisk");
         return false;

@@ -9,6 +9,7 @@ use super::wire::{
 };
 use crate::ownership::NodeOwnership;
 use crate::registry::NodeEngine;
+use crate::replication::transport_id;
 use ashlar_core::{BlockDevice, IoResult, VdiskId};
 use ashlar_engine::reactor::ReactorId;
 use ashlar_engine::shard::{ShardOp, ShardReply};
@@ -48,11 +49,24 @@ impl ForwardServer {
         let _ = self.ownership.set(ownership);
     }
 
-    pub async fn serve(&self, payload: Bytes) -> Result<Bytes, RemoteError> {
+    /// Serves one forwarding message of the node `peer` (authenticated by the transport).
+    pub async fn serve(
+        &self,
+        peer: ashlar_transport::NodeId,
+        payload: Bytes,
+    ) -> Result<Bytes, RemoteError> {
         let message = wire::decode(&payload).map_err(|e| remote(MALFORMED_CODE, e))?;
         match message {
             ForwardMessage::Io { vdisk, offset, op } => self.run(vdisk, offset, op).await,
-            ForwardMessage::HandOver { vdisk } => self.hand_over(vdisk).await,
+            ForwardMessage::HandOver { vdisk, asker } => {
+                if asker.is_some_and(|asker| transport_id(asker) != peer) {
+                    return Err(remote(
+                        MALFORMED_CODE,
+                        "a hand-over names another node than the one asking",
+                    ));
+                }
+                self.hand_over(vdisk, asker).await
+            }
             ForwardMessage::CopyRead {
                 vdisk,
                 offset,
@@ -120,7 +134,11 @@ impl ForwardServer {
         result.map_err(|e| remote(error_code(&e), e))
     }
 
-    async fn hand_over(&self, vdisk: VdiskId) -> Result<Bytes, RemoteError> {
+    async fn hand_over(
+        &self,
+        vdisk: VdiskId,
+        asker: Option<ashlar_cluster::NodeId>,
+    ) -> Result<Bytes, RemoteError> {
         let Some(ownership) = self.ownership.get() else {
             return Err(remote(NOT_SERVING_CODE, "this node is starting"));
         };
@@ -152,6 +170,20 @@ impl ForwardServer {
                     connections - forwarded
                 ),
             ));
+        }
+        // A node without a complete copy first gets one, while this node serves: taking
+        // the vdisk over would otherwise keep it offline while the whole copy is sent.
+        if let Some(asker) = asker {
+            if let Some(filling) = ownership
+                .copy_before_hand_over(vdisk, asker)
+                .await
+                .map_err(|e| remote(NOT_SERVING_CODE, e))?
+            {
+                return Err(remote(
+                    BUSY_CODE,
+                    format!("vdisk {}: {filling}", shared.name),
+                ));
+            }
         }
         ownership
             .hand_over(vdisk, shared.clone())

@@ -15,15 +15,22 @@
 //!     32    - data: `length` bytes (write only)
 //! ```
 //!
+//! A hand-over (17) may carry the asking node's id (u128, 16 bytes) as its data: the owner
+//! then first makes that node a complete copy if it holds none (docs/forwarding.md). An
+//! empty one names nobody (an earlier version).
+//!
 //! Answers: a read's data, a block status's runs (u32 count, then per run a u64 length and a
 //! u8 of flags, bit 0 hole, bit 1 zero), else an empty payload. A failure is the transport's
 //! remote error with one of the `*_CODE` codes below.
 
+use ashlar_cluster::NodeId;
 use ashlar_core::{BlockStatusRun, IoError, VdiskId};
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 pub const FORWARD_VERSION: u8 = 1;
 pub const HEADER_BYTES: usize = 32;
+/// A hand-over's data: the asking node's id.
+const NODE_ID_BYTES: u32 = 16;
 
 pub const KIND_IO: u8 = 16;
 pub const KIND_HAND_OVER: u8 = 17;
@@ -73,9 +80,13 @@ pub enum ForwardMessage {
         offset: u64,
         op: ForwardOp,
     },
-    /// The sender has carried the vdisk's client I/O for a while: the owner gives its
-    /// claim up so the sender can claim it (`docs/forwarding.md`, migration).
-    HandOver { vdisk: VdiskId },
+    /// The sender (`asker`) has carried the vdisk's client I/O for a while: the owner gives
+    /// its claim up so the sender can claim it (`docs/forwarding.md`, migration), once the
+    /// sender holds a complete copy.
+    HandOver {
+        vdisk: VdiskId,
+        asker: Option<NodeId>,
+    },
     /// The owner's copy failed its checksums: read this copy's blocks below its serving gate
     /// (a copy serves no client, but holds every acknowledged write).
     CopyRead {
@@ -108,8 +119,12 @@ pub enum ForwardWireError {
 pub fn encode(message: &ForwardMessage) -> Bytes {
     let mut out = BytesMut::with_capacity(HEADER_BYTES);
     match message {
-        ForwardMessage::HandOver { vdisk } => {
-            header(&mut out, KIND_HAND_OVER, 0, 0, 0, *vdisk, 0, 0);
+        ForwardMessage::HandOver { vdisk, asker } => {
+            let length = if asker.is_some() { NODE_ID_BYTES } else { 0 };
+            header(&mut out, KIND_HAND_OVER, 0, 0, length, *vdisk, 0, 0);
+            if let Some(asker) = asker {
+                out.put_u128_le(asker.value());
+            }
         }
         ForwardMessage::CopyRead {
             vdisk,
@@ -193,10 +208,18 @@ pub fn decode(payload: &Bytes) -> Result<ForwardMessage, ForwardWireError> {
     }
     let data = payload.slice(HEADER_BYTES..);
     if kind == KIND_HAND_OVER {
-        if op != 0 || flags != 0 || length != 0 || offset != 0 || crc != 0 || !data.is_empty() {
+        if op != 0 || flags != 0 || offset != 0 || crc != 0 {
             return Err(ForwardWireError::Reserved);
         }
-        return Ok(ForwardMessage::HandOver { vdisk });
+        let asker = match (length, data.len()) {
+            (0, 0) => None,
+            (NODE_ID_BYTES, 16) => {
+                let id = u128::from_le_bytes(data[..16].try_into().expect("16 bytes"));
+                Some(NodeId::new(id).ok_or(ForwardWireError::Reserved)?)
+            }
+            (declared, actual) => return Err(ForwardWireError::Length { declared, actual }),
+        };
+        return Ok(ForwardMessage::HandOver { vdisk, asker });
     }
     if kind == KIND_COPY_READ {
         if op != 0 || flags != 0 || crc != 0 || !data.is_empty() {
@@ -314,7 +337,11 @@ mod tests {
     #[test]
     fn every_message_round_trips() {
         let vdisk = VdiskId(0x1234_5678_9abc);
-        round_trip(ForwardMessage::HandOver { vdisk });
+        round_trip(ForwardMessage::HandOver { vdisk, asker: None });
+        round_trip(ForwardMessage::HandOver {
+            vdisk,
+            asker: NodeId::new(0x0102_0304_0506_0708_090a_0b0c_0d0e_0f10),
+        });
         round_trip(ForwardMessage::CopyRead {
             vdisk,
             offset: 8192,

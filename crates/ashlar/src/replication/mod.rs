@@ -15,6 +15,7 @@
 mod catch_up;
 mod digest;
 mod fence;
+mod pacer;
 mod peers;
 mod push;
 mod receiver;
@@ -28,21 +29,21 @@ use crate::forwarding::ForwardServer;
 use crate::registry::NodeEngine;
 use anyhow::{anyhow, bail, Context, Result};
 use ashlar_cluster::{
-    choose_copies, list_nodes, mark_placement_synced, read_placement_revision, record_placement,
-    renew_copies, replace_placement, NodeId, NodeState, NodeStatus, PlacementRecord, ResyncRecord,
-    RESYNC_RECORD_VERSION,
+    choose_copies, list_nodes, mark_placement_synced, read_placement, read_placement_revision,
+    record_placement, renew_copies, replace_placement, NodeId, NodeState, NodeStatus,
+    PlacementRecord, ResyncRecord, RESYNC_RECORD_VERSION,
 };
 use ashlar_core::VdiskId;
 use ashlar_meta::{Compare, MetaStore, Txn, TxnOp};
 use ashlar_transport::{
     handler_fn, ClusterSecret, Server, TcpTransport, Transport, TransportConfig, TransportLimits,
 };
-pub use peers::Peer;
-use peers::{transport_id, Peers};
+use peers::Peers;
+pub use peers::{transport_id, Peer};
 use receiver::ReplicaReceiver;
 pub use resync::unix_ms;
-pub use sender::CopyFailed;
 use sender::{replica_error, PeerReplicator};
+pub use sender::{CopyFailed, Reclaim};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -57,6 +58,11 @@ pub const REPLICA_TIMEOUT: Duration = Duration::from_secs(5);
 /// Copy failures queued for the ownership layer (one per vdisk and epoch is enough; more are
 /// dropped).
 pub const COPY_FAILURE_QUEUE_LIMIT: usize = 64;
+/// How long a node's wish for a copy (it asked to take a vdisk over without one) is kept
+/// after its last ask: claims meanwhile add it to the copy set.
+pub const COPY_WISH_KEEP: Duration = Duration::from_secs(300);
+/// Nodes' wishes for copies kept at once; more are refused (the asker is told to wait).
+pub const COPY_WISHES_LIMIT: usize = 1024;
 
 /// The node's replication: its node-to-node server and its peers.
 pub struct NodeReplication {
@@ -75,10 +81,14 @@ pub struct NodeReplication {
     /// The online resync of each vdisk's last claim here: its epoch and its outcome once
     /// ended (one entry per vdisk ever claimed here, replaced by each claim).
     resyncs: std::sync::Mutex<HashMap<VdiskId, ResyncOutcome>>,
-    /// `--resync-max-mib-s` in bytes per second (`None`: no limit).
-    resync_rate: Option<u64>,
+    /// `--resync-max-mib-s` and `--resync-latency-percent`.
+    pacing: pacer::Pacing,
     /// What this node's claims of each replicated vdisk did (`catch_up`).
     tracks: Arc<std::sync::Mutex<catch_up::Tracks>>,
+    /// Per vdisk, a node that asked to take it over without a complete copy, and when it
+    /// last asked: this node's claims add it to the copy set, so it gets one while the
+    /// vdisk serves.
+    copy_wishes: std::sync::Mutex<HashMap<VdiskId, (NodeId, std::time::Instant)>>,
     _server: Server,
 }
 
@@ -103,9 +113,9 @@ impl NodeReplication {
             peers: peers.clone(),
             run: random_run()?,
         });
-        let handler = handler_fn(move |_peer, payload| {
+        let handler = handler_fn(move |peer, payload| {
             let services = services.clone();
-            async move { services.serve(payload).await }
+            async move { services.serve(peer, payload).await }
         });
         let server = transport
             .serve(args.node_listen, handler)
@@ -127,8 +137,12 @@ impl NodeReplication {
             forward,
             failures: std::sync::Mutex::new(Some(failures)),
             resyncs: std::sync::Mutex::new(HashMap::new()),
-            resync_rate: (args.resync_max_mib_s > 0).then_some(args.resync_max_mib_s << 20),
+            pacing: pacer::Pacing {
+                busy_cap: (args.resync_max_mib_s > 0).then_some(args.resync_max_mib_s << 20),
+                latency_limit_percent: args.resync_latency_percent,
+            },
             tracks: Arc::default(),
+            copy_wishes: std::sync::Mutex::new(HashMap::new()),
             _server: server,
         })
     }
@@ -323,7 +337,7 @@ impl NodeReplication {
         lock(&self.resyncs).insert(vdisk, (epoch, outcome));
         let meta = self.meta.clone();
         let failed = self.failed.clone();
-        let rate = self.resync_rate;
+        let pacing = self.pacing;
         let tracks = self.tracks.clone();
         tokio::spawn(async move {
             let started = std::time::Instant::now();
@@ -335,7 +349,7 @@ impl NodeReplication {
                 stop.clone(),
             ));
             let caught_up = chunks.is_catch_up();
-            let resynced = resync::resync_online(&shared, chunks, &done, rate).await;
+            let resynced = resync::resync_online(&shared, chunks, &done, pacing).await;
             stop.notify_one();
             let _ = publisher.await;
             let outcome = match resynced {
@@ -356,7 +370,11 @@ impl NodeReplication {
                 Err(error) => {
                     tracing::warn!(vdisk = name, epoch, %error,
                         "resynchronizing the copies failed; the vdisk is claimed again if this node still holds it at this epoch");
-                    let _ = failed.try_send(CopyFailed { vdisk, epoch });
+                    let _ = failed.try_send(CopyFailed {
+                        vdisk,
+                        epoch,
+                        reason: Reclaim::CopyFailed,
+                    });
                     Err(error)
                 }
             };
@@ -408,8 +426,15 @@ impl NodeReplication {
             }
             return Ok((None, placement.copies));
         };
-        let renewed = renew_copies(self.node, rf, &placement.copies, nodes)
+        let mut renewed = renew_copies(self.node, rf, &placement.copies, nodes)
             .map_err(|e| format!("vdisk {name}: {e}"))?;
+        if let Some(wanted) = self.wanted_copy(vdisk, nodes) {
+            if !renewed.contains(&wanted) {
+                // One copy more than RF until the node takes the vdisk over; its claim
+                // then drops the least preferred other copy (`renew_copies`).
+                renewed.push(wanted);
+            }
+        }
         if renewed != placement.copies {
             let filling: Vec<NodeId> = renewed
                 .iter()
@@ -428,6 +453,61 @@ impl NodeReplication {
                 "copy set renewed (this node first, copies on nodes that are down replaced)");
         }
         Ok((Some(placement), renewed))
+    }
+
+    /// Whether node `asker`, which asked to take `vdisk` over (held here at `epoch`), may
+    /// have it now: `None` if it holds a complete copy; else why it waits. A node outside
+    /// the copy set is added to it by a new claim (the vdisk keeps serving; its online
+    /// resync fills the copy), and may ask again once that copy is complete.
+    pub async fn copy_before_hand_over(
+        &self,
+        vdisk: VdiskId,
+        asker: NodeId,
+        epoch: u64,
+    ) -> Result<Option<String>, String> {
+        let placement = read_placement(&self.meta, vdisk)
+            .await
+            .map_err(|e| format!("reading the placement of vdisk {vdisk}: {e}"))?;
+        let Some(placement) = placement else {
+            return Ok(None);
+        };
+        let mut wishes = lock(&self.copy_wishes);
+        if placement.holds_complete_copy(asker) {
+            wishes.remove(&vdisk);
+            return Ok(None);
+        }
+        let now = std::time::Instant::now();
+        wishes.retain(|_, (_, asked)| now.duration_since(*asked) < COPY_WISH_KEEP);
+        if wishes.len() >= COPY_WISHES_LIMIT && !wishes.contains_key(&vdisk) {
+            return Ok(Some(format!(
+                "{COPY_WISHES_LIMIT} copies are wanted on this node's vdisks already; ask again later"
+            )));
+        }
+        wishes.insert(vdisk, (asker, now));
+        drop(wishes);
+        if placement.copies.contains(&asker) {
+            return Ok(Some(format!(
+                "node {asker}'s copy is being filled while the vdisk serves; it may take the vdisk over once the copy is complete"
+            )));
+        }
+        let _ = self.failed.try_send(CopyFailed {
+            vdisk,
+            epoch,
+            reason: Reclaim::CopyWanted,
+        });
+        Ok(Some(format!(
+            "node {asker} holds no complete copy: it is added to the copy set and filled while the vdisk serves, then may take the vdisk over"
+        )))
+    }
+
+    /// The node that wants a copy of `vdisk` (asked within [`COPY_WISH_KEEP`]), if it is up
+    /// and may hold one.
+    fn wanted_copy(&self, vdisk: VdiskId, nodes: &[NodeStatus]) -> Option<NodeId> {
+        let (wanted, asked) = *lock(&self.copy_wishes).get(&vdisk)?;
+        let usable = nodes
+            .iter()
+            .any(|n| n.record.node_id == wanted && n.state == NodeState::Up && !n.draining);
+        (asked.elapsed() < COPY_WISH_KEEP && usable && wanted != self.node).then_some(wanted)
     }
 
     /// Has `source` (which holds a copy and was fenced at `epoch`) resync this node from its copy.

@@ -28,9 +28,14 @@ pub struct Services {
 }
 
 impl Services {
-    pub async fn serve(&self, payload: Bytes) -> Result<Bytes, RemoteError> {
+    /// Serves one request of the node `peer` (authenticated by the transport).
+    pub async fn serve(
+        &self,
+        peer: ashlar_transport::NodeId,
+        payload: Bytes,
+    ) -> Result<Bytes, RemoteError> {
         if crate::forwarding::wire::is_forwarding(&payload) {
-            return self.forward.serve(payload).await;
+            return self.forward.serve(peer, payload).await;
         }
         let message = wire::decode(&payload).map_err(|e| remote(MALFORMED_CODE, e))?;
         match message {

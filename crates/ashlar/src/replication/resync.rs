@@ -14,6 +14,7 @@
 //! that failed writes touched are compared.
 
 use super::digest::digest_of;
+use super::pacer::{ClientSample, Pacer, Pacing, CLIENT_ACTIVITY_WINDOW};
 use super::peers::Peer;
 use super::sender::replica_error;
 use super::wire::{self, ChunkDigest, Message};
@@ -29,6 +30,7 @@ use futures_util::stream::{self, StreamExt, TryStreamExt};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::time::Instant;
 
 /// The stream id of a resync (shard controllers' streams are their shard-map epochs, which
 /// never get near it).
@@ -206,54 +208,6 @@ pub async fn resync(
 /// for their resync (a few milliseconds each); writes elsewhere go on.
 pub const ONLINE_RESYNC_CHUNKS_IN_FLIGHT: usize = 4;
 
-/// How often an online resync looks whether clients use the vdisk.
-pub const CLIENT_ACTIVITY_WINDOW: std::time::Duration = std::time::Duration::from_millis(100);
-
-/// When the chunks of an online resync start: as fast as they go while no client uses the
-/// vdisk, at most `busy_rate` bytes per second while one does (its I/O count moved within
-/// the last [`CLIENT_ACTIVITY_WINDOW`]). Pure: the caller gives the count and the time.
-pub struct Pacer {
-    busy_rate: Option<u64>,
-    last_ops: u64,
-    last_check: tokio::time::Instant,
-    clients_active: bool,
-    next_start: tokio::time::Instant,
-}
-
-impl Pacer {
-    pub fn new(busy_rate: Option<u64>, ops: u64, now: tokio::time::Instant) -> Pacer {
-        Pacer {
-            busy_rate,
-            last_ops: ops,
-            last_check: now,
-            clients_active: false,
-            next_start: now,
-        }
-    }
-
-    /// How long the next chunk of `length` bytes waits before it starts, given the vdisk's
-    /// client I/O count `ops` at `now`.
-    pub fn delay(
-        &mut self,
-        length: u64,
-        ops: u64,
-        now: tokio::time::Instant,
-    ) -> std::time::Duration {
-        if now.duration_since(self.last_check) >= CLIENT_ACTIVITY_WINDOW {
-            self.clients_active = ops != self.last_ops;
-            self.last_ops = ops;
-            self.last_check = now;
-        }
-        let Some(rate) = self.busy_rate.filter(|_| self.clients_active) else {
-            self.next_start = now;
-            return std::time::Duration::ZERO;
-        };
-        let start = self.next_start.max(now);
-        self.next_start = start + std::time::Duration::from_secs_f64(length as f64 / rate as f64);
-        start - now
-    }
-}
-
 /// The chunks an online resync goes through: all of the vdisk, or (a catch-up) those that
 /// failed writes touched.
 pub struct ResyncChunks {
@@ -308,22 +262,13 @@ pub async fn resync_online(
     shared: &VdiskShared,
     chunks: ResyncChunks,
     done: &AtomicU64,
-    busy_rate: Option<u64>,
+    pacing: Pacing,
 ) -> Result<ResyncSummary, String> {
-    let client_ops = || {
-        shared.counters.read_ops.load(Ordering::Relaxed)
-            + shared.counters.write_ops.load(Ordering::Relaxed)
-    };
-    let mut pacer = Pacer::new(busy_rate, client_ops(), tokio::time::Instant::now());
+    let pacer = std::sync::Mutex::new(Pacer::new(pacing, client_sample(shared), Instant::now()));
+    let pacer = &pacer;
     stream::iter(chunks.ranges())
-        .then(move |(offset, length)| {
-            let wait = pacer.delay(length, client_ops(), tokio::time::Instant::now());
-            async move {
-                tokio::time::sleep(wait).await;
-                (offset, length)
-            }
-        })
         .map(|(offset, length)| async move {
+            wait_turn(pacer, shared, length).await;
             let replies = shared
                 .call_split(offset, length, |o, l| ShardOp::ResyncChunk {
                     offset: o,
@@ -348,6 +293,37 @@ pub async fn resync_online(
             Ok(total.add(summary))
         })
         .await
+}
+
+/// The vdisk's client I/O so far.
+fn client_sample(shared: &VdiskShared) -> ClientSample {
+    let counters = &shared.counters;
+    ClientSample {
+        ops: counters.read_ops.load(Ordering::Relaxed) + counters.write_ops.load(Ordering::Relaxed),
+        latency_nanos: counters.latency_nanos.load(Ordering::Relaxed),
+    }
+}
+
+/// Waits until the pacer lets a chunk of `length` bytes start. Asks again at least once a
+/// window while it waits: the pacer's view of the clients moves on meanwhile (a probe may
+/// start or end).
+async fn wait_turn(pacer: &std::sync::Mutex<Pacer>, shared: &VdiskShared, length: u64) {
+    loop {
+        let now = Instant::now();
+        let wait = {
+            let mut pacer = pacer.lock().unwrap_or_else(|p| p.into_inner());
+            pacer.observe(client_sample(shared), now);
+            let wait = pacer.wait(now);
+            if wait.is_zero() {
+                pacer.started(length, now);
+            }
+            wait
+        };
+        if wait.is_zero() {
+            return;
+        }
+        tokio::time::sleep(wait.min(CLIENT_ACTIVITY_WINDOW)).await;
+    }
 }
 
 /// A run of chunks compared with one digest request per copy.
@@ -470,32 +446,6 @@ pub fn unix_ms() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
-
-    #[test]
-    fn a_resync_goes_full_speed_while_idle_and_at_the_busy_rate_while_clients_do_io() {
-        let start = tokio::time::Instant::now();
-        let mib = 1 << 20;
-        let mut pacer = Pacer::new(Some(32 * mib), 0, start);
-        // No client I/O: no wait, chunk after chunk.
-        assert_eq!(pacer.delay(mib, 0, start), Duration::ZERO);
-        let later = start + Duration::from_millis(150);
-        assert_eq!(pacer.delay(mib, 0, later), Duration::ZERO);
-        // Clients did I/O in the last window: 1 MiB per 1/32 s from now on.
-        let busy = later + Duration::from_millis(150);
-        assert_eq!(pacer.delay(mib, 500, busy), Duration::ZERO);
-        assert_eq!(
-            pacer.delay(mib, 500, busy),
-            Duration::from_secs_f64(1.0 / 32.0)
-        );
-        assert_eq!(
-            pacer.delay(mib, 500, busy),
-            Duration::from_secs_f64(2.0 / 32.0)
-        );
-        // The count did not move for a window: idle again, full speed.
-        let idle = busy + Duration::from_millis(150);
-        assert_eq!(pacer.delay(mib, 500, idle), Duration::ZERO);
-    }
 
     #[test]
     fn a_catch_up_goes_through_its_chunks_only_and_the_last_one_may_be_short() {
@@ -515,14 +465,5 @@ mod tests {
             vec![(mib, mib), (3 * mib, 4096)]
         );
         assert_eq!(some.bytes(), mib + 4096);
-    }
-
-    #[test]
-    fn without_a_busy_rate_a_resync_never_waits() {
-        let start = tokio::time::Instant::now();
-        let mut pacer = Pacer::new(None, 0, start);
-        let busy = start + Duration::from_millis(150);
-        assert_eq!(pacer.delay(1 << 20, 99, busy), Duration::ZERO);
-        assert_eq!(pacer.delay(1 << 20, 199, busy), Duration::ZERO);
     }
 }

@@ -36,11 +36,23 @@ pub struct PeerReplicator {
     resynced: Arc<AtomicBool>,
 }
 
-/// A copy of `vdisk` did not take a record sent at `epoch`.
+/// The claim of `vdisk` at `epoch` must be made again: a copy did not take a record sent at
+/// it (or its resync failed), or a node wants a copy (`reason`).
 #[derive(Debug, Clone, Copy)]
 pub struct CopyFailed {
     pub vdisk: VdiskId,
     pub epoch: u64,
+    pub reason: Reclaim,
+}
+
+/// Why a vdisk is claimed again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reclaim {
+    /// A copy failed: resynchronize it or replace it.
+    CopyFailed,
+    /// A node that carries the vdisk's clients asked for it without holding a complete copy:
+    /// the copy set takes it in first (`docs/forwarding.md`, migration).
+    CopyWanted,
 }
 
 impl PeerReplicator {
@@ -142,7 +154,11 @@ impl Replicator for PeerReplicator {
                     peer.note_outcome(vdisk, result.as_ref().err());
                     if result.is_err() {
                         // Full: a re-claim is queued already; one is enough.
-                        let _ = failed.try_send(CopyFailed { vdisk, epoch });
+                        let _ = failed.try_send(CopyFailed {
+                            vdisk,
+                            epoch,
+                            reason: Reclaim::CopyFailed,
+                        });
                     }
                     result.map_err(|error| replica_error(peer.node(), vdisk, error))
                 }
