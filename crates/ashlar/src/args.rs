@@ -262,21 +262,23 @@ pub struct NodeArgs {
     #[arg(long, default_value_t = 60, value_name = "SECONDS", requires = "etcd")]
     pub trim_copies_after_s: u64,
     /// Most MiB per second a claim's online resync compares and sends while clients do I/O
-    /// on the vdisk (0 = no limit); with no client I/O it goes as fast as the disks and
-    /// network go. The resync shares the disk and CPUs with client I/O: a lower rate keeps
-    /// more of the clients' IOPS while a copy is rebuilt, and takes longer.
+    /// on the vdisk (0 = no cap: --resync-latency-percent alone sets the pace); with no
+    /// client I/O it goes as fast as the disks and network go. The resync shares the disk
+    /// and CPUs with client I/O: a lower rate keeps more of the clients' IOPS while a copy is
+    /// rebuilt, and takes longer.
     #[arg(
         long,
-        default_value_t = 32,
+        default_value_t = 0,
         value_name = "MIB_PER_SECOND",
         requires = "etcd"
     )]
     pub resync_max_mib_s: u64,
-    /// While clients do I/O on a vdisk being resynced, the resync slows down (halves its
-    /// rate, every 100 ms) whenever the clients' mean latency exceeds this percentage of
-    /// their baseline (the lowest 100 ms mean of the last 10 s), and speeds up again (by
-    /// 4 MiB/s per 100 ms, up to --resync-max-mib-s) while it stays below. 0 = no latency
-    /// control: the rate is --resync-max-mib-s.
+    /// While clients do I/O on a vdisk being resynced, the resync slows down (by a quarter,
+    /// every 100 ms) whenever the clients' mean latency over the last 500 ms exceeds this
+    /// percentage of their latency without the resync (measured by pausing it for 300 ms
+    /// every 3 s), and speeds up again (by 2 MiB/s per 100 ms, up to --resync-max-mib-s if
+    /// set) while it stays below; never below 1 MiB/s. 0 = no latency control: the rate is
+    /// --resync-max-mib-s (no limit if that is 0 too).
     #[arg(long, default_value_t = 130, value_name = "PERCENT", requires = "etcd")]
     pub resync_latency_percent: u32,
 
