@@ -281,6 +281,11 @@ pub struct NodeArgs {
     /// --resync-max-mib-s (no limit if that is 0 too).
     #[arg(long, default_value_t = 130, value_name = "PERCENT", requires = "etcd")]
     pub resync_latency_percent: u32,
+    /// Tests only: faults (delay, loss, cuts) injected into the node-to-node connections
+    /// this node opens, per peer address, read from this file as it changes
+    /// (`crates/ashlar/src/net_faults.rs` has the format).
+    #[arg(long, value_name = "FILE", hide = true, requires = "etcd")]
+    pub test_net_faults: Option<PathBuf>,
 
     /// Mark the node storage-only: it holds replicas of other nodes' vdisks (chosen before
     /// other nodes when copies are placed) and never owns vdisks or serves clients.

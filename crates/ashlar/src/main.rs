@@ -16,6 +16,7 @@ mod http;
 mod http_vg;
 mod iscsi;
 mod metrics;
+mod net_faults;
 mod node;
 mod ownership;
 mod registry;

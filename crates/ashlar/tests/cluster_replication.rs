@@ -12,7 +12,7 @@ mod common;
 #[path = "../../meta/tests/common/etcd_server.rs"]
 mod etcd_server;
 
-use common::{cluster_node, node_id, run_bounded_env, Node};
+use common::{cluster_node, cluster_node_with_lease, node_id, run_bounded_env, Node};
 use etcd_server::EtcdServer;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -39,6 +39,49 @@ fn filled_pattern(dir: &Path) -> (PathBuf, Vec<u8>, Vec<u8>) {
     filled.extend((0..FILLED_BYTES - PATTERN_BYTES).map(|i| (i % 253) as u8 | 1));
     std::fs::write(&path, &filled).unwrap();
     (path, pattern_data, filled)
+}
+
+/// An owner A (flags `a_args`) and its copy B, whose lease (60 s) outlives the faults a test
+/// puts between them, so B stays a member that is up and stays the copy; an RF 2 vdisk
+/// written through A with `filled_pattern` (returned, with B and the vdisk's directory name).
+fn owner_and_steady_copy(
+    etcd_url: &str,
+    dir: &Path,
+    a_args: &[&str],
+    b_args: &[&str],
+) -> (Node, Node, Vec<u8>, String) {
+    let a = cluster_node(etcd_url, a_args);
+    let b = cluster_node_with_lease(etcd_url, 60_000, b_args);
+    a.cli(&["vdisk", "create", VDISK, "--size", "64M", "--rf", "2"])
+        .assert_ok("vdisk create --rf 2");
+    let (first, _, filled) = filled_pattern(dir);
+    let (ok, text) = nbdcopy(first.to_str().unwrap(), &a.uri(VDISK));
+    assert!(ok, "write through A: {text}\n{}", a.log());
+    let copies = a.show(VDISK)["ownership"]["copies"].clone();
+    assert_eq!(copies, serde_json::json!([node_id(&a), node_id(&b)]));
+    let vdisk_dir = a.vdisk_dir_name(VDISK);
+    (a, b, filled, vdisk_dir)
+}
+
+/// Writes `file` through `uri` in a thread until a write is acknowledged (within 90 s): how
+/// long that took, and how many attempts failed first.
+fn write_in_background(uri: String, file: PathBuf) -> std::thread::JoinHandle<(Duration, u32)> {
+    std::thread::spawn(move || {
+        let start = Instant::now();
+        let mut failures = 0;
+        loop {
+            let (ok, _) = nbdcopy(file.to_str().unwrap(), &uri);
+            if ok {
+                return (start.elapsed(), failures);
+            }
+            failures += 1;
+            assert!(
+                start.elapsed() < Duration::from_secs(90),
+                "no write acknowledged"
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    })
 }
 
 /// nbdcopy from `from` to `to`: whether it succeeded, and what it printed.
@@ -260,26 +303,8 @@ fn rf2_writes_reach_the_copy_node_which_is_resynced_or_replaced_when_it_fails() 
 #[test]
 fn a_copy_that_stopped_answering_for_a_while_catches_up_on_the_chunks_failed_writes_touched() {
     let etcd = EtcdServer::start();
-    let a = cluster_node(&etcd.url, &[]);
-    // C's lease outlives its pause: it stays a member that is up, so it stays a copy.
-    let mut c = Node::start_with(&[
-        "--etcd",
-        &etcd.url,
-        "--advertise",
-        "127.0.0.1",
-        "--node-lease-ttl-ms",
-        "60000",
-    ]);
-    a.cli(&["vdisk", "create", VDISK, "--size", "64M", "--rf", "2"])
-        .assert_ok("vdisk create --rf 2");
     let dir = tempfile::tempdir().unwrap();
-    let (first, _, filled) = filled_pattern(dir.path());
-    let (ok, text) = nbdcopy(first.to_str().unwrap(), &a.uri(VDISK));
-    assert!(ok, "write through A: {text}\n{}", a.log());
-    let copies = a.show(VDISK)["ownership"]["copies"].clone();
-    assert_eq!(copies, serde_json::json!([node_id(&a), node_id(&c)]));
-    let vdisk_dir = a.vdisk_dir_name(VDISK);
-
+    let (a, mut c, filled, vdisk_dir) = owner_and_steady_copy(&etcd.url, dir.path(), &[], &[]);
     let signal = |name: &str| {
         let status = std::process::Command::new("kill")
             .args([name, &c.pid().to_string()])
@@ -289,29 +314,11 @@ fn a_copy_that_stopped_answering_for_a_while_catches_up_on_the_chunks_failed_wri
     };
     signal("-STOP");
     let (second, second_data) = pattern(dir.path(), 2);
-    let writer = {
-        let (uri, second) = (a.uri(VDISK), second.clone());
-        std::thread::spawn(move || {
-            let start = Instant::now();
-            let mut failures = 0;
-            loop {
-                let (ok, _) = nbdcopy(second.to_str().unwrap(), &uri);
-                if ok {
-                    return failures;
-                }
-                failures += 1;
-                assert!(
-                    start.elapsed() < Duration::from_secs(90),
-                    "no write acknowledged"
-                );
-                std::thread::sleep(Duration::from_millis(500));
-            }
-        })
-    };
+    let writer = write_in_background(a.uri(VDISK), second);
     // Longer than the replica timeout (5 s): the owner's writes to C fail.
     std::thread::sleep(Duration::from_secs(8));
     signal("-CONT");
-    let failures = writer.join().unwrap();
+    let (_, failures) = writer.join().unwrap();
     assert!(failures > 0, "a write succeeded while C was stopped");
 
     // The claim after C answered again compared only the 4 chunks of the second pattern
@@ -358,6 +365,94 @@ fn a_copy_that_stopped_answering_for_a_while_catches_up_on_the_chunks_failed_wri
         &vdisk_dir,
         &second_data,
         "C's extent store does not hold the second pattern after its catch-up",
+    );
+}
+
+/// The replication path under in-process network faults (`--test-net-faults`: this
+/// machine's kernel has no netem), between an owner A and its copy B that both keep etcd:
+/// a delayed link (writes go on, slower), a lossy one (lost records time out, A claims again
+/// and catches B up; the client's retry goes through once the loss ends), and a partition
+/// both ways (no write is acknowledged while it lasts; after the heal A catches B up). Every
+/// claim caught B up (B never restarted), and B's copy holds the last write.
+#[test]
+fn replication_survives_delay_loss_and_a_partition_between_owner_and_copy() {
+    let etcd = EtcdServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (a_faults, b_faults) = (dir.path().join("a-faults"), dir.path().join("b-faults"));
+    std::fs::write(&a_faults, "").unwrap();
+    std::fs::write(&b_faults, "").unwrap();
+    let (a, mut b, filled, vdisk_dir) = owner_and_steady_copy(
+        &etcd.url,
+        dir.path(),
+        &["--test-net-faults", a_faults.to_str().unwrap()],
+        &["--test-net-faults", b_faults.to_str().unwrap()],
+    );
+    let to_b = format!("127.0.0.1:{}", b.node_port);
+    let to_a = format!("127.0.0.1:{}", a.node_port);
+    // The nodes read their files every 100 ms.
+    let set = |file: &Path, text: String| {
+        std::fs::write(file, text).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+    };
+
+    // 30 ms (+ up to 10) on every segment A sends B: the write is acknowledged, later.
+    set(&a_faults, format!("{to_b} delay_ms=30 jitter_ms=10\n"));
+    let (second, second_data) = pattern(dir.path(), 2);
+    let start = Instant::now();
+    let (ok, text) = nbdcopy(second.to_str().unwrap(), &a.uri(VDISK));
+    assert!(ok, "write over a delayed link: {text}\n{}", a.log());
+    assert!(start.elapsed() >= Duration::from_millis(30));
+
+    // Half of A's segments to B lost: lost records time out and fail the write; once the
+    // loss ends, the client's retries go through.
+    set(&a_faults, format!("{to_b} loss_ppm=500000\n"));
+    let (third, _) = pattern(dir.path(), 3);
+    let (ok, _) = nbdcopy(third.to_str().unwrap(), &a.uri(VDISK));
+    assert!(
+        !ok,
+        "a 4 MiB write went through a link losing half of its segments"
+    );
+    set(&a_faults, String::new());
+    write_until_acknowledged(&a, &third);
+
+    // Both directions cut for 8 s: no write is acknowledged meanwhile; after the heal the
+    // client's retries go through.
+    set(&a_faults, format!("{to_b} cut=1\n"));
+    set(&b_faults, format!("{to_a} cut=1\n"));
+    let (fourth, fourth_data) = pattern(dir.path(), 4);
+    let writer = write_in_background(a.uri(VDISK), fourth);
+    std::thread::sleep(Duration::from_secs(8));
+    set(&a_faults, String::new());
+    set(&b_faults, String::new());
+    let (took, _) = writer.join().unwrap();
+    assert!(
+        took >= Duration::from_secs(8),
+        "a write was acknowledged across the partition after {took:?}"
+    );
+
+    let log = a.log();
+    assert!(
+        log.matches("a copy failed; claiming the vdisk again")
+            .count()
+            >= 2,
+        "the loss and the partition each made A claim again: {log}"
+    );
+    assert!(
+        log.contains("caught_up=true") && !log.contains("caught_up=false"),
+        "every claim after a fault should have caught B up: {log}"
+    );
+    let back = dir.path().join("back");
+    let (ok, text) = nbdcopy(&a.uri(VDISK), back.to_str().unwrap());
+    assert!(ok, "read through A: {text}");
+    let read = std::fs::read(&back).unwrap();
+    assert!(read[..PATTERN_BYTES] == fourth_data[..]);
+    assert!(read[PATTERN_BYTES..FILLED_BYTES] == filled[PATTERN_BYTES..]);
+    assert_ne!(second_data, fourth_data);
+    assert_copy_holds(
+        &mut b,
+        &vdisk_dir,
+        &fourth_data,
+        "B's extent store does not hold the last write after the faults",
     );
 }
 

@@ -27,10 +27,12 @@ pub mod auth;
 mod client;
 mod config;
 pub mod error;
+pub mod faults;
 mod framed;
 mod handshake;
 pub mod ids;
 pub mod limits;
+mod rng;
 mod server;
 #[cfg(any(test, feature = "sim"))]
 pub mod sim;
@@ -43,10 +45,11 @@ pub use auth::ClusterSecret;
 pub use client::Connection;
 pub use config::TransportConfig;
 pub use error::{CloseReason, ProtocolError, RemoteError, TransportError};
+pub use faults::{LinkFaults, OutgoingFaults};
 pub use ids::{NodeId, RequestId};
 pub use limits::TransportLimits;
 pub use server::{handler_fn, FnHandler, Handler, Server, ServerStats};
-pub use tcp::{TcpListener, TcpTransport};
+pub use tcp::{TcpListener, TcpTransport, TcpWriter};
 pub use transport::{Listener, Transport};
 
 #[cfg(test)]

@@ -102,7 +102,13 @@ impl NodeReplication {
     ) -> Result<NodeReplication> {
         let secret = cluster_secret(args, &meta).await?;
         let config = TransportConfig::new(transport_id(node), secret, TransportLimits::default());
-        let transport = Arc::new(TcpTransport::new(config));
+        let mut transport = TcpTransport::new(config);
+        if let Some(file) = &args.test_net_faults {
+            let faults = ashlar_transport::OutgoingFaults::new(random_run()?);
+            crate::net_faults::follow(file.clone(), faults.clone());
+            transport = transport.with_faults(faults);
+        }
+        let transport = Arc::new(transport);
         let receiver = ReplicaReceiver::start(engine.clone(), &args.data_dir);
         let peers = Arc::new(Peers::new(transport.clone()));
         let forward = Arc::new(ForwardServer::new(engine.clone()));

@@ -888,7 +888,12 @@ pub const CLUSTER_LEASE_TTL_MS: u64 = 2000;
 /// A node on loopback that keeps its metadata in the etcd at `etcd_url` and joins the
 /// cluster there, with a short lease TTL.
 pub fn cluster_node(etcd_url: &str, extra: &[&str]) -> Node {
-    let ttl = CLUSTER_LEASE_TTL_MS.to_string();
+    cluster_node_with_lease(etcd_url, CLUSTER_LEASE_TTL_MS, extra)
+}
+
+/// [`cluster_node`] with a lease TTL of `lease_ttl_ms`.
+pub fn cluster_node_with_lease(etcd_url: &str, lease_ttl_ms: u64, extra: &[&str]) -> Node {
+    let ttl = lease_ttl_ms.to_string();
     let mut args = vec![
         "--etcd",
         etcd_url,

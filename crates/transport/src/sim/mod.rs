@@ -11,7 +11,7 @@
 
 mod network;
 mod pipe;
-mod rng;
 
-pub use network::{LinkFaults, SimListener, SimNetwork, SimTransport};
+pub use crate::faults::LinkFaults;
+pub use network::{SimListener, SimNetwork, SimTransport};
 pub use pipe::{SimReader, SimWriter, PIPE_BUFFER_BYTES};

@@ -1,8 +1,9 @@
 //! The simulated network: links with faults, listeners, and the transport that uses them.
 
 use super::pipe::{Pipe, SimReader, SimWriter};
-use super::rng::SplitMix64;
 use crate::config::TransportConfig;
+use crate::faults::{Fate, LinkFaults, MILLION};
+use crate::rng::SplitMix64;
 use crate::transport::{Listener, Transport};
 use std::collections::HashMap;
 use std::io;
@@ -16,28 +17,6 @@ use tokio::sync::mpsc;
 const BACKLOG_CONNECTIONS: usize = 128;
 /// First port handed out for port 0 and for the client end of connections.
 const FIRST_EPHEMERAL_PORT: u16 = 40_000;
-/// A loss rate is in parts per million.
-const MILLION: u64 = 1_000_000;
-
-/// Faults of one direction of the link between two hosts.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct LinkFaults {
-    /// Added to every segment's delivery time.
-    pub delay: Duration,
-    /// A further delay, uniform in `0..=jitter`; segments stay in order.
-    pub jitter: Duration,
-    /// Segments lost, in parts per million.
-    pub loss_per_million: u32,
-    /// Every segment is lost (a partition).
-    pub cut: bool,
-}
-
-/// What the network does with one segment.
-pub(crate) enum Fate {
-    Deliver { delay: Duration },
-    Drop,
-}
-
 type Incoming = (SimReader, SimWriter, SocketAddr);
 
 struct NetState {
@@ -150,16 +129,11 @@ impl SimNetwork {
     pub(crate) fn fate(&self, from: IpAddr, to: IpAddr) -> Fate {
         let mut state = self.lock();
         let link = state.links.get(&(from, to)).copied().unwrap_or_default();
-        let lost = link.cut || state.rng.below(MILLION) < u64::from(link.loss_per_million);
-        if lost {
+        let fate = link.fate(&mut state.rng);
+        if matches!(fate, Fate::Drop) {
             state.segments_dropped += 1;
-            return Fate::Drop;
         }
-        let jitter_us = u64::try_from(link.jitter.as_micros()).unwrap_or(u64::MAX);
-        let jitter = Duration::from_micros(state.rng.below(jitter_us.saturating_add(1)));
-        Fate::Deliver {
-            delay: link.delay + jitter,
-        }
+        fate
     }
 
     fn next_port(state: &mut NetState) -> u16 {

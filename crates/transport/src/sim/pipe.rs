@@ -2,7 +2,8 @@
 //! its time. A segment is what one `write` call handed over, whole: the transport writes
 //! whole frames, so dropping a segment loses frames without corrupting the stream.
 
-use super::network::{Fate, SimNetwork};
+use super::network::SimNetwork;
+use crate::faults::Fate;
 use bytes::{Buf, Bytes};
 use std::collections::VecDeque;
 use std::future::Future;
