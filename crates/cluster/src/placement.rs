@@ -144,13 +144,15 @@ pub async fn replace_placement<M: MetaStore>(
 
 /// The copy set a node taking a vdisk over (or claiming it again) serves with: itself first,
 /// then the other copies that are up (best first, as [`choose_copies`] ranks nodes: a
-/// claimant from outside the set drops the least preferred one, never a storage-only copy
-/// before a serving node's), then, in place of those that are down, the best other nodes
-/// that are up; `rf` nodes in all.
+/// claimant from outside the set, or a set holding one copy more than RF, drops the least
+/// preferred one: a copy still being filled (in `filling`) before any complete one, and
+/// never a storage-only copy before a serving node's), then, in place of those that are
+/// down, the best other nodes that are up; `rf` nodes in all.
 pub fn renew_copies(
     me: NodeId,
     rf: u8,
     copies: &[NodeId],
+    filling: &[NodeId],
     nodes: &[NodeStatus],
 ) -> Result<Vec<NodeId>, PlacementError> {
     // A copy on a draining node is replaced like one on a node that is down.
@@ -167,7 +169,10 @@ pub fn renew_copies(
         .collect();
     if kept.len() >= usize::from(rf) {
         // A claimant from outside the set: the least preferred copy makes room for it.
-        kept.sort_by_key(|n| ranked.iter().position(|r| r == n).unwrap_or(usize::MAX));
+        kept.sort_by_key(|n| {
+            let rank = ranked.iter().position(|r| r == n).unwrap_or(usize::MAX);
+            (filling.contains(n), rank)
+        });
     }
     let mut renewed = vec![me];
     renewed.extend(kept);
@@ -321,31 +326,41 @@ mod tests {
         ];
         // Node 3 takes over from node 2: it keeps itself, replaces 2 by the best up node.
         assert_eq!(
-            renew_copies(id(3), 2, &[id(2), id(3)], &nodes),
+            renew_copies(id(3), 2, &[id(2), id(3)], &[], &nodes),
             Ok(vec![id(3), id(4)])
         );
         // Nothing down: the same set, the claimant first.
         assert_eq!(
-            renew_copies(id(1), 3, &[id(4), id(1), id(3)], &nodes),
+            renew_copies(id(1), 3, &[id(4), id(1), id(3)], &[], &nodes),
             Ok(vec![id(1), id(4), id(3)])
         );
         // A claimant from outside the set (its client moved there): the storage-only copy
         // stays, the serving node's copy makes room.
         assert_eq!(
-            renew_copies(id(4), 2, &[id(1), id(3)], &nodes),
+            renew_copies(id(4), 2, &[id(1), id(3)], &[], &nodes),
             Ok(vec![id(4), id(3)])
+        );
+        // A set of RF + 1 (a copy added for a node that asked for the vdisk): the copy still
+        // being filled leaves before a complete one, whatever their ranks.
+        assert_eq!(
+            renew_copies(id(1), 2, &[id(1), id(3), id(4)], &[id(3)], &nodes),
+            Ok(vec![id(1), id(4)])
+        );
+        assert_eq!(
+            renew_copies(id(1), 2, &[id(1), id(3), id(4)], &[], &nodes),
+            Ok(vec![id(1), id(3)])
         );
         // A copy on a draining node is replaced, and no new copy goes to one.
         let mut drained = nodes.clone();
         drained[3].draining = true;
         assert_eq!(
-            renew_copies(id(1), 2, &[id(1), id(4)], &drained),
+            renew_copies(id(1), 2, &[id(1), id(4)], &[], &drained),
             Ok(vec![id(1), id(3)])
         );
         assert_eq!(choose_copies(id(1), 2, &drained), Ok(vec![id(1), id(3)]));
         let two = [node(1, true, false, 1), node(2, false, false, 1)];
         assert_eq!(
-            renew_copies(id(1), 2, &[id(2), id(1)], &two),
+            renew_copies(id(1), 2, &[id(2), id(1)], &[], &two),
             Err(PlacementError::TooFewNodes { wanted: 2, up: 1 })
         );
     }

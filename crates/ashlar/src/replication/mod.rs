@@ -432,7 +432,7 @@ impl NodeReplication {
             }
             return Ok((None, placement.copies));
         };
-        let mut renewed = renew_copies(self.node, rf, &placement.copies, nodes)
+        let mut renewed = renew_copies(self.node, rf, &placement.copies, &placement.filling, nodes)
             .map_err(|e| format!("vdisk {name}: {e}"))?;
         if let Some(wanted) = self.wanted_copy(vdisk, nodes) {
             if !renewed.contains(&wanted) {
