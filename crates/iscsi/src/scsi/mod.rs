@@ -164,7 +164,12 @@ pub async fn execute<D: BlockDevice>(
     }
     let nexus = ctx.nexus.initiator_port.as_str();
     match opcode {
-        0x00 => ScsiResult::good(),
+        // Path checkers (dm-multipath's tur) ask this: a node whose claim on the unit's
+        // vdisk lapsed must not look like a healthy path.
+        0x00 => match unit.shared.serving() {
+            Ok(()) => ScsiResult::good(),
+            Err(error) => ScsiResult::check(error.sense()),
+        },
         0x1b | 0x1e => ScsiResult::good(), // START STOP UNIT, PREVENT ALLOW: nothing to do
         0x25 => block::read_capacity10(unit, cdb),
         0x9e => match cdb[1] & 0x1f {

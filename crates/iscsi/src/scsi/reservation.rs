@@ -457,7 +457,7 @@ pub enum ReservationError {
 
 impl ReservationError {
     /// The sense a command that could not save its change answers with.
-    fn sense(&self) -> Sense {
+    pub(crate) fn sense(&self) -> Sense {
         match self {
             ReservationError::NotServing(_) => Sense::LUN_BECOMING_READY,
             ReservationError::Store(_) | ReservationError::Corrupt { .. } => {
@@ -659,8 +659,9 @@ impl LunReservations {
     }
 
     /// Whether this node may change the unit's reservations now (see
-    /// [`ReservationBackend::serving`]); a unit held in memory only always may.
-    fn serving(&self) -> Result<(), ReservationError> {
+    /// [`ReservationBackend::serving`]); a unit held in memory only always may. TEST UNIT
+    /// READY asks it too: a node that does not serve the unit is not ready.
+    pub(crate) fn serving(&self) -> Result<(), ReservationError> {
         match &self.saved {
             Some(saved) => saved.backend.serving(saved.unit_id),
             None => Ok(()),
