@@ -5,7 +5,8 @@
 //! once the owner is killed the other node turns the login away with "service unavailable"
 //! (the data is on the dead node only) while it still claims and serves a group of its own;
 //! the owner restarted claims again at epoch 2 with its data intact. An owner whose lease
-//! lapsed (etcd frozen) answers LUN I/O, TEST UNIT READY, PERSISTENT RESERVE OUT and RESERVE(6) with CHECK
+//! lapsed (etcd frozen) answers LUN I/O, TEST UNIT READY, PERSISTENT RESERVE IN and OUT and
+//! RESERVE(6) with CHECK
 //! CONDITION / NOT READY at once, and the same session works again after the node claims the
 //! vdisk again. A replicated target fails over: its owner killed, a login at another node
 //! serves every acknowledged write, each nexus's first command there gets UNIT ATTENTION
@@ -240,8 +241,10 @@ fn an_owner_whose_lease_lapsed_fails_lun_io_until_it_claims_again() {
     // RESERVE(6) get the same answer (the claim fences them as it fences I/O).
     let register = session.pr_out(0, PR_REGISTER, 0, 0, PR_KEY, false);
     let reserve6 = session.scsi(0, &[0x16, 0, 0, 0, 0, 0], &[], 0);
-    // And a path checker's TEST UNIT READY finds the path not ready.
+    // And a path checker's TEST UNIT READY finds the path not ready; PERSISTENT RESERVE IN
+    // reads no state this node may hold stale.
     let ready = session.test_unit_ready(0);
+    let keys_lapsed = session.pr_in(0, PR_READ_KEYS);
     assert!(
         asked.elapsed() < Duration::from_secs(5),
         "{:?}",
@@ -253,6 +256,7 @@ fn an_owner_whose_lease_lapsed_fails_lun_io_until_it_claims_again() {
         ("PERSISTENT RESERVE OUT", &register),
         ("RESERVE(6)", &reserve6),
         ("TEST UNIT READY", &ready),
+        ("PERSISTENT RESERVE IN", &keys_lapsed),
     ] {
         assert_eq!(reply.status, CHECK_CONDITION, "{what} on a lapsed claim");
         assert_eq!(sense_of(&reply.sense), (0x02, 0x04, 0x01), "{what}");

@@ -191,6 +191,10 @@ pub async fn execute<D: BlockDevice>(
         0x15 | 0x55 => mode::mode_select(cdb, &data_out),
         0xa3 if cdb[1] & 0x1f == 0x0c => opcodes::report_supported(cdb),
         0x5e => {
+            // A node that does not serve the unit may hold a stale copy of its state.
+            if let Err(error) = unit.shared.serving() {
+                return ScsiResult::check(error.sense());
+            }
             let allocation = be16(&cdb[7..9]) as usize;
             pr_result(unit.shared.reserve_in(cdb), allocation)
         }
