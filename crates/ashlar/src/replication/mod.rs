@@ -477,23 +477,21 @@ impl NodeReplication {
         let Some(placement) = placement else {
             return Ok(None);
         };
-        let mut wishes = lock(&self.copy_wishes);
-        if placement.holds_complete_copy(asker) {
-            wishes.remove(&vdisk);
-            return Ok(None);
+        if let Some(refused) = self.note_copy_wish(vdisk, asker, &placement) {
+            return refused;
         }
-        let now = std::time::Instant::now();
-        wishes.retain(|_, (_, asked)| now.duration_since(*asked) < COPY_WISH_KEEP);
-        if wishes.len() >= COPY_WISHES_LIMIT && !wishes.contains_key(&vdisk) {
-            return Ok(Some(format!(
-                "{COPY_WISHES_LIMIT} copies are wanted on this node's vdisks already; ask again later"
-            )));
-        }
-        wishes.insert(vdisk, (asker, now));
-        drop(wishes);
         if placement.copies.contains(&asker) {
             return Ok(Some(format!(
                 "node {asker}'s copy is being filled while the vdisk serves; it may take the vdisk over once the copy is complete"
+            )));
+        }
+        // A claim would not add it (`wanted_copy`): claiming again would only shut the gate.
+        let nodes = list_nodes(&self.meta)
+            .await
+            .map_err(|e| format!("vdisk {vdisk}: listing nodes: {e}"))?;
+        if !may_hold_copy(asker, &nodes) {
+            return Ok(Some(format!(
+                "node {asker} is not up or is being drained: it gets no copy, and the vdisk stays here"
             )));
         }
         let _ = self.failed.try_send(CopyFailed {
@@ -506,13 +504,35 @@ impl NodeReplication {
         )))
     }
 
+    /// Notes that `asker` wants a copy of `vdisk`; `Some(answer)` when that is the whole
+    /// answer: it holds a complete copy already (`Ok(None)`), or too many wishes are kept.
+    fn note_copy_wish(
+        &self,
+        vdisk: VdiskId,
+        asker: NodeId,
+        placement: &PlacementRecord,
+    ) -> Option<Result<Option<String>, String>> {
+        let mut wishes = lock(&self.copy_wishes);
+        if placement.holds_complete_copy(asker) {
+            wishes.remove(&vdisk);
+            return Some(Ok(None));
+        }
+        let now = std::time::Instant::now();
+        wishes.retain(|_, (_, asked)| now.duration_since(*asked) < COPY_WISH_KEEP);
+        if wishes.len() >= COPY_WISHES_LIMIT && !wishes.contains_key(&vdisk) {
+            return Some(Ok(Some(format!(
+                "{COPY_WISHES_LIMIT} copies are wanted on this node's vdisks already; ask again later"
+            ))));
+        }
+        wishes.insert(vdisk, (asker, now));
+        None
+    }
+
     /// The node that wants a copy of `vdisk` (asked within [`COPY_WISH_KEEP`]), if it is up
     /// and may hold one.
     fn wanted_copy(&self, vdisk: VdiskId, nodes: &[NodeStatus]) -> Option<NodeId> {
         let (wanted, asked) = *lock(&self.copy_wishes).get(&vdisk)?;
-        let usable = nodes
-            .iter()
-            .any(|n| n.record.node_id == wanted && n.state == NodeState::Up && !n.draining);
+        let usable = may_hold_copy(wanted, nodes);
         (asked.elapsed() < COPY_WISH_KEEP && usable && wanted != self.node).then_some(wanted)
     }
 
@@ -544,6 +564,13 @@ impl NodeReplication {
             "got a copy of the vdisk from a node holding one");
         Ok(())
     }
+}
+
+/// Whether `node` may be given a new copy: up and not being drained.
+fn may_hold_copy(node: NodeId, nodes: &[NodeStatus]) -> bool {
+    nodes
+        .iter()
+        .any(|n| n.record.node_id == node && n.state == NodeState::Up && !n.draining)
 }
 
 /// What a claim's online resync goes through, and for whom.
