@@ -111,7 +111,9 @@ fn a_client_of_another_node_is_forwarded_and_ownership_follows_sustained_io() {
     assert_ne!(first_data, second_data);
 
     // Sustained I/O through B: the vdisk moves to B while fio runs, and no request fails.
-    let out = fio_verified_writes(&b.uri(vdisk), 10);
+    // 20 s: two asks 3 s apart (the first adds B to the copy set, a later one finds its
+    // copy complete) fit with room on a loaded machine.
+    let out = fio_verified_writes(&b.uri(vdisk), 20);
     assert!(
         out.status.success(),
         "fio through B failed while ownership moved:\n{}\n{}\nB:\n{}\nA:\n{}",
