@@ -12,7 +12,12 @@ mod common;
 #[path = "../../meta/tests/common/etcd_server.rs"]
 mod etcd_server;
 
-use common::{cluster_node, cluster_node_with_lease, node_id, run_bounded_env, Node};
+use ashlar_powercut_fs::CutPolicy;
+use common::nbd::NbdConn;
+use common::writes::{self, Slot, BLOCK};
+use common::{
+    cluster_node, cluster_node_with_lease, mount_powercut, node_id, run_bounded_env, Node,
+};
 use etcd_server::EtcdServer;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -164,6 +169,30 @@ fn egroup0_data(node: &Node, vdisk_dir_name: &str) -> Vec<u8> {
     bytes[start..start + PATTERN_BYTES].to_vec()
 }
 
+/// The vdisk reads back through owner `a` as `written` over the rest of `filled`, and copy
+/// `c`'s extent store holds `written` (checked with `assert_copy_holds`).
+fn assert_both_hold(
+    a: &Node,
+    c: &mut Node,
+    dir: &Path,
+    vdisk_dir: &str,
+    written: &[u8],
+    filled: &[u8],
+) {
+    let back = dir.join("back");
+    let (ok, text) = nbdcopy(&a.uri(VDISK), back.to_str().unwrap());
+    assert!(ok, "read through A: {text}");
+    let read = std::fs::read(&back).unwrap();
+    assert!(read[..PATTERN_BYTES] == written[..]);
+    assert!(read[PATTERN_BYTES..FILLED_BYTES] == filled[PATTERN_BYTES..]);
+    assert_copy_holds(
+        c,
+        vdisk_dir,
+        written,
+        "the copy's extent store does not hold the last write after its catch-up",
+    );
+}
+
 /// Stops `node`, starts it again (its oplog drains into its extent store at start) and stops
 /// it, then checks that its extent store holds `data` in egroup 0, byte for byte.
 fn assert_copy_holds(node: &mut Node, vdisk_dir_name: &str, data: &[u8], what: &str) {
@@ -243,14 +272,17 @@ fn rf2_writes_reach_the_copy_node_which_is_resynced_or_replaced_when_it_fails() 
         serde_json::json!([node_id(&a), node_id(&c)]),
         "{ownership}"
     );
-    // C held everything but what A wrote while C was away (the second pattern, 4 chunks):
-    // the claims since sent C at most those chunks, never the 32 MiB it held. (The resync
+    // C held everything but what A wrote while C was away (the second pattern, 4 chunks),
+    // and its restart lost nothing (its copy identity is the same): the claims since
+    // compared only the chunks of the failed writes, never the 32 MiB C held. (The resync
     // runs while the vdisk serves: its end is awaited.)
     let resyncs = wait_for_resyncs(&a, |resyncs| !resyncs.is_empty());
+    let pattern_chunks = (PATTERN_BYTES >> 20) as u64;
     for (sent, same) in &resyncs {
         assert!(
-            *sent <= (PATTERN_BYTES >> 20) as u64 && sent + same == 64,
-            "a resync of C after its restart sent {sent} chunks of 64 ({resyncs:?})"
+            sent + same <= pattern_chunks,
+            "a resync of C after its restart compared {} chunks of 64 ({resyncs:?})",
+            sent + same
         );
     }
     assert_copy_holds(
@@ -275,7 +307,6 @@ fn rf2_writes_reach_the_copy_node_which_is_resynced_or_replaced_when_it_fails() 
     // B held nothing: it got every chunk of data it did not get from the client's writes
     // meanwhile (at least the 28 that only the first write filled), and none of zeros.
     let data_chunks = (FILLED_BYTES >> 20) as u64;
-    let pattern_chunks = (PATTERN_BYTES >> 20) as u64;
     wait_for_resyncs(&a, |resyncs| {
         resyncs[resyncs_before_b.min(resyncs.len())..]
             .iter()
@@ -371,18 +402,229 @@ fn a_copy_that_stopped_answering_for_a_while_catches_up_on_the_chunks_failed_wri
         "a claim compared the whole vdisk: {}",
         a.log()
     );
-    let back = dir.path().join("back");
-    let (ok, text) = nbdcopy(&a.uri(VDISK), back.to_str().unwrap());
-    assert!(ok, "read through A: {text}");
-    let read = std::fs::read(&back).unwrap();
-    assert!(read[..PATTERN_BYTES] == second_data[..]);
-    assert!(read[PATTERN_BYTES..FILLED_BYTES] == filled[PATTERN_BYTES..]);
+    assert_both_hold(&a, &mut c, dir.path(), &vdisk_dir, &second_data, &filled);
+}
+
+/// A copy node killed (-9) while a client writes, then started again: its restart lost
+/// nothing it acknowledged, so its copy identity (`ashlar_storage::copy_identity`) is the
+/// one it had, and the owner's claim catches it up on the chunks the failed writes touched.
+/// Then the copy's disk comes back empty (its extent directory removed while it was
+/// stopped): its identity is new, and the claim compares and sends the whole vdisk.
+#[test]
+fn a_copy_killed_mid_write_catches_up_after_its_restart_unless_it_lost_data() {
+    let etcd = EtcdServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (a, mut c, filled, vdisk_dir) = owner_and_steady_copy(&etcd.url, dir.path(), &[], &[]);
+    let renewals = |node: &Node| node.log().matches("new copy identity").count();
+    let renewals_before = renewals(&c);
+    let resyncs_before = resync_lines(&a.log()).len();
+    let (second, second_data) = pattern(dir.path(), 2);
+    let writer = write_in_background(a.uri(VDISK), second.clone());
+    std::thread::sleep(Duration::from_millis(50));
+    c.kill9();
+    std::thread::sleep(Duration::from_secs(2));
+    c.restart();
+    writer.join().unwrap();
+    // Once more, in case the first write was through before C died: C refuses A's records
+    // until A claims again.
+    write_until_acknowledged(&a, &second);
+    let pattern_chunks = (PATTERN_BYTES >> 20) as u64;
+    let (sent, same, caught_up) = wait_for_resync_after(&a, resyncs_before);
+    assert!(
+        caught_up && sent + same <= pattern_chunks,
+        "the claim after C's restart compared {} chunks (caught up: {caught_up})\n{}",
+        sent + same,
+        a.log()
+    );
+    assert_eq!(
+        renewals(&c),
+        renewals_before,
+        "C's restart lost nothing, yet its identity changed: {}",
+        c.log()
+    );
+    wait_healthy(&a);
+    assert_both_hold(&a, &mut c, dir.path(), &vdisk_dir, &second_data, &filled);
+
+    // C stopped (by assert_copy_holds) and its disk emptied of the vdisk's extents.
+    let resyncs_before = resync_lines(&a.log()).len();
+    let renewals_before = renewals(&c);
+    let extents = c.egroup_path(&vdisk_dir, 0).parent().unwrap().to_path_buf();
+    std::fs::remove_dir_all(&extents).unwrap();
+    c.restart();
+    let (third, third_data) = pattern(dir.path(), 3);
+    write_until_acknowledged(&a, &third);
+    let data_chunks = (FILLED_BYTES >> 20) as u64;
+    let (sent, same, caught_up) = wait_for_resync_after(&a, resyncs_before);
+    assert!(
+        !caught_up && sent + same == 64 && sent >= data_chunks - pattern_chunks,
+        "the claim after C lost its extents sent {sent} chunks and found {same} the same \
+         (caught up: {caught_up})"
+    );
+    assert!(
+        renewals(&c) > renewals_before,
+        "C did not renew its identity: {}",
+        c.log()
+    );
     assert_copy_holds(
         &mut c,
         &vdisk_dir,
-        &second_data,
-        "C's extent store does not hold the second pattern after its catch-up",
+        &third_data,
+        "C's extent store does not hold the third pattern after its full resync",
     );
+}
+
+/// A copy's power is cut (its data directory on powercut-fs, which drops every write it had
+/// not made durable) while a client writes through the owner. The copy's identity files were
+/// durable, so the restarted copy answers with the same identity and the owner's claim only
+/// catches it up on the chunks its failed writes touched. That must be enough: afterwards
+/// every block of the copy equals the owner's, which holds the newest acknowledged write
+/// (or the write that failed at the cut).
+#[test]
+fn a_copy_whose_power_was_cut_catches_up_to_every_acknowledged_write() {
+    // Cut at different points: while writes arrive, and in the client's pauses (600 ms
+    // after every 150 writes), in which the copy drains its oplog (after 500 ms idle).
+    for (seed, cut_after_ms) in [(7, 1500), (8, 2300), (9, 3100)] {
+        power_cut_of_the_copy_during_writes(seed, cut_after_ms);
+    }
+}
+
+fn power_cut_of_the_copy_during_writes(seed: u64, cut_after_ms: u64) {
+    let etcd = EtcdServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let backing = dir.path().join("backing");
+    let mountpoint = dir.path().join("mnt");
+    std::fs::create_dir_all(backing.join("data")).unwrap();
+    std::fs::create_dir_all(&mountpoint).unwrap();
+    let mut fs = Some(mount_powercut(&backing, &mountpoint));
+    let a = cluster_node(&etcd.url, &[]);
+    let mut c = Node::start_in(
+        Some(mountpoint.join("data")),
+        &[
+            "--etcd",
+            &etcd.url,
+            "--advertise",
+            "127.0.0.1",
+            "--node-lease-ttl-ms",
+            "60000",
+        ],
+    );
+    a.cli(&["vdisk", "create", VDISK, "--size", "64M", "--rf", "2"])
+        .assert_ok("vdisk create --rf 2");
+    let (first, _, filled) = filled_pattern(dir.path());
+    let (ok, text) = nbdcopy(first.to_str().unwrap(), &a.uri(VDISK));
+    assert!(ok, "write through A: {text}\n{}", a.log());
+    let copies = a.show(VDISK)["ownership"]["copies"].clone();
+    assert_eq!(copies, serde_json::json!([node_id(&a), node_id(&c)]));
+    let vdisk_dir = a.vdisk_dir_name(VDISK);
+    let resyncs_before = resync_lines(&a.log()).len();
+
+    // Writes of 4 to 64 KiB into egroup 0 (the first 4 MiB), one at a time, until one fails.
+    let nbd = a.nbd_addr();
+    let writer = std::thread::spawn(move || {
+        let mut conn = NbdConn::connect(nbd, VDISK).unwrap();
+        let mut slots = vec![Slot::default(); PATTERN_BYTES / BLOCK as usize];
+        let mut random = 0x9e37_79b9_7f4a_7c15u64;
+        for seq in 1.. {
+            random ^= random << 13;
+            random ^= random >> 7;
+            random ^= random << 17;
+            let count = 1usize << (random % 5);
+            let first = (random >> 8) as usize % (slots.len() / count) * count;
+            let offset = first as u64 * BLOCK;
+            for slot in &mut slots[first..first + count] {
+                slot.in_flight = Some(seq);
+            }
+            let data = writes::pattern(offset, seq, count * BLOCK as usize);
+            if !matches!(conn.write(offset, &data), Ok(0)) {
+                return (slots, seq);
+            }
+            for slot in &mut slots[first..first + count] {
+                slot.in_flight = None;
+                slot.acked = Some(seq);
+            }
+            if seq % 150 == 0 {
+                std::thread::sleep(Duration::from_millis(600));
+            }
+        }
+        unreachable!()
+    });
+    std::thread::sleep(Duration::from_millis(cut_after_ms));
+    c.kill9();
+    let report = fs
+        .take()
+        .unwrap()
+        .cut(CutPolicy::RandomSubset { seed })
+        .expect("cutting C's power");
+    eprintln!("power cut of C: {report:?}");
+    let (slots, writes) = writer.join().unwrap();
+    eprintln!("{writes} writes until the cut");
+    assert!(writes > 10, "only {writes} writes before the cut");
+    let _remounted = mount_powercut(&backing, &mountpoint);
+    c.restart();
+
+    // A write elsewhere (past egroup 0) makes A claim again; C's identity is unchanged, so the
+    // claim catches C up.
+    let start = Instant::now();
+    let mut conn = loop {
+        // Opens are refused while a claim that failed is retried.
+        if let Ok(mut conn) = NbdConn::connect(a.nbd_addr(), VDISK) {
+            if matches!(conn.write(8 << 20, &[7u8; 4096]), Ok(0)) {
+                break conn;
+            }
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "{}", a.log());
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    let (sent, same, caught_up) = wait_for_resync_after(&a, resyncs_before);
+    assert!(
+        caught_up,
+        "the claim after C's power cut compared everything ({sent} sent, {same} the same)"
+    );
+    wait_healthy(&a);
+
+    // A holds, block by block, the newest acknowledged write or the failed one...
+    let owner = conn.read_range(0, PATTERN_BYTES as u64, 1 << 20).unwrap();
+    for (i, slot) in slots.iter().enumerate() {
+        let offset = i as u64 * BLOCK;
+        let got = &owner[offset as usize..(offset + BLOCK) as usize];
+        let acked = match slot.acked {
+            Some(seq) => writes::pattern(offset, seq, BLOCK as usize),
+            None => filled[offset as usize..(offset + BLOCK) as usize].to_vec(),
+        };
+        let failed = slot
+            .in_flight
+            .map(|seq| writes::pattern(offset, seq, BLOCK as usize));
+        assert!(
+            got == acked.as_slice() || failed.as_deref() == Some(got),
+            "A's block at {offset}: {}",
+            writes::describe_block(got)
+        );
+    }
+    // ...and C's copy is the same, byte for byte.
+    conn.disconnect();
+    assert_copy_holds(
+        &mut c,
+        &vdisk_dir,
+        &owner,
+        "C's copy differs from A's after its power cut and catch-up",
+    );
+}
+
+/// The first resync (chunks sent, chunks the same, whether it caught up) an owner finished
+/// after its first `before` ones, waiting up to 60 s.
+fn wait_for_resync_after(owner: &Node, before: usize) -> (u64, u64, bool) {
+    let start = Instant::now();
+    loop {
+        if let Some(found) = resync_lines(&owner.log()).get(before) {
+            return *found;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no resync: {}",
+            owner.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 /// The replication path under in-process network faults (`--test-net-faults`: this
@@ -502,6 +744,15 @@ fn wait_for_resyncs(owner: &Node, enough: impl Fn(&[(u64, u64)]) -> bool) -> Vec
 
 /// (chunks sent, chunks the copies already held) of each claim's resync in an owner's log.
 fn resync_counts(log: &str) -> Vec<(u64, u64)> {
+    resync_lines(log)
+        .into_iter()
+        .map(|(sent, same, _)| (sent, same))
+        .collect()
+}
+
+/// (chunks sent, chunks the copies already held, whether it caught up) of each claim's
+/// resync in an owner's log.
+fn resync_lines(log: &str) -> Vec<(u64, u64, bool)> {
     let field = |line: &str, name: &str| -> u64 {
         let at = line
             .find(&format!("{name}="))
@@ -514,7 +765,13 @@ fn resync_counts(log: &str) -> Vec<(u64, u64)> {
     };
     log.lines()
         .filter(|line| line.contains("copies resynchronized"))
-        .map(|line| (field(line, "chunks_sent"), field(line, "chunks_same")))
+        .map(|line| {
+            (
+                field(line, "chunks_sent"),
+                field(line, "chunks_same"),
+                line.contains("caught_up=true"),
+            )
+        })
         .collect()
 }
 

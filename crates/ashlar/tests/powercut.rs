@@ -10,21 +10,9 @@
 
 mod common;
 
-use ashlar_powercut_fs::{CutPolicy, MountOptions, PowercutFs};
+use ashlar_powercut_fs::CutPolicy;
 use common::writes::{check_after_restart, write_until_stopped};
-use common::{Node, MIB};
-use std::path::Path;
-
-fn mount(backing: &Path, mountpoint: &Path) -> PowercutFs {
-    let options = MountOptions {
-        // The host does not crash: the backing files need no fsync of their own.
-        fsync_backing: false,
-        sector_bytes: 4096,
-        ..MountOptions::default()
-    };
-    PowercutFs::mount_with(backing, mountpoint, &options)
-        .unwrap_or_else(|e| panic!("mounting powercut-fs (needs root and /dev/fuse): {e}"))
-}
+use common::{mount_powercut, Node, MIB};
 
 /// Writes of `sizes` into `[0, region)` of a fresh vdisk until a power cut with `seed`, then
 /// a restart and a check of every block.
@@ -38,7 +26,7 @@ fn power_cut_during_writes(sizes: &'static [u64], region: u64, seed: u64) {
     // The data directory exists durably before the node starts (as an operator's would).
     std::fs::create_dir_all(backing.join("data")).unwrap();
     std::fs::create_dir_all(&mountpoint).unwrap();
-    let mut fs = Some(mount(&backing, &mountpoint));
+    let mut fs = Some(mount_powercut(&backing, &mountpoint));
     let mut node = Node::start_in(Some(mountpoint.join("data")), &[]);
     node.create_vdisk("cut", "256M");
     let run = write_until_stopped(
@@ -57,7 +45,7 @@ fn power_cut_during_writes(sizes: &'static [u64], region: u64, seed: u64) {
             eprintln!("power cut (seed {seed}): {report:?}");
         },
     );
-    let remounted = mount(&backing, &mountpoint);
+    let remounted = mount_powercut(&backing, &mountpoint);
     node.restart();
     check_after_restart(&node, "cut", &run);
     drop(node);

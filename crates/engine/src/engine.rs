@@ -16,6 +16,7 @@ use crate::stats::{CounterSnapshot, IoRates};
 use crate::vdisk::{ShardMap, VdiskHandle, VdiskShared, SHARD_RANGE_BYTES};
 use ashlar_core::{Epoch, VdiskId, BLOCK_SIZE_BYTES, MAX_VDISK_SIZE_BYTES};
 use ashlar_meta::MetaStore;
+use ashlar_storage::copy_identity::{self, CopyIdentity};
 use ashlar_storage::extent_store::{self, ExtentStore, ExtentStoreConfig};
 use ashlar_storage::fs::{Filesystem, NodeFs};
 use ashlar_storage::oplog::{Oplog, OplogConfig, ReplayReport};
@@ -161,6 +162,8 @@ impl VdiskEntry {
             record.size_bytes,
             map,
             ReplicationSlot::new(record.replication_factor),
+            // Never answered: an offline vdisk refuses fences.
+            CopyIdentity(0),
         ));
         shared.closing.store(true, Ordering::Relaxed);
         VdiskEntry {
@@ -267,13 +270,7 @@ impl<M: MetaStore> Engine<M> {
         for record in records {
             let started = match engine.recover_oplogs(record.id).await {
                 Ok((epoch, lost_ranges)) => {
-                    let started = engine.start_vdisk(&record, epoch.next()).await;
-                    if let Ok(shared) = &started {
-                        shared
-                            .oplog_lost_ranges
-                            .store(lost_ranges, Ordering::Relaxed);
-                    }
-                    started
+                    engine.start_vdisk(&record, epoch.next(), lost_ranges).await
                 }
                 Err(error) => Err(error),
             };
@@ -449,11 +446,15 @@ impl<M: MetaStore> Engine<M> {
         Ok((links, gate))
     }
 
+    /// Starts the vdisk's shards at `epoch` over the data on disk, whose oplog replay lost
+    /// `lost_ranges` ranges to corruption.
     async fn start_vdisk(
         &self,
         record: &VdiskRecord,
         epoch: Epoch,
+        lost_ranges: u64,
     ) -> Result<Arc<VdiskShared>, EngineError> {
+        let copy_identity = self.establish_copy_identity(record, lost_ranges).await?;
         let replication = ReplicationSlot::new(record.replication_factor);
         let (shards, gate) = self
             .start_shards(record.id, epoch, record.shards, &replication)
@@ -465,12 +466,56 @@ impl<M: MetaStore> Engine<M> {
             record.size_bytes,
             map,
             replication,
+            copy_identity,
         ));
+        shared
+            .oplog_lost_ranges
+            .store(lost_ranges, Ordering::Relaxed);
         if self.ownership_required.load(Ordering::Acquire) {
             shared.gate.close();
         }
         let _ = gate.send(true);
         Ok(shared)
+    }
+
+    /// The identity of this node's copy of the vdisk (`ashlar_storage::copy_identity`): kept
+    /// from the files in its directories unless the replay lost records or a file is missing
+    /// or differs, else drawn anew (and said so: a claimant then compares the whole copy).
+    async fn establish_copy_identity(
+        &self,
+        record: &VdiskRecord,
+        lost_ranges: u64,
+    ) -> Result<CopyIdentity, EngineError> {
+        let mut dirs = vec![self.oplog_root(record.id)];
+        dirs.extend(extent_store::vdisk_extent_dirs(
+            &self.config.disks,
+            record.id,
+        ));
+        let renew = (lost_ranges > 0)
+            .then(|| format!("the oplog replay lost {lost_ranges} ranges to corruption"));
+        let mut fresh = [0u8; 16];
+        getrandom::fill(&mut fresh)
+            .map_err(|e| EngineError::Storage(format!("drawing a copy identity: {e}")))?;
+        let fresh = CopyIdentity(u128::from_le_bytes(fresh));
+        // On a reactor: the data path's filesystem does its file I/O on the thread's ring.
+        let fs = self.config.fs.clone();
+        let established = self
+            .reactors
+            .get(ReactorId(record.id.0 as usize))
+            .run(move || async move { copy_identity::establish(&fs, &dirs, renew, fresh).await })
+            .await
+            .map_err(|e| EngineError::Storage(e.to_string()))?
+            .map_err(|e| {
+                EngineError::Storage(format!(
+                    "writing the copy identity of '{}': {e}",
+                    record.name
+                ))
+            })?;
+        if let Some(why) = &established.renewed {
+            tracing::info!(vdisk = %record.name, id = %record.id, identity = %established.identity,
+                why = %why, "new copy identity");
+        }
+        Ok(established.identity)
     }
 
     fn validate_size(size_bytes: u64) -> Result<(), EngineError> {
@@ -543,7 +588,7 @@ impl<M: MetaStore> Engine<M> {
             created_unix_seconds: now_unix_seconds(),
         };
         let record = catalog::create(&self.meta, record).await?;
-        let shared = self.start_vdisk(&record, Epoch(1)).await?;
+        let shared = self.start_vdisk(&record, Epoch(1), 0).await?;
         tracing::info!(vdisk = %record.name, id = %record.id, size_bytes, shards, "vdisk created");
         let info = info_of(&record, &shared);
         let entry = VdiskEntry {
@@ -915,8 +960,8 @@ impl<M: MetaStore> Engine<M> {
 
     /// Starts a vdisk of the catalog this node did not start with; the control lock is held.
     async fn start_learned(&self, record: VdiskRecord) -> Result<Arc<VdiskShared>, EngineError> {
-        let (epoch, _) = self.recover_oplogs(record.id).await?;
-        let shared = self.start_vdisk(&record, epoch.next()).await?;
+        let (epoch, lost_ranges) = self.recover_oplogs(record.id).await?;
+        let shared = self.start_vdisk(&record, epoch.next(), lost_ranges).await?;
         tracing::info!(vdisk = %record.name, id = %record.id, "vdisk learnt from the catalog");
         let entry = VdiskEntry {
             record,
@@ -1022,6 +1067,7 @@ async fn list_oplog_dirs(fs: &NodeFs, root: &Path) -> std::io::Result<Vec<(Epoch
         let path = root.join(&entry.name);
         match parsed {
             Some((epoch, shard)) if entry.is_dir => dirs.push((Epoch(epoch), shard, path)),
+            None if entry.name.starts_with(copy_identity::COPY_IDENTITY_FILE) => {}
             _ => {
                 tracing::warn!(path = %path.display(), "ignoring unexpected entry in oplog directory")
             }

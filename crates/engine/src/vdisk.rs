@@ -12,6 +12,7 @@ use crate::shard::{ShardError, ShardLink, ShardOp, ShardReply, ShardRequest};
 use crate::stats::{OpKind, VdiskCounters};
 use arc_swap::ArcSwap;
 use ashlar_core::{check_range, BlockDevice, BlockStatusRun, Epoch, IoError, IoResult, VdiskId};
+use ashlar_storage::copy_identity::CopyIdentity;
 use bytes::{Bytes, BytesMut};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -56,6 +57,9 @@ pub struct VdiskShared {
     pub replication: Arc<ReplicationSlot>,
     /// Records another node's replication applied to this node's copy.
     pub replica_records: AtomicU64,
+    /// Which content this node's copy holds, for a claimant's fence
+    /// (`ashlar_storage::copy_identity`); a new one with every start that may have lost data.
+    pub copy_identity: CopyIdentity,
 }
 
 impl VdiskShared {
@@ -65,6 +69,7 @@ impl VdiskShared {
         size_bytes: u64,
         map: ShardMap,
         replication: Arc<ReplicationSlot>,
+        copy_identity: CopyIdentity,
     ) -> Self {
         VdiskShared {
             id,
@@ -78,6 +83,7 @@ impl VdiskShared {
             gate: Arc::new(ServeGate::open_forever()),
             replication,
             replica_records: AtomicU64::new(0),
+            copy_identity,
         }
     }
 

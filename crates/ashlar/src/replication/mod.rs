@@ -104,7 +104,7 @@ impl NodeReplication {
         let config = TransportConfig::new(transport_id(node), secret, TransportLimits::default());
         let mut transport = TcpTransport::new(config);
         if let Some(file) = &args.test_net_faults {
-            let faults = ashlar_transport::OutgoingFaults::new(random_run()?);
+            let faults = ashlar_transport::OutgoingFaults::new(random_seed()?);
             crate::net_faults::follow(file.clone(), faults.clone());
             transport = transport.with_faults(faults);
         }
@@ -117,7 +117,6 @@ impl NodeReplication {
             forward: forward.clone(),
             receiver: receiver.clone(),
             peers: peers.clone(),
-            run: random_run()?,
         });
         let handler = handler_fn(move |peer, payload| {
             let services = services.clone();
@@ -619,10 +618,11 @@ fn copy_address(name: &str, node: NodeId, nodes: &[NodeStatus]) -> Result<Socket
     })
 }
 
-/// A random id of this run of the node (its fence answers' identity).
-fn random_run() -> Result<u64> {
+/// A random seed for the injected network faults of a test.
+fn random_seed() -> Result<u64> {
     let mut bytes = [0u8; 8];
-    getrandom::fill(&mut bytes).map_err(|e| anyhow!("drawing the node's run id: {e}"))?;
+    getrandom::fill(&mut bytes)
+        .map_err(|e| anyhow!("drawing a seed for the network faults: {e}"))?;
     Ok(u64::from_le_bytes(bytes))
 }
 

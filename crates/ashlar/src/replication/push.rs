@@ -7,7 +7,7 @@
 use super::peers::Peers;
 use super::receiver::{remote, ReplicaReceiver};
 use super::resync::resync;
-use super::wire::{self, CopyIdentity, Message, FAILED_CODE, MALFORMED_CODE};
+use super::wire::{self, Message, FAILED_CODE, MALFORMED_CODE};
 use crate::forwarding::ForwardServer;
 use crate::registry::NodeEngine;
 use ashlar_core::VdiskId;
@@ -23,8 +23,6 @@ pub struct Services {
     pub forward: Arc<ForwardServer>,
     pub receiver: ReplicaReceiver,
     pub peers: Arc<Peers>,
-    /// This node's run (random, drawn at start), for fence answers.
-    pub run: u64,
 }
 
 impl Services {
@@ -75,14 +73,11 @@ impl Services {
             Message::Fence { vdisk, epoch } => {
                 // The claimant compares this copy with its own next, all of it or, if the
                 // copy's identity is the one it saw at its last claim, what it missed.
-                // Read after the fence: a trim it let through before is counted, and none can
-                // follow it (a trim refuses once this claim's epoch fenced the copy).
-                self.fence_and_settle(vdisk, epoch).await?;
-                let identity = CopyIdentity {
-                    run: self.run,
-                    trims: self.receiver.trims(),
-                };
-                return Ok(wire::encode_fence_answer(identity));
+                // Read after the fence: a trim it let through before started the copy again
+                // (with a new identity), and none can follow it (a trim refuses once this
+                // claim's epoch fenced the copy).
+                let shared = self.fence_and_settle(vdisk, epoch).await?;
+                return Ok(wire::encode_fence_answer(shared.copy_identity));
             }
             other => self.receiver.handle(other).await?,
         }

@@ -19,7 +19,6 @@ use ashlar_engine::vdisk::{VdiskShared, SHARD_RANGE_BYTES};
 use ashlar_transport::RemoteError;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
 
@@ -48,18 +47,14 @@ enum Incoming {
 #[derive(Clone)]
 pub struct ReplicaReceiver {
     queue: mpsc::Sender<Incoming>,
-    /// Copies this node trimmed since it started (part of its fence answers' identity).
-    trims: Arc<AtomicU64>,
 }
 
 impl ReplicaReceiver {
     /// Starts the loop on the current (control) runtime.
     pub fn start(engine: Arc<NodeEngine>, data_dir: &Path) -> ReplicaReceiver {
         let (queue, incoming) = mpsc::channel(RECEIVER_QUEUE_LIMIT);
-        let trims = Arc::new(AtomicU64::new(0));
         let receiver_loop = ReceiverLoop {
             engine,
-            trims: trims.clone(),
             fences: Fences::new(data_dir),
             streams: HashMap::new(),
             targets: HashMap::new(),
@@ -67,12 +62,7 @@ impl ReplicaReceiver {
             fenced_this_run: HashSet::new(),
         };
         tokio::spawn(receiver_loop.run(incoming));
-        ReplicaReceiver { queue, trims }
-    }
-
-    /// How many copies this node has trimmed since it started.
-    pub fn trims(&self) -> u64 {
-        self.trims.load(Ordering::SeqCst)
+        ReplicaReceiver { queue }
     }
 
     /// Answers one record or fence.
@@ -128,7 +118,6 @@ struct Stream {
 
 struct ReceiverLoop {
     engine: Arc<NodeEngine>,
-    trims: Arc<AtomicU64>,
     fences: Fences,
     streams: HashMap<StreamKey, Stream>,
     targets: HashMap<VdiskId, Arc<VdiskShared>>,
@@ -179,8 +168,7 @@ impl ReceiverLoop {
         self.fence(vdisk, epoch).await.map_err(|e| e.message)?;
         self.targets.remove(&vdisk);
         self.streams.retain(|key, _| key.0 != vdisk);
-        // Counted before the data goes: a fence answered from now on names a new identity.
-        self.trims.fetch_add(1, Ordering::SeqCst);
+        // The copy started again empty has a new identity (its files go with the data).
         self.engine
             .trim_copy(vdisk)
             .await

@@ -29,8 +29,9 @@
 //! answer is one [`ChunkDigest`] per 1 MiB chunk of the range (33 bytes each: a state, 0
 //! zeros, 1 data, 2 unreadable, then the SHA-256 of the chunk's bytes for data, else zeros).
 //!
-//! A fence's answer is the copy's [`CopyIdentity`] (16 bytes: the run, then the trims, each a
-//! u64); an empty answer (a node of an earlier version) names no identity.
+//! A fence's answer is the copy's [`CopyIdentity`] (16 bytes, a u128: see
+//! `ashlar_storage::copy_identity`); an answer of any other length (an empty one from a node
+//! of an earlier version) names no identity.
 //!
 //! Any other successful answer is an empty payload; a refusal is the transport's remote error with
 //! one of the `*_CODE` codes below and a message for the log.
@@ -38,6 +39,7 @@
 use ashlar_cluster::NodeId;
 use ashlar_core::VdiskId;
 use ashlar_engine::replication::{ReplicaOp, ReplicaRecord};
+pub use ashlar_storage::copy_identity::CopyIdentity;
 use bytes::{BufMut, Bytes, BytesMut};
 
 pub const WIRE_VERSION: u8 = 1;
@@ -97,37 +99,17 @@ pub enum ChunkDigest {
 /// Bytes per chunk digest in a digest answer.
 pub const DIGEST_BYTES: usize = 33;
 
-/// Which content a copy answering a fence holds, as far as the claimant needs to know: the
-/// node's run (random, drawn at each start) and how many copies it has trimmed in that run.
-/// Two fences answered with the same identity mean the copy's content went on in between
-/// with nothing but the records it took: it neither restarted (a restart may set data aside)
-/// nor dropped a copy.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CopyIdentity {
-    pub run: u64,
-    pub trims: u64,
-}
-
 const IDENTITY_BYTES: usize = 16;
 
 pub fn encode_fence_answer(identity: CopyIdentity) -> Bytes {
-    let mut out = BytesMut::with_capacity(IDENTITY_BYTES);
-    out.put_u64_le(identity.run);
-    out.put_u64_le(identity.trims);
-    out.freeze()
+    Bytes::copy_from_slice(&identity.0.to_le_bytes())
 }
 
 /// The identity in a fence's answer; `None` for any other length (an earlier version's
 /// empty answer): the claimant then compares the whole copy.
 pub fn decode_fence_answer(payload: &[u8]) -> Option<CopyIdentity> {
-    if payload.len() != IDENTITY_BYTES {
-        return None;
-    }
-    let word = |at: usize| u64::from_le_bytes(payload[at..at + 8].try_into().expect("8 bytes"));
-    Some(CopyIdentity {
-        run: word(0),
-        trims: word(8),
-    })
+    let bytes: [u8; IDENTITY_BYTES] = payload.try_into().ok()?;
+    Some(CopyIdentity(u128::from_le_bytes(bytes)))
 }
 
 pub fn encode_digests(digests: &[ChunkDigest]) -> Bytes {
@@ -397,12 +379,10 @@ mod tests {
 
     #[test]
     fn a_fence_answer_carries_the_copy_identity_and_an_empty_one_none() {
-        let identity = CopyIdentity {
-            run: 0x0102_0304_0506_0708,
-            trims: 3,
-        };
+        let identity = CopyIdentity(0x0102_0304_0506_0708_090a_0b0c_0d0e_0f10);
         let bytes = encode_fence_answer(identity);
-        assert_eq!(&bytes[..8], &0x0102_0304_0506_0708u64.to_le_bytes());
+        assert_eq!(bytes.len(), 16);
+        assert_eq!(bytes[0], 0x10, "little-endian");
         assert_eq!(decode_fence_answer(&bytes), Some(identity));
         assert_eq!(decode_fence_answer(&[]), None);
         assert_eq!(decode_fence_answer(&bytes[..15]), None);

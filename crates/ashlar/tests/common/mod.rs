@@ -932,3 +932,16 @@ pub fn node_state(asked: &Node, id: &str) -> String {
         .clone();
     node["state"].as_str().unwrap().to_string()
 }
+
+/// Mounts powercut-fs (the suite's FUSE filesystem that loses what was not made durable at
+/// a cut) over `backing` at `mountpoint`. Needs root and /dev/fuse.
+pub fn mount_powercut(backing: &Path, mountpoint: &Path) -> ashlar_powercut_fs::PowercutFs {
+    let options = ashlar_powercut_fs::MountOptions {
+        // The host does not crash: the backing files need no fsync of their own.
+        fsync_backing: false,
+        sector_bytes: 4096,
+        ..ashlar_powercut_fs::MountOptions::default()
+    };
+    ashlar_powercut_fs::PowercutFs::mount_with(backing, mountpoint, &options)
+        .unwrap_or_else(|e| panic!("mounting powercut-fs (needs root and /dev/fuse): {e}"))
+}

@@ -159,6 +159,11 @@ pub(crate) fn io_error(path: &Path, file_offset: Option<u64>, source: io::Error)
     }
 }
 
+/// The vdisk's extent directory on each disk (whether or not it exists yet).
+pub fn vdisk_extent_dirs(disks: &[Disk], vdisk: VdiskId) -> Vec<std::path::PathBuf> {
+    disks.iter().map(|d| egroup_dir(&d.path, vdisk)).collect()
+}
+
 /// Deletes every egroup of the vdisk on every disk, durably. No `ExtentStore` of the vdisk may
 /// be in use.
 pub async fn remove_vdisk_data<F: Filesystem>(
