@@ -256,6 +256,14 @@ pub struct NodeArgs {
     /// if no client writes to it. Writes to a vdisk whose copy failed restore it at once.
     #[arg(long, default_value_t = 60, value_name = "SECONDS", requires = "etcd")]
     pub rereplicate_after_s: u64,
+    /// A copy on a node that is up (it keeps its etcd lease) but has not answered this
+    /// node's claims for this many seconds (a network cut between the two, a copy whose
+    /// disk refuses writes) is replaced by another live node, as a copy on a node that is
+    /// down is at once, so writes resume at full RF before the cut heals. Only while this
+    /// node holds a complete copy, and only by a node that answers. 0 = never: writes fail
+    /// until the copy answers again.
+    #[arg(long, default_value_t = 30, value_name = "SECONDS", requires = "etcd")]
+    pub replace_unreachable_copy_after_s: u64,
     /// Seconds a node keeps data of a replicated vdisk whose copy set no longer names it
     /// (its copy was replaced while it was down, drained off, or handed on) once every copy
     /// of the set is up and holds all the data; then the data is removed. 0 = at once.

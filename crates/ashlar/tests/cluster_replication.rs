@@ -725,6 +725,69 @@ fn replication_survives_delay_loss_and_a_partition_between_owner_and_copy() {
     );
 }
 
+/// A copy that is up (it keeps its etcd lease) but cut off from its owner: writes fail, and
+/// once A's claims have failed to reach it for --replace-unreachable-copy-after-s, A's claim
+/// replaces it by the third node (which answers), fills that one while serving, and writes
+/// go on at RF 2 before the cut heals. The old copy, outside the set now, is trimmed.
+#[test]
+fn a_copy_cut_off_from_its_owner_is_replaced_once_unreachable_for_long() {
+    let etcd = EtcdServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (a_faults, b_faults) = (dir.path().join("a-faults"), dir.path().join("b-faults"));
+    std::fs::write(&a_faults, "").unwrap();
+    std::fs::write(&b_faults, "").unwrap();
+    let (a, b, filled, vdisk_dir) = owner_and_steady_copy(
+        &etcd.url,
+        dir.path(),
+        &[
+            "--test-net-faults",
+            a_faults.to_str().unwrap(),
+            "--replace-unreachable-copy-after-s",
+            "4",
+        ],
+        &[
+            "--test-net-faults",
+            b_faults.to_str().unwrap(),
+            "--trim-copies-after-s",
+            "0",
+        ],
+    );
+    let mut c = cluster_node_with_lease(&etcd.url, 60_000, &[]);
+    std::fs::write(&a_faults, format!("127.0.0.1:{} cut=1\n", b.node_port)).unwrap();
+    std::fs::write(&b_faults, format!("127.0.0.1:{} cut=1\n", a.node_port)).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+
+    let (second, second_data) = pattern(dir.path(), 2);
+    let (took, failures) = write_in_background(a.uri(VDISK), second).join().unwrap();
+    assert!(
+        failures > 0 && took >= Duration::from_secs(4),
+        "a write was acknowledged after {took:?} with B cut off"
+    );
+    assert!(
+        a.log()
+            .contains("replacing copies on nodes that are up but have not answered"),
+        "{}",
+        a.log()
+    );
+    let copies = a.show(VDISK)["ownership"]["copies"].clone();
+    assert_eq!(copies, serde_json::json!([node_id(&a), node_id(&c)]));
+    wait_healthy(&a);
+    std::fs::write(&a_faults, "").unwrap();
+    std::fs::write(&b_faults, "").unwrap();
+
+    let b_egroup = b.egroup_path(&vdisk_dir, 0);
+    let start = Instant::now();
+    while b_egroup.exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "B kept its replaced copy: {}",
+            b.log()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert_both_hold(&a, &mut c, dir.path(), &vdisk_dir, &second_data, &filled);
+}
+
 /// Waits up to 60 s until the owner's finished resyncs satisfy `enough`; returns them.
 fn wait_for_resyncs(owner: &Node, enough: impl Fn(&[(u64, u64)]) -> bool) -> Vec<(u64, u64)> {
     let start = Instant::now();

@@ -21,6 +21,7 @@ mod push;
 mod receiver;
 mod resync;
 mod sender;
+mod unreachable;
 pub mod wire;
 
 use crate::args::NodeArgs;
@@ -47,7 +48,7 @@ pub use sender::{CopyFailed, Reclaim};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use wire::Message;
 
@@ -89,6 +90,10 @@ pub struct NodeReplication {
     /// last asked: this node's claims add it to the copy set, so it gets one while the
     /// vdisk serves.
     copy_wishes: std::sync::Mutex<HashMap<VdiskId, (NodeId, std::time::Instant)>>,
+    /// Copies this node's claims could not fence, and since when (`unreachable`).
+    unreachable: std::sync::Mutex<unreachable::UnreachableCopies>,
+    /// `--replace-unreachable-copy-after-s` (`None`: 0, never).
+    replace_unreachable_after: Option<Duration>,
     _server: Server,
 }
 
@@ -148,6 +153,9 @@ impl NodeReplication {
             },
             tracks: Arc::default(),
             copy_wishes: std::sync::Mutex::new(HashMap::new()),
+            unreachable: std::sync::Mutex::default(),
+            replace_unreachable_after: (args.replace_unreachable_copy_after_s > 0)
+                .then(|| Duration::from_secs(args.replace_unreachable_copy_after_s)),
             _server: server,
         })
     }
@@ -185,6 +193,7 @@ impl NodeReplication {
         let rf = info.replication_factor;
         if rf <= 1 {
             lock(&self.tracks).forget(vdisk);
+            lock(&self.unreachable).forget(vdisk, |_| false);
             let _ = self.engine.set_replicator(name, None);
             return Ok(());
         }
@@ -192,7 +201,8 @@ impl NodeReplication {
         let nodes = list_nodes(&self.meta)
             .await
             .map_err(|e| format!("vdisk {name}: listing nodes: {e}"))?;
-        let (previous, copies) = self.copy_set(name, vdisk, rf, &nodes).await?;
+        let (previous, copies) = self.copy_set(name, vdisk, epoch, rf, &nodes).await?;
+        lock(&self.unreachable).forget(vdisk, |n| copies.contains(&n));
         // A claimant that holds no complete copy (its client moved here, every copy holder
         // that could serve is down or storage-only, or its own copy was still being filled)
         // first gets one from a node that holds a complete one.
@@ -225,15 +235,19 @@ impl NodeReplication {
         // Each copy answers once the records of older owners it took are applied.
         let mut identities = Vec::new();
         for peer in &peers {
-            let answer = peer
-                .call(fence.clone(), REPLICA_TIMEOUT)
-                .await
-                .map_err(|e| {
-                    format!(
+            let answer = match peer.call(fence.clone(), REPLICA_TIMEOUT).await {
+                Ok(answer) => {
+                    lock(&self.unreachable).answered(vdisk, peer.node());
+                    answer
+                }
+                Err(error) => {
+                    lock(&self.unreachable).failed(vdisk, peer.node(), Instant::now());
+                    return Err(format!(
                         "vdisk {name} keeps {rf} copies and writes need every one: {}",
-                        replica_error(peer.node(), vdisk, e)
-                    )
-                })?;
+                        replica_error(peer.node(), vdisk, error)
+                    ));
+                }
+            };
             identities.push((peer.node(), wire::decode_fence_answer(&answer)));
         }
         let shared = self.engine.vdisk_shared(name).map_err(|e| e.to_string())?;
@@ -404,13 +418,14 @@ impl NodeReplication {
     }
 
     /// The copy set to serve with: chosen and recorded at the vdisk's first claim; at later
-    /// claims the recorded one, with this node first and copies on down nodes replaced (new
-    /// copies recorded as being filled). Also the record as it was before (`None` at the
-    /// first claim).
+    /// claims the recorded one, with this node first and copies on down nodes (or
+    /// unreachable for long, `renew`) replaced (new copies recorded as being filled). Also
+    /// the record as it was before (`None` at the first claim).
     async fn copy_set(
         &self,
         name: &str,
         vdisk: VdiskId,
+        epoch: u64,
         rf: u8,
         nodes: &[NodeStatus],
     ) -> Result<(Option<PlacementRecord>, Vec<NodeId>), String> {
@@ -431,8 +446,9 @@ impl NodeReplication {
             }
             return Ok((None, placement.copies));
         };
-        let mut renewed = renew_copies(self.node, rf, &placement.copies, &placement.filling, nodes)
-            .map_err(|e| format!("vdisk {name}: {e}"))?;
+        let mut renewed = self
+            .renew(name, vdisk, epoch, rf, &placement, nodes)
+            .await?;
         if let Some(wanted) = self.wanted_copy(vdisk, nodes) {
             if !renewed.contains(&wanted) {
                 // One copy more than RF until the node takes the vdisk over; its claim
@@ -455,9 +471,73 @@ impl NodeReplication {
                 ));
             }
             tracing::info!(vdisk = name, from = ?names(&placement.copies), to = ?names(&renewed),
-                "copy set renewed (this node first, copies on nodes that are down replaced)");
+                "copy set renewed (this node first, copies on nodes that are down or unreachable replaced)");
         }
         Ok((Some(placement), renewed))
+    }
+
+    /// `renew_copies` of the recorded set, which also replaces copies this node's claims
+    /// could not fence for `--replace-unreachable-copy-after-s` (on nodes that are up), as
+    /// if they were down: only while this node holds a complete copy, and only once each
+    /// replacement answered a fence at `epoch` (else the set is renewed as without them).
+    async fn renew(
+        &self,
+        name: &str,
+        vdisk: VdiskId,
+        epoch: u64,
+        rf: u8,
+        placement: &PlacementRecord,
+        nodes: &[NodeStatus],
+    ) -> Result<Vec<NodeId>, String> {
+        let renew = |nodes: &[NodeStatus]| {
+            renew_copies(self.node, rf, &placement.copies, &placement.filling, nodes)
+                .map_err(|e| format!("vdisk {name}: {e}"))
+        };
+        let renewed = renew(nodes)?;
+        let Some(after) = self.replace_unreachable_after else {
+            return Ok(renewed);
+        };
+        let due: Vec<NodeId> = lock(&self.unreachable)
+            .due(vdisk, Instant::now(), after)
+            .into_iter()
+            .filter(|n| renewed.contains(n))
+            .collect();
+        if due.is_empty() || !placement.holds_complete_copy(self.node) {
+            return Ok(renewed);
+        }
+        let as_down: Vec<NodeStatus> = nodes
+            .iter()
+            .map(|n| {
+                let mut n = n.clone();
+                if due.contains(&n.record.node_id) {
+                    n.state = NodeState::Down;
+                }
+                n
+            })
+            .collect();
+        let replaced = match renew(&as_down) {
+            Ok(replaced) => replaced,
+            Err(why) => {
+                tracing::warn!(vdisk = name, unreachable = ?names(&due), %why,
+                    "copies unreachable for long stay: no other node can take them");
+                return Ok(renewed);
+            }
+        };
+        let fence = wire::encode(&Message::Fence { vdisk, epoch });
+        for newcomer in replaced.iter().filter(|n| !renewed.contains(n)) {
+            let peer = self
+                .peers
+                .peer(*newcomer, copy_address(name, *newcomer, nodes)?);
+            if let Err(error) = peer.call(fence.clone(), REPLICA_TIMEOUT).await {
+                tracing::warn!(vdisk = name, unreachable = ?names(&due), replacement = %newcomer,
+                    error = %replica_error(*newcomer, vdisk, error),
+                    "copies unreachable for long stay: their replacement does not answer either");
+                return Ok(renewed);
+            }
+        }
+        tracing::warn!(vdisk = name, unreachable = ?names(&due), after_s = after.as_secs(),
+            "replacing copies on nodes that are up but have not answered this node's fences for long");
+        Ok(replaced)
     }
 
     /// Whether node `asker`, which asked to take `vdisk` over (held here at `epoch`), may
