@@ -251,6 +251,20 @@ pub struct NodeArgs {
     #[arg(long, default_value_t = 30, value_name = "SECONDS", requires = "etcd")]
     pub migrate_after_s: u64,
 
+    /// A node that asked to take a vdisk over without holding a copy is given one first: the
+    /// owner adds it to the copy set (one copy more than RF) and fills it while serving. If
+    /// the node stops asking (its client left) for this many seconds without taking the
+    /// vdisk over, the owner drops that extra copy again (every write goes to RF + 1 nodes
+    /// meanwhile). At least 1.
+    #[arg(
+        long,
+        default_value_t = crate::replication::DEFAULT_COPY_WISH_KEEP.as_secs(),
+        value_parser = clap::value_parser!(u64).range(1..),
+        value_name = "SECONDS",
+        requires = "etcd"
+    )]
+    pub hand_over_copy_keep_s: u64,
+
     /// A replicated vdisk with a copy on a node that has been down this many seconds gets
     /// the copy replaced by a live node and filled from the survivors (the curator), even
     /// if no client writes to it. Writes to a vdisk whose copy failed restore it at once.

@@ -58,6 +58,14 @@ pub fn restore_action(
     }
 }
 
+/// Whether the owner of a vdisk with `copies` (RF `rf`) should claim it again to drop the
+/// copy beyond RF: a node that asked to take the vdisk over was added to the set, then
+/// stopped asking (for `--hand-over-copy-keep-s`) without taking it, and every write still goes to one
+/// copy more than RF. The claim's `renew_copies` drops the least preferred copy.
+pub fn shrink_extra_copy(rf: u8, copies: &[NodeId], wished: bool) -> bool {
+    copies.len() > usize::from(rf) && !wished
+}
+
 /// The serving node that is up and not draining with the lowest id: it restores vdisks
 /// nobody owns.
 pub fn curator_leader(nodes: &[NodeStatus]) -> Option<NodeId> {
@@ -116,6 +124,7 @@ pub async fn run(
                 continue;
             }
         };
+        shrink_extra_copies(&engine, &meta, &ownership).await;
         let mut overdue = down.update(&nodes, Instant::now(), after);
         overdue.extend(
             nodes
@@ -187,6 +196,35 @@ pub async fn run(
     }
 }
 
+/// Claims again each replicated vdisk this node serves whose copy set holds a copy more
+/// than its RF that nobody asked for recently (`shrink_extra_copy`).
+async fn shrink_extra_copies(engine: &NodeEngine, meta: &NodeMeta, ownership: &NodeOwnership) {
+    for info in engine
+        .list_vdisks()
+        .into_iter()
+        .filter(|info| info.replication_factor > 1)
+    {
+        if ownership.serving_claim(info.id).is_err() {
+            continue;
+        }
+        let Ok(Some(placement)) = read_placement(meta, info.id).await else {
+            continue;
+        };
+        let wished = ownership.copy_wished(info.id);
+        if !shrink_extra_copy(info.replication_factor, &placement.copies, wished) {
+            continue;
+        }
+        tracing::info!(vdisk = %info.name, copies = placement.copies.len(),
+            rf = info.replication_factor,
+            "curator: the copy added for a node that wanted the vdisk is no longer asked for; \
+             claiming the vdisk again to drop the copy beyond its RF");
+        if let Err(reason) = ownership.restore_copies(engine, &info.name, false).await {
+            tracing::warn!(vdisk = %info.name, %reason,
+                "curator: could not drop the copy beyond the vdisk's RF; trying again at the next scan");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -227,6 +265,15 @@ mod tests {
             restore_action(me, Some(me), Some(me), &[me, other], &overdue),
             Restore::Nothing
         );
+    }
+
+    #[test]
+    fn a_copy_beyond_rf_is_dropped_once_nobody_wants_it() {
+        let copies = [id(1), id(2), id(3)];
+        assert!(shrink_extra_copy(2, &copies, false));
+        assert!(!shrink_extra_copy(2, &copies, true), "asked for recently");
+        assert!(!shrink_extra_copy(3, &copies, false), "RF copies");
+        assert!(!shrink_extra_copy(2, &copies[..2], false));
     }
 
     #[test]

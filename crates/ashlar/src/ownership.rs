@@ -469,6 +469,14 @@ impl NodeOwnership {
         }
     }
 
+    /// Whether a node asked for a copy of `vdisk` recently, to take it over (the copy set
+    /// keeps one copy more than RF for it meanwhile); false on a single node.
+    pub fn copy_wished(&self, vdisk: VdiskId) -> bool {
+        self.cluster
+            .as_ref()
+            .is_some_and(|cluster| cluster.replication.copy_wished(vdisk))
+    }
+
     /// The claim under which this node serves `vdisk` now (its gate open): what a change
     /// of the vdisk's shared state in the metadata store (iSCSI persistent reservations) is
     /// fenced by. `Ok(None)` on a single node (nothing to fence); `Err` with the reason when

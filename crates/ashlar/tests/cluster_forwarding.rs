@@ -76,24 +76,43 @@ fn fio_verified_writes(uri: &str, seconds: u64) -> std::process::Output {
     )
 }
 
-#[test]
-fn a_client_of_another_node_is_forwarded_and_ownership_follows_sustained_io() {
-    let etcd = EtcdServer::start();
-    let a = cluster_node(&etcd.url, &["--migrate-after-s", "3"]);
-    let b = cluster_node(&etcd.url, &["--migrate-after-s", "3"]);
+/// Serving nodes A and B (with `a_args`, `b_args`), a storage-only C, and an RF 2 `vdisk`
+/// written through A with pattern `seed`: the nodes, the scratch directory and the pattern.
+fn written_through_a(
+    etcd: &EtcdServer,
+    a_args: &[&str],
+    b_args: &[&str],
+    vdisk: &str,
+    seed: u8,
+) -> (Node, Node, Node, tempfile::TempDir, Vec<u8>) {
+    let a = cluster_node(&etcd.url, a_args);
+    let b = cluster_node(&etcd.url, b_args);
     let c = cluster_node(&etcd.url, &["--storage-only"]);
-    let nodes = [&a, &b, &c];
-    let vdisk = "moving";
     a.cli(&["vdisk", "create", vdisk, "--size", "64M", "--rf", "2"])
         .assert_ok("vdisk create --rf 2");
     let dir = tempfile::tempdir().unwrap();
-    let (first, first_data) = pattern(dir.path(), 1);
+    let (first, first_data) = pattern(dir.path(), seed);
     nbdcopy(
         first.to_str().unwrap(),
         &a.uri(vdisk),
         "write through A",
-        &nodes,
+        &[&a, &b, &c],
     );
+    (a, b, c, dir, first_data)
+}
+
+#[test]
+fn a_client_of_another_node_is_forwarded_and_ownership_follows_sustained_io() {
+    let etcd = EtcdServer::start();
+    let vdisk = "moving";
+    let (a, b, c, dir, first_data) = written_through_a(
+        &etcd,
+        &["--migrate-after-s", "3"],
+        &["--migrate-after-s", "3"],
+        vdisk,
+        1,
+    );
+    let nodes = [&a, &b, &c];
     let (id_a, id_b) = (node_id(&a), node_id(&b));
     assert_eq!(ownership(&b, vdisk)["owner"], id_a.as_str());
 
@@ -153,6 +172,60 @@ fn a_client_of_another_node_is_forwarded_and_ownership_follows_sustained_io() {
     assert!(read_back(&b, vdisk, dir.path(), &nodes) == second_data);
     assert!(read_back(&a, vdisk, dir.path(), &nodes) == second_data);
     assert_eq!(ownership(&a, vdisk)["owner"], id_b.as_str());
+}
+
+/// A client of B long enough for one ask (B is added to the copy set, one copy more than
+/// RF, and filled) that then leaves: once B has not asked for --hand-over-copy-keep-s, A's
+/// curator claims the vdisk again and the set is back to RF copies, A first.
+#[test]
+fn a_copy_added_for_a_hand_over_nobody_takes_is_dropped_again() {
+    let etcd = EtcdServer::start();
+    let vdisk = "visited";
+    let (a, b, c, dir, first_data) = written_through_a(
+        &etcd,
+        &["--hand-over-copy-keep-s", "4"],
+        &["--migrate-after-s", "3"],
+        vdisk,
+        7,
+    );
+    let nodes = [&a, &b, &c];
+    let id_a = node_id(&a);
+    assert_eq!(ownership(&a, vdisk)["copies"].as_array().unwrap().len(), 2);
+
+    // 4 s of forwarded I/O: B asks once after 3 s (a second ask would need 3 s more).
+    let out = fio_verified_writes(&b.uri(vdisk), 4);
+    assert!(
+        out.status.success(),
+        "fio through B failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        a.log()
+            .contains("wants a copy; claiming the vdisk again to add it"),
+        "B did not ask: {}",
+        a.log()
+    );
+    assert_eq!(ownership(&a, vdisk)["owner"], id_a.as_str());
+
+    let start = Instant::now();
+    let shrunk = loop {
+        let shown = ownership(&a, vdisk);
+        if shown["copies"].as_array().unwrap().len() == 2 && a.log().contains("no longer asked for")
+        {
+            break shown;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the copy set kept its extra copy: {shown}\n{}",
+            a.log()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert_eq!(shrunk["owner"], id_a.as_str(), "{shrunk}");
+    assert_eq!(shrunk["copies"][0], id_a.as_str(), "{shrunk}");
+    // fio wrote past the pattern: it is intact.
+    assert!(read_back(&a, vdisk, dir.path(), &nodes) == first_data);
 }
 
 #[test]

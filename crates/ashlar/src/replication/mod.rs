@@ -59,9 +59,10 @@ pub const REPLICA_TIMEOUT: Duration = Duration::from_secs(5);
 /// Copy failures queued for the ownership layer (one per vdisk and epoch is enough; more are
 /// dropped).
 pub const COPY_FAILURE_QUEUE_LIMIT: usize = 64;
-/// How long a node's wish for a copy (it asked to take a vdisk over without one) is kept
-/// after its last ask: claims meanwhile add it to the copy set.
-pub const COPY_WISH_KEEP: Duration = Duration::from_secs(300);
+/// Default of `--hand-over-copy-keep-s`: how long a node's wish for a copy (it asked to
+/// take a vdisk over without one) is kept after its last ask; claims meanwhile add it to
+/// the copy set, and the curator drops that copy once the wish is gone.
+pub const DEFAULT_COPY_WISH_KEEP: Duration = Duration::from_secs(300);
 /// Nodes' wishes for copies kept at once; more are refused (the asker is told to wait).
 pub const COPY_WISHES_LIMIT: usize = 1024;
 
@@ -90,6 +91,8 @@ pub struct NodeReplication {
     /// last asked: this node's claims add it to the copy set, so it gets one while the
     /// vdisk serves.
     copy_wishes: std::sync::Mutex<HashMap<VdiskId, (NodeId, std::time::Instant)>>,
+    /// `--hand-over-copy-keep-s`: how long a wish is kept after the node's last ask.
+    copy_wish_keep: Duration,
     /// Copies this node's claims could not fence, and since when (`unreachable`).
     unreachable: std::sync::Mutex<unreachable::UnreachableCopies>,
     /// `--replace-unreachable-copy-after-s` (`None`: 0, never).
@@ -153,6 +156,7 @@ impl NodeReplication {
             },
             tracks: Arc::default(),
             copy_wishes: std::sync::Mutex::new(HashMap::new()),
+            copy_wish_keep: Duration::from_secs(args.hand_over_copy_keep_s),
             unreachable: std::sync::Mutex::default(),
             replace_unreachable_after: (args.replace_unreachable_copy_after_s > 0)
                 .then(|| Duration::from_secs(args.replace_unreachable_copy_after_s)),
@@ -597,7 +601,8 @@ impl NodeReplication {
             return Some(Ok(None));
         }
         let now = std::time::Instant::now();
-        wishes.retain(|_, (_, asked)| now.duration_since(*asked) < COPY_WISH_KEEP);
+        let keep = self.copy_wish_keep;
+        wishes.retain(|_, (_, asked)| now.duration_since(*asked) < keep);
         if wishes.len() >= COPY_WISHES_LIMIT && !wishes.contains_key(&vdisk) {
             return Some(Ok(Some(format!(
                 "{COPY_WISHES_LIMIT} copies are wanted on this node's vdisks already; ask again later"
@@ -607,12 +612,20 @@ impl NodeReplication {
         None
     }
 
-    /// The node that wants a copy of `vdisk` (asked within [`COPY_WISH_KEEP`]), if it is up
+    /// The node that wants a copy of `vdisk` (asked within `--hand-over-copy-keep-s`), if it is up
     /// and may hold one.
+    /// Whether a node asked for a copy of `vdisk` within `--hand-over-copy-keep-s` (its copy, one
+    /// more than RF, is kept for it).
+    pub fn copy_wished(&self, vdisk: VdiskId) -> bool {
+        lock(&self.copy_wishes)
+            .get(&vdisk)
+            .is_some_and(|(_, asked)| asked.elapsed() < self.copy_wish_keep)
+    }
+
     fn wanted_copy(&self, vdisk: VdiskId, nodes: &[NodeStatus]) -> Option<NodeId> {
         let (wanted, asked) = *lock(&self.copy_wishes).get(&vdisk)?;
         let usable = may_hold_copy(wanted, nodes);
-        (asked.elapsed() < COPY_WISH_KEEP && usable && wanted != self.node).then_some(wanted)
+        (asked.elapsed() < self.copy_wish_keep && usable && wanted != self.node).then_some(wanted)
     }
 
     /// Has `source` (which holds a copy and was fenced at `epoch`) resync this node from its copy.
