@@ -25,7 +25,7 @@ use crate::scsi::reservation::LunReservations;
 use crate::scsi::sense::{status, Sense};
 use crate::scsi::{self, Context, Nexus, ScsiResult};
 use crate::text::TextPairs;
-use bytes::{Bytes, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap};
 use std::rc::Rc;
@@ -380,11 +380,21 @@ pub(crate) async fn read_pdu<Rd: AsyncBufRead + Unpin>(
         .map_err(IscsiError::reading)?;
     let bhs = Bhs(header);
     let layout = pdu::frame_layout(&bhs, digests, max_data)?;
-    let mut rest = BytesMut::zeroed(layout.rest_len());
-    reader
-        .read_exact(&mut rest)
-        .await
-        .map_err(IscsiError::reading)?;
+    // Read into spare capacity: a large data segment is not zero-filled first.
+    let length = layout.rest_len();
+    let mut rest = BytesMut::with_capacity(length);
+    while rest.len() < length {
+        let want = length - rest.len();
+        let read = reader
+            .read_buf(&mut (&mut rest).limit(want))
+            .await
+            .map_err(IscsiError::reading)?;
+        if read == 0 {
+            return Err(IscsiError::reading(
+                std::io::ErrorKind::UnexpectedEof.into(),
+            ));
+        }
+    }
     Ok(Some(pdu::decode_rest(bhs, layout, rest.freeze())?))
 }
 
