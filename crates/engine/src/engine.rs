@@ -504,13 +504,18 @@ impl<M: MetaStore> Engine<M> {
             .get(ReactorId(record.id.0 as usize))
             .run(move || async move { copy_identity::establish(&fs, &dirs, renew, fresh).await })
             .await
-            .map_err(|e| EngineError::Storage(e.to_string()))?
-            .map_err(|e| {
-                EngineError::Storage(format!(
-                    "writing the copy identity of '{}': {e}",
-                    record.name
-                ))
-            })?;
+            .map_err(|e| EngineError::Storage(e.to_string()))?;
+        let established = match established {
+            Ok(established) => established,
+            Err(error) => {
+                // The vdisk serves all the same (a full disk must not take it offline): a
+                // fresh identity matches no earlier answer, so a claimant compares this
+                // copy in full, now and after the next start (whose files then disagree).
+                tracing::warn!(vdisk = %record.name, id = %record.id, %error,
+                    "cannot write the copy identity; using a new one for this run only");
+                return Ok(fresh);
+            }
+        };
         if let Some(why) = &established.renewed {
             tracing::info!(vdisk = %record.name, id = %record.id, identity = %established.identity,
                 why = %why, "new copy identity");

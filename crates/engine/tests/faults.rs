@@ -15,7 +15,7 @@ use ashlar_engine::{Engine, EngineConfig, VdiskHandle, VdiskState};
 use ashlar_meta::EmbeddedMetaStore;
 use ashlar_storage::disk::{Disk, Tier};
 use ashlar_storage::fs::sim::{CutPolicy, CutReport, Times};
-use ashlar_storage::fs::{IoMode, NodeFs, SimFs};
+use ashlar_storage::fs::{Filesystem, IoMode, NodeFs, SimFs};
 use bytes::Bytes;
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -2235,4 +2235,48 @@ async fn a_slow_disk_does_not_stall_cached_reads_of_another_vdisk() {
         "cached reads of a stalled behind b's slow disk: p99 {a_p99:?} (p50 {a_p50:?}, max {a_max:?})"
     );
     node.stop().await;
+}
+
+/// A vdisk whose copy identity must be renewed at a start (its file gone) on a disk that
+/// refuses writes comes up all the same, with an identity that matches no earlier one; once
+/// the disk takes writes again, the next start writes a new identity and keeps it after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_identity_that_cannot_be_written_never_keeps_a_vdisk_offline() {
+    let mut node = Node::start(Settings::default()).await;
+    let id = node.create("x", 8 * MIB, 1).await;
+    node.write("x", 0, pattern(0, 1, BLOCK as usize))
+        .await
+        .unwrap();
+    let identity_of = |node: &Node| {
+        node.engine()
+            .shared_by_id(id)
+            .unwrap()
+            .expect("x is served")
+            .copy_identity
+    };
+    let first = identity_of(&node);
+    node.stop().await;
+    node.restart("unchanged").await;
+    assert_eq!(identity_of(&node), first, "kept across a clean restart");
+    node.stop().await;
+
+    let file = extents_dir(id).join(ashlar_storage::copy_identity::COPY_IDENTITY_FILE);
+    node.sim.remove_file(&file).await.unwrap();
+    node.sim.fail_writes(Some(&extents_dir(id)), Times::Always);
+    node.restart("identity file gone, writes failing").await;
+    let unwritten = identity_of(&node);
+    assert_ne!(unwritten, first);
+    assert_eq!(
+        node.read("x", 0, BLOCK).await.unwrap()[..],
+        pattern(0, 1, BLOCK as usize)[..]
+    );
+    node.stop().await;
+
+    node.sim.clear_failures();
+    node.restart("writes work again").await;
+    let renewed = identity_of(&node);
+    assert_ne!(renewed, unwritten, "the files disagreed: a new identity");
+    node.stop().await;
+    node.restart("after the renewal").await;
+    assert_eq!(identity_of(&node), renewed);
 }
