@@ -12,7 +12,7 @@ mod common;
 #[path = "../../meta/tests/common/etcd_server.rs"]
 mod etcd_server;
 
-use ashlar_powercut_fs::CutPolicy;
+use ashlar_powercut_fs::{CutPolicy, PowercutFs};
 use common::nbd::NbdConn;
 use common::writes::{self, Slot, BLOCK};
 use common::{
@@ -491,23 +491,9 @@ fn a_copy_whose_power_was_cut_catches_up_to_every_acknowledged_write() {
 fn power_cut_of_the_copy_during_writes(seed: u64, cut_after_ms: u64) {
     let etcd = EtcdServer::start();
     let dir = tempfile::tempdir().unwrap();
-    let backing = dir.path().join("backing");
-    let mountpoint = dir.path().join("mnt");
-    std::fs::create_dir_all(backing.join("data")).unwrap();
-    std::fs::create_dir_all(&mountpoint).unwrap();
-    let mut fs = Some(mount_powercut(&backing, &mountpoint));
     let a = cluster_node(&etcd.url, &[]);
-    let mut c = Node::start_in(
-        Some(mountpoint.join("data")),
-        &[
-            "--etcd",
-            &etcd.url,
-            "--advertise",
-            "127.0.0.1",
-            "--node-lease-ttl-ms",
-            "60000",
-        ],
-    );
+    let (mut c, fs, backing, mountpoint) = cluster_node_on_powercut(&etcd.url, 60_000, dir.path());
+    let mut fs = Some(fs);
     a.cli(&["vdisk", "create", VDISK, "--size", "64M", "--rf", "2"])
         .assert_ok("vdisk create --rf 2");
     let (first, _, filled) = filled_pattern(dir.path());
@@ -518,36 +504,7 @@ fn power_cut_of_the_copy_during_writes(seed: u64, cut_after_ms: u64) {
     let vdisk_dir = a.vdisk_dir_name(VDISK);
     let resyncs_before = resync_lines(&a.log()).len();
 
-    // Writes of 4 to 64 KiB into egroup 0 (the first 4 MiB), one at a time, until one fails.
-    let nbd = a.nbd_addr();
-    let writer = std::thread::spawn(move || {
-        let mut conn = NbdConn::connect(nbd, VDISK).unwrap();
-        let mut slots = vec![Slot::default(); PATTERN_BYTES / BLOCK as usize];
-        let mut random = 0x9e37_79b9_7f4a_7c15u64;
-        for seq in 1.. {
-            random ^= random << 13;
-            random ^= random >> 7;
-            random ^= random << 17;
-            let count = 1usize << (random % 5);
-            let first = (random >> 8) as usize % (slots.len() / count) * count;
-            let offset = first as u64 * BLOCK;
-            for slot in &mut slots[first..first + count] {
-                slot.in_flight = Some(seq);
-            }
-            let data = writes::pattern(offset, seq, count * BLOCK as usize);
-            if !matches!(conn.write(offset, &data), Ok(0)) {
-                return (slots, seq);
-            }
-            for slot in &mut slots[first..first + count] {
-                slot.in_flight = None;
-                slot.acked = Some(seq);
-            }
-            if seq % 150 == 0 {
-                std::thread::sleep(Duration::from_millis(600));
-            }
-        }
-        unreachable!()
-    });
+    let writer = tracked_writes_until_one_fails(a.nbd_addr());
     std::thread::sleep(Duration::from_millis(cut_after_ms));
     c.kill9();
     let report = fs
@@ -584,9 +541,87 @@ fn power_cut_of_the_copy_during_writes(seed: u64, cut_after_ms: u64) {
 
     // A holds, block by block, the newest acknowledged write or the failed one...
     let owner = conn.read_range(0, PATTERN_BYTES as u64, 1 << 20).unwrap();
+    assert_tracked_blocks(&owner, &slots, &filled, "A");
+    // ...and C's copy is the same, byte for byte.
+    conn.disconnect();
+    assert_copy_holds(
+        &mut c,
+        &vdisk_dir,
+        &owner,
+        "C's copy differs from A's after its power cut and catch-up",
+    );
+}
+
+/// A cluster node (lease `lease_ms`) whose data directory sits on powercut-fs in `dir`:
+/// the node, the mounted filesystem, and the backing directory and mount point (to mount it
+/// again after a cut).
+fn cluster_node_on_powercut(
+    etcd_url: &str,
+    lease_ms: u64,
+    dir: &Path,
+) -> (Node, PowercutFs, PathBuf, PathBuf) {
+    let backing = dir.join("backing");
+    let mountpoint = dir.join("mnt");
+    std::fs::create_dir_all(backing.join("data")).unwrap();
+    std::fs::create_dir_all(&mountpoint).unwrap();
+    let fs = mount_powercut(&backing, &mountpoint);
+    let lease = lease_ms.to_string();
+    let node = Node::start_in(
+        Some(mountpoint.join("data")),
+        &[
+            "--etcd",
+            etcd_url,
+            "--advertise",
+            "127.0.0.1",
+            "--node-lease-ttl-ms",
+            &lease,
+        ],
+    );
+    (node, fs, backing, mountpoint)
+}
+
+/// Writes of 4 to 64 KiB into the first 4 MiB of the vdisk through `nbd`, one at a time
+/// (a pause of 600 ms after every 150), until one fails: each 4 KiB block's newest
+/// acknowledged write and the failed one, and how many writes were made.
+fn tracked_writes_until_one_fails(
+    nbd: std::net::SocketAddr,
+) -> std::thread::JoinHandle<(Vec<Slot>, u64)> {
+    std::thread::spawn(move || {
+        let mut conn = NbdConn::connect(nbd, VDISK).unwrap();
+        let mut slots = vec![Slot::default(); PATTERN_BYTES / BLOCK as usize];
+        let mut random = 0x9e37_79b9_7f4a_7c15u64;
+        for seq in 1.. {
+            random ^= random << 13;
+            random ^= random >> 7;
+            random ^= random << 17;
+            let count = 1usize << (random % 5);
+            let first = (random >> 8) as usize % (slots.len() / count) * count;
+            let offset = first as u64 * BLOCK;
+            for slot in &mut slots[first..first + count] {
+                slot.in_flight = Some(seq);
+            }
+            let data = writes::pattern(offset, seq, count * BLOCK as usize);
+            if !matches!(conn.write(offset, &data), Ok(0)) {
+                return (slots, seq);
+            }
+            for slot in &mut slots[first..first + count] {
+                slot.in_flight = None;
+                slot.acked = Some(seq);
+            }
+            if seq % 150 == 0 {
+                std::thread::sleep(Duration::from_millis(600));
+            }
+        }
+        unreachable!()
+    })
+}
+
+/// Each 4 KiB block of `read` (the first 4 MiB, as `who` serves it) holds its newest
+/// acknowledged write, the write that failed, or (never written) `filled`'s bytes.
+fn assert_tracked_blocks(read: &[u8], slots: &[Slot], filled: &[u8], who: &str) {
     for (i, slot) in slots.iter().enumerate() {
         let offset = i as u64 * BLOCK;
-        let got = &owner[offset as usize..(offset + BLOCK) as usize];
+        let got = &read[offset as usize..(offset + BLOCK) as usize];
         let acked = match slot.acked {
             Some(seq) => writes::pattern(offset, seq, BLOCK as usize),
             None => filled[offset as usize..(offset + BLOCK) as usize].to_vec(),
@@ -596,18 +631,67 @@ fn power_cut_of_the_copy_during_writes(seed: u64, cut_after_ms: u64) {
             .map(|seq| writes::pattern(offset, seq, BLOCK as usize));
         assert!(
             got == acked.as_slice() || failed.as_deref() == Some(got),
-            "A's block at {offset}: {}",
-            writes::describe_block(got)
+            "{who}'s block at {offset}: {} (acknowledged: {:?}, failed: {:?})",
+            writes::describe_block(got),
+            slot.acked,
+            slot.in_flight
         );
     }
-    // ...and C's copy is the same, byte for byte.
-    conn.disconnect();
-    assert_copy_holds(
-        &mut c,
-        &vdisk_dir,
-        &owner,
-        "C's copy differs from A's after its power cut and catch-up",
+}
+
+/// The owner's power is cut (its data on powercut-fs) while a client writes through it:
+/// once it is listed down, the client's node B takes the vdisk over from the storage-only
+/// copy C, and every block holds the newest acknowledged write (or the failed one). An
+/// acknowledged write survives the power loss of RF - 1 nodes.
+#[test]
+fn every_acknowledged_write_survives_a_power_cut_of_the_owner() {
+    let etcd = EtcdServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut a, fs, _, _) =
+        cluster_node_on_powercut(&etcd.url, common::CLUSTER_LEASE_TTL_MS, dir.path());
+    let b = cluster_node(&etcd.url, &[]);
+    let c = cluster_node(&etcd.url, &["--storage-only"]);
+    a.cli(&["vdisk", "create", VDISK, "--size", "64M", "--rf", "2"])
+        .assert_ok("vdisk create --rf 2");
+    let (first, _, filled) = filled_pattern(dir.path());
+    let (ok, text) = nbdcopy(first.to_str().unwrap(), &a.uri(VDISK));
+    assert!(ok, "write through A: {text}\n{}", a.log());
+    assert_eq!(
+        a.show(VDISK)["ownership"]["copies"],
+        serde_json::json!([node_id(&a), node_id(&c)])
     );
+
+    let id_a = node_id(&a);
+    let writer = tracked_writes_until_one_fails(a.nbd_addr());
+    std::thread::sleep(Duration::from_millis(2000));
+    a.kill9();
+    let report = fs
+        .cut(CutPolicy::RandomSubset { seed: 11 })
+        .expect("cutting A's power");
+    eprintln!("power cut of A: {report:?}");
+    let (slots, writes) = writer.join().unwrap();
+    assert!(writes > 10, "only {writes} writes before the cut");
+
+    wait_listed_down(&b, &id_a, "A");
+    let back = dir.path().join("back");
+    let (ok, text) = nbdcopy(&b.uri(VDISK), back.to_str().unwrap());
+    assert!(ok, "read through B: {text}\n{}", b.log());
+    let read = std::fs::read(&back).unwrap();
+    assert_tracked_blocks(&read[..PATTERN_BYTES], &slots, &filled, "B");
+    assert!(read[PATTERN_BYTES..FILLED_BYTES] == filled[PATTERN_BYTES..]);
+    assert_eq!(b.show(VDISK)["ownership"]["owner"], node_id(&b).as_str());
+}
+
+/// Waits up to 30 s until `asked` lists node `id` (called `name` in failures) as down.
+fn wait_listed_down(asked: &Node, id: &str, name: &str) {
+    let start = Instant::now();
+    while common::node_state(asked, id) != "down" {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "{name} never listed down"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 /// The first resync (chunks sent, chunks the same, whether it caught up) an owner finished
@@ -915,14 +999,7 @@ fn a_node_without_a_copy_takes_over_a_dead_owner_from_the_storage_only_copy() {
     );
 
     a.kill9();
-    let start = Instant::now();
-    while common::node_state(&b, &id_a) != "down" {
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "A never listed down"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_listed_down(&b, &id_a, "A");
     // One copy left: the status says so before anyone takes the vdisk over.
     let degraded = cluster_status(&b);
     assert_eq!(degraded["nodes_down"], 1, "{degraded}");
@@ -1076,14 +1153,7 @@ fn the_curator_restores_a_lost_copy_before_the_next_failure() {
 
     // Now the storage-only node dies too: the restored copy holds every write.
     c.kill9();
-    let start = Instant::now();
-    while common::node_state(&b, &id_c) != "down" {
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "C never listed down"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_listed_down(&b, &id_c, "C");
     let back = dir.path().join("back");
     let (ok, text) = nbdcopy(&b.uri(VDISK), back.to_str().unwrap());
     assert!(ok, "read through B after A and C died: {text}\n{}", b.log());
