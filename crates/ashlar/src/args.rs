@@ -131,6 +131,14 @@ pub struct NodeArgs {
     /// Reactor threads (one per core). Default: one per CPU.
     #[arg(long, value_name = "N")]
     pub reactors: Option<usize>,
+    /// CPUs the reactors are pinned to, in reactor order (e.g. `2-3` or `1,0`); reactor i
+    /// runs on the i-th listed CPU (wrapping around). Every CPU must be one this process may
+    /// run on. Default: the CPUs it may run on (all, unless `taskset` or a cpuset narrowed
+    /// them), in ascending order; --reactors then defaults to how many are listed. Nodes
+    /// sharing a host can be given different CPUs (or orders) so their reactors do not
+    /// all contend for the same ones.
+    #[arg(long, value_name = "LIST")]
+    pub reactor_cpus: Option<String>,
     /// After serving a client request, a reactor keeps polling for the next one this many
     /// microseconds before it sleeps. Saves a wakeup per request (tens of microseconds on
     /// virtual machines) at the cost of CPU while clients are active; 0 turns it off.

@@ -8,7 +8,7 @@ use crate::ownership::NodeOwnership;
 use crate::registry::{EngineRegistry, NodeEngine};
 use anyhow::{anyhow, bail, Context, Result};
 use ashlar_core::{format_size, parse_size};
-use ashlar_engine::reactor::{default_reactor_count, ReactorId};
+use ashlar_engine::reactor::{allowed_cpus, default_reactor_count, ReactorId};
 use ashlar_engine::vdisk::ConnectionGuard;
 use ashlar_engine::{Engine, EngineConfig, EngineError};
 use ashlar_nbd::{resume_connection, serve_or_hand_over, Handover, NbdLimits, RequestBudget};
@@ -105,9 +105,66 @@ fn parse_disk(text: &str) -> Result<Disk> {
     Ok(Disk { path, tier })
 }
 
+/// Most CPUs `--reactor-cpus` may list (and the highest CPU number it may name, plus one).
+const MAX_LISTED_CPUS: usize = 1024;
+
+/// A CPU list as `taskset -c` takes it: comma-separated CPUs and inclusive ranges (`0-3,6`),
+/// in the order given.
+fn parse_cpu_list(text: &str) -> Result<Vec<usize>, String> {
+    let cpu = |part: &str| -> Result<usize, String> {
+        let cpu: usize = part
+            .trim()
+            .parse()
+            .map_err(|_| format!("'{part}' is not a CPU number"))?;
+        if cpu >= MAX_LISTED_CPUS {
+            return Err(format!("CPU {cpu} is beyond {}", MAX_LISTED_CPUS - 1));
+        }
+        Ok(cpu)
+    };
+    let mut cpus = Vec::new();
+    for part in text.split(',') {
+        match part.split_once('-') {
+            Some((first, last)) => {
+                let (first, last) = (cpu(first)?, cpu(last)?);
+                if first > last {
+                    return Err(format!("range {part} runs backwards"));
+                }
+                cpus.extend(first..=last);
+            }
+            None => cpus.push(cpu(part)?),
+        }
+        if cpus.len() > MAX_LISTED_CPUS {
+            return Err(format!("more than {MAX_LISTED_CPUS} CPUs listed"));
+        }
+    }
+    Ok(cpus)
+}
+
 fn engine_config(args: &NodeArgs) -> Result<EngineConfig> {
     let size = |flag: &str, text: &str| parse_size(text).map_err(|e| anyhow!("{flag}: {e}"));
-    let reactors = args.reactors.unwrap_or_else(default_reactor_count);
+    let reactor_cpus = match &args.reactor_cpus {
+        Some(text) => {
+            let cpus = parse_cpu_list(text).map_err(|e| anyhow!("--reactor-cpus {text}: {e}"))?;
+            let allowed = allowed_cpus();
+            if let Some(cpu) = cpus.iter().find(|cpu| !allowed.contains(cpu)) {
+                bail!(
+                    "--reactor-cpus {text}: CPU {cpu} is not one this process may run on ({})",
+                    allowed
+                        .iter()
+                        .map(usize::to_string)
+                        .collect::<Vec<_>>()
+                        .join(",")
+                );
+            }
+            cpus
+        }
+        None => Vec::new(),
+    };
+    let reactors = args.reactors.unwrap_or(if reactor_cpus.is_empty() {
+        default_reactor_count()
+    } else {
+        reactor_cpus.len()
+    });
     if reactors == 0 || reactors > 256 {
         bail!("--reactors must be between 1 and 256");
     }
@@ -135,6 +192,7 @@ fn engine_config(args: &NodeArgs) -> Result<EngineConfig> {
         disks,
         reactors,
         poll_window: Duration::from_micros(args.poll_window_us.min(1_000_000)),
+        reactor_cpus,
         cache_bytes: size("--cache-size", &args.cache_size)?,
         oplog_bytes_per_vdisk: size("--oplog-size", &args.oplog_size)?,
         shard_queue_limit: args.shard_queue_limit.max(1),
@@ -216,13 +274,14 @@ fn api_auth(args: &NodeArgs, token_file: Option<&Path>) -> Result<ApiAuth> {
 }
 
 async fn serve(args: NodeArgs, api_token_file: Option<PathBuf>) -> Result<()> {
-    std::fs::create_dir_all(&args.data_dir)
-        .with_context(|| format!("creating data directory {}", args.data_dir.display()))?;
+    // Flags first: a node refused for a bad flag leaves nothing behind.
     let config = engine_config(&args)?;
     let limits = nbd_limits(&args)?;
     if args.max_connections == 0 {
         bail!("--max-connections must be at least 1");
     }
+    std::fs::create_dir_all(&args.data_dir)
+        .with_context(|| format!("creating data directory {}", args.data_dir.display()))?;
     // Without --etcd, the embedded store's own file lock guards the data directory.
     let _data_dir_lock = match args.etcd {
         Some(_) => Some(crate::cluster::lock_data_dir(&args.data_dir)?),
@@ -679,6 +738,31 @@ async fn accept_loop(
         });
         if spawned.is_err() {
             tracing::warn!(%peer, "reactor queue full; connection dropped");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_lists_read_as_taskset_writes_them() {
+        assert_eq!(parse_cpu_list("3").unwrap(), vec![3]);
+        assert_eq!(parse_cpu_list("1,0").unwrap(), vec![1, 0]);
+        assert_eq!(parse_cpu_list("0-3,6").unwrap(), vec![0, 1, 2, 3, 6]);
+        assert_eq!(parse_cpu_list("4-4").unwrap(), vec![4]);
+        for (bad, why) in [
+            ("", "not a CPU number"),
+            ("1,,2", "not a CPU number"),
+            ("x", "not a CPU number"),
+            ("3-1", "runs backwards"),
+            ("1-", "not a CPU number"),
+            ("5000", "beyond"),
+            ("0-1023,0", "more than"),
+        ] {
+            let error = parse_cpu_list(bad).unwrap_err();
+            assert!(error.contains(why), "{bad}: {error}");
         }
     }
 }

@@ -483,3 +483,58 @@ fn acknowledged_metadata_changes_survive_kill9() {
     assert!(ids.iter().all(|&id| id < c), "new id {c} after {ids:?}");
     assert!(c > 3, "id {c} reuses the deleted vdisk's id");
 }
+
+/// The CPUs each reactor thread of the node may run on (`Cpus_allowed_list` of the threads
+/// named `reactor-N`), by reactor index.
+fn reactor_affinity(node: &Node) -> Vec<(usize, String)> {
+    let mut found = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{}/task", node.pid())).unwrap() {
+        let task = task.unwrap().path();
+        let name = std::fs::read_to_string(task.join("comm")).unwrap_or_default();
+        let Some(index) = name.trim().strip_prefix("reactor-") else {
+            continue;
+        };
+        let status = std::fs::read_to_string(task.join("status")).unwrap();
+        let allowed = status
+            .lines()
+            .find_map(|line| line.strip_prefix("Cpus_allowed_list:"))
+            .unwrap()
+            .trim()
+            .to_string();
+        found.push((index.parse().unwrap(), allowed));
+    }
+    found.sort();
+    found
+}
+
+#[test]
+fn reactors_are_pinned_to_the_listed_cpus_in_order() {
+    let node = Node::start_with(&["--reactor-cpus", "1,0"]);
+    assert_eq!(
+        reactor_affinity(&node),
+        vec![(0, "1".to_string()), (1, "0".to_string())],
+        "reactor 0 on CPU 1, reactor 1 on CPU 0"
+    );
+    let default = Node::start();
+    let pinned: Vec<String> = reactor_affinity(&default)
+        .into_iter()
+        .map(|(_, cpus)| cpus)
+        .collect();
+    assert_eq!(pinned.first().map(String::as_str), Some("0"), "{pinned:?}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let data_dir = dir.path().join("data");
+    let out = ashlar(&[
+        "node",
+        "--data-dir",
+        data_dir.to_str().unwrap(),
+        "--reactor-cpus",
+        "4096",
+    ]);
+    assert_eq!(out.code(), Some(1), "{out:?}");
+    assert!(out.stderr.contains("--reactor-cpus 4096"), "{}", out.stderr);
+    assert!(
+        !data_dir.exists(),
+        "a refused node created its data directory"
+    );
+}

@@ -109,6 +109,7 @@ fn main() {
             }],
             reactors,
             poll_window: ashlar_engine::config::DEFAULT_POLL_WINDOW,
+            reactor_cpus: Vec::new(),
             cache_bytes: 4 * size,
             oplog_bytes_per_vdisk: 256 << 20,
             shard_queue_limit: 1024,

@@ -15,6 +15,9 @@ pub struct EngineConfig {
     pub reactors: usize,
     /// After client I/O a reactor keeps polling this long before it sleeps.
     pub poll_window: Duration,
+    /// CPUs the reactors are pinned to, reactor `i` to `reactor_cpus[i % len]`; empty: the
+    /// CPUs this process may run on (its affinity, e.g. from `taskset`), in ascending order.
+    pub reactor_cpus: Vec<usize>,
     /// Read cache of the whole node, split evenly across reactors.
     pub cache_bytes: u64,
     /// Oplog capacity of each vdisk, split evenly across its shards.

@@ -236,8 +236,9 @@ impl<M: MetaStore> Engine<M> {
     /// shard controllers. Returns once every vdisk is ready to serve.
     pub async fn start(config: EngineConfig, meta: M) -> Result<Arc<Self>, EngineError> {
         assert!(!config.disks.is_empty(), "the node needs at least one disk");
-        let reactors = ReactorPool::start(config.reactors, config.poll_window)
-            .map_err(|e| EngineError::Storage(format!("cannot start reactor threads: {e}")))?;
+        let reactors =
+            ReactorPool::start(config.reactors, config.poll_window, &config.reactor_cpus)
+                .map_err(|e| EngineError::Storage(format!("cannot start reactor threads: {e}")))?;
         let per_reactor_cache = config.cache_bytes / reactors.len() as u64;
         let mut cache_counters = Vec::new();
         for reactor in reactors.handles() {

@@ -187,22 +187,32 @@ pub struct ReactorPool {
 pub const REACTOR_JOB_QUEUE_LIMIT: usize = 1024;
 
 impl ReactorPool {
-    /// Starts `count` reactors. After client I/O each keeps polling for `poll_window` before
-    /// it sleeps (zero: sleep at once).
-    pub fn start(count: usize, poll_window: Duration) -> std::io::Result<ReactorPool> {
+    /// Starts `count` reactors, reactor `i` pinned to `cpus[i % cpus.len()]` (empty: the
+    /// CPUs this process may run on, [`allowed_cpus`]). After client I/O each keeps polling
+    /// for `poll_window` before it sleeps (zero: sleep at once).
+    pub fn start(
+        count: usize,
+        poll_window: Duration,
+        cpus: &[usize],
+    ) -> std::io::Result<ReactorPool> {
         assert!(count > 0, "a node needs at least one reactor");
-        let cpus = online_cpus();
+        let cpus = if cpus.is_empty() {
+            allowed_cpus()
+        } else {
+            cpus.to_vec()
+        };
         let mut pool = ReactorPool {
             handles: Vec::new(),
             threads: Vec::new(),
             stop: Vec::new(),
         };
         for index in 0..count {
+            let cpu = cpus[index % cpus.len()];
             let (jobs_tx, jobs_rx) = mpsc::channel::<Job>(REACTOR_JOB_QUEUE_LIMIT);
             let (stop_tx, stop_rx) = oneshot::channel();
             let thread = std::thread::Builder::new()
                 .name(format!("reactor-{index}"))
-                .spawn(move || reactor_main(index, index % cpus, poll_window, jobs_rx, stop_rx))?;
+                .spawn(move || reactor_main(index, cpu, poll_window, jobs_rx, stop_rx))?;
             pool.handles.push(ReactorHandle {
                 id: ReactorId(index),
                 jobs: jobs_tx,
@@ -303,6 +313,27 @@ fn online_cpus() -> usize {
         .unwrap_or(1)
 }
 
+/// The CPUs this process may run on (its affinity mask: all online CPUs unless `taskset` or
+/// a cpuset narrowed it), ascending; `[0]` if the mask cannot be read.
+pub fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: cpu_set_t is plain data; sched_getaffinity(0, ...) fills it for this thread,
+    // which has the process's mask (reactors pin themselves only after this is read).
+    let cpus: Vec<usize> = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return vec![0];
+        }
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|cpu| libc::CPU_ISSET(*cpu, &set))
+            .collect()
+    };
+    if cpus.is_empty() {
+        vec![0]
+    } else {
+        cpus
+    }
+}
+
 fn pin_to_cpu(cpu: usize) {
     // SAFETY: cpu_set_t is plain data; sched_setaffinity(0, ...) affects only this thread.
     unsafe {
@@ -325,7 +356,7 @@ mod tests {
 
     #[test]
     fn jobs_run_on_their_reactor_thread() {
-        let pool = ReactorPool::start(2, Duration::ZERO).unwrap();
+        let pool = ReactorPool::start(2, Duration::ZERO, &[]).unwrap();
         let runtime = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();

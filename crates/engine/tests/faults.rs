@@ -369,6 +369,7 @@ impl Node {
             }],
             reactors: s.reactors,
             poll_window: Duration::ZERO,
+            reactor_cpus: Vec::new(),
             cache_bytes: s.cache_bytes,
             oplog_bytes_per_vdisk: s.oplog_bytes_per_vdisk,
             shard_queue_limit: 64,

@@ -17,6 +17,7 @@ pub fn config(dir: &Path, oplog_bytes_per_vdisk: u64) -> EngineConfig {
         }],
         reactors: 2,
         poll_window: Duration::ZERO,
+        reactor_cpus: Vec::new(),
         cache_bytes: 16 << 20,
         oplog_bytes_per_vdisk,
         shard_queue_limit: 64,
