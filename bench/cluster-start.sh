@@ -1,6 +1,7 @@
 # cluster-start.sh — sourced by cluster.sh and cluster-restore.sh: starts etcd and three
 # `ashlar node --etcd` processes on loopback and waits until each serves.
 #   start_cluster BASE_DIR ETCD_PORT PREFIX LEASE_TTL_MS [NODE_ARGS...]
+# (plus NODE_ARGS_1, NODE_ARGS_2, NODE_ARGS_3 from the environment: flags for one node)
 # Node n listens on <PREFIX>n809 (NBD), n810 (HTTP), n260 (iSCSI), n811 (node-to-node) and
 # keeps its data in BASE_DIR/node<n>, its log in BASE_DIR/node<n>.log. Sets PIDS (etcd and
 # the nodes, stopped at exit) and NODE_PID[n]. Needs ASHLAR_BIN, etcd and curl.
@@ -33,10 +34,13 @@ start_cluster() {
         sleep 0.2
     done
     for n in 1 2 3; do
+        # NODE_ARGS_<n>: flags for node n only (e.g. --reactor-cpus), split on spaces.
+        local extra="NODE_ARGS_$n"
         "$ASHLAR_BIN" node --data-dir "$base/node$n" --etcd "http://127.0.0.1:$etcd_port" \
             --advertise 127.0.0.1 --nbd-listen "127.0.0.1:${prefix}${n}809" \
             --http-listen "127.0.0.1:${prefix}${n}810" --iscsi-listen "127.0.0.1:${prefix}${n}260" \
             --node-listen "127.0.0.1:${prefix}${n}811" --node-lease-ttl-ms "$lease_ttl_ms" "$@" \
+            ${!extra:-} \
             > "$base/node$n.log" 2>&1 &
         PIDS+=($!)
         NODE_PID[$n]=$!

@@ -578,6 +578,8 @@ impl NodeOwnership {
         if let Err(error) = ashlar_cluster::remove_placement(&cluster.meta, vdisk).await {
             tracing::warn!(%vdisk, %error, "could not remove the deleted vdisk's placement record");
         }
+        // A failed resync leaves its record (`replication::resync::publish_progress`).
+        crate::replication::forget_resync_progress(&cluster.meta, vdisk).await;
         let held = lock(&cluster.held).remove(&vdisk);
         if let Some(held) = held {
             held.wanted.gate.close();

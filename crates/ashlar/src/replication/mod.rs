@@ -42,7 +42,7 @@ use ashlar_transport::{
 use peers::Peers;
 pub use peers::{transport_id, Peer};
 use receiver::ReplicaReceiver;
-pub use resync::unix_ms;
+pub use resync::{forget_progress as forget_resync_progress, unix_ms};
 use sender::{replica_error, PeerReplicator};
 pub use sender::{CopyFailed, Reclaim};
 use std::collections::HashMap;
@@ -328,14 +328,15 @@ impl NodeReplication {
             copies,
             chunks: resync::ResyncChunks::new(size_bytes, catch_up),
             all_complete: resynced,
-        });
+        })
+        .await;
         Ok(())
     }
 
     /// Resyncs the other copies while the vdisk serves (`resync::resync_online`), publishing
     /// progress for `cluster status`; at the end records the set as complete, or reports a
     /// copy failure (the vdisk is claimed again).
-    fn start_online_resync(&self, resync: OnlineResync) {
+    async fn start_online_resync(&self, resync: OnlineResync) {
         let OnlineResync {
             name,
             vdisk,
@@ -356,6 +357,9 @@ impl NodeReplication {
             started_unix_ms: resync::unix_ms(),
             updated_unix_ms: resync::unix_ms(),
         };
+        // Published before the gate opens: `cluster status` never shows the vdisk in sync
+        // between the claim and its resync.
+        resync::put_progress(&self.meta, &record).await;
         let (finished, outcome) = tokio::sync::watch::channel(None);
         lock(&self.resyncs).insert(vdisk, (epoch, outcome));
         let meta = self.meta.clone();
@@ -364,17 +368,17 @@ impl NodeReplication {
         let tracks = self.tracks.clone();
         tokio::spawn(async move {
             let started = std::time::Instant::now();
-            let stop = Arc::new(tokio::sync::Notify::new());
+            let (stop, stopped) = tokio::sync::oneshot::channel();
             let publisher = tokio::spawn(resync::publish_progress(
                 meta.clone(),
                 record,
                 done.clone(),
-                stop.clone(),
+                stopped,
             ));
             let caught_up = chunks.is_catch_up();
             let resynced = resync::resync_online(&shared, chunks, &done, pacing).await;
-            stop.notify_one();
-            let _ = publisher.await;
+            // The progress record goes last: once `cluster status` shows the vdisk in sync,
+            // this node's tracks and the placement say so too.
             let outcome = match resynced {
                 Ok(summary) => {
                     lock(&tracks).resync_completed(vdisk, epoch);
@@ -401,6 +405,8 @@ impl NodeReplication {
                     Err(error)
                 }
             };
+            let _ = stop.send(outcome.is_ok());
+            let _ = publisher.await;
             let _ = finished.send(Some(outcome));
         });
     }

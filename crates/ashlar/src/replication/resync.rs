@@ -401,32 +401,41 @@ pub async fn read_chunk(
 }
 
 /// Keeps the vdisk's resync record in etcd up to date (about once a second) for `cluster
-/// status` until `stop` is notified, then deletes it. An update is never cut short, so no
-/// late write can bring the record back after the delete.
+/// status` until `stop` says how the resync ended: completed, the record is deleted; failed,
+/// it stays (the copies are not in sync: the vdisk shows as rebuilding until the claim that
+/// follows replaces the record). An update is never cut short, so no late write can bring
+/// the record back after the delete.
 pub async fn publish_progress<M: MetaStore>(
     meta: M,
     mut record: ResyncRecord,
     done: Arc<AtomicU64>,
-    stop: Arc<tokio::sync::Notify>,
+    mut stop: tokio::sync::oneshot::Receiver<bool>,
 ) {
-    let key = ashlar_cluster::keys::resync_key(record.vdisk);
-    loop {
+    let completed = loop {
         record.done_bytes = done.load(Ordering::Relaxed);
         record.updated_unix_ms = unix_ms();
-        // Progress is advisory: a failed update is retried at the next tick.
-        let _ = meta
-            .put(key.clone(), ashlar_cluster::record::encode(&record), None)
-            .await;
+        put_progress(&meta, &record).await;
         tokio::select! {
-            () = stop.notified() => break,
+            completed = &mut stop => break completed.unwrap_or(false),
             () = tokio::time::sleep(PROGRESS_INTERVAL) => {}
         }
+    };
+    if completed {
+        forget_progress(&meta, record.vdisk).await;
     }
-    forget_progress(&meta, record.vdisk).await;
 }
 
-/// Deletes the vdisk's resync record (the resync ended, well or not).
-async fn forget_progress<M: MetaStore>(meta: &M, vdisk: VdiskId) {
+/// Writes the vdisk's resync record. Progress is advisory: a failed write is retried at the
+/// next tick.
+pub async fn put_progress<M: MetaStore>(meta: &M, record: &ResyncRecord) {
+    let key = ashlar_cluster::keys::resync_key(record.vdisk);
+    let _ = meta
+        .put(key, ashlar_cluster::record::encode(record), None)
+        .await;
+}
+
+/// Deletes the vdisk's resync record (its resync completed, or the vdisk was deleted).
+pub async fn forget_progress<M: MetaStore>(meta: &M, vdisk: VdiskId) {
     let key = ashlar_cluster::keys::resync_key(vdisk);
     if let Err(error) = meta.delete(ashlar_meta::KeyRange::key(key)).await {
         tracing::warn!(%vdisk, %error, "could not delete the finished resync's progress record");
