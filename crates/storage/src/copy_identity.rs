@@ -133,9 +133,9 @@ async fn write<F: Filesystem>(fs: &F, dir: &Path, identity: CopyIdentity) -> io:
     fs.create_dir_all(dir).await?;
     let temporary = dir.join(TEMPORARY_FILE);
     let file = fs.open(&temporary, true).await?;
-    file.set_len(0).await?;
+    // A leftover from an interrupted renewal is the same size: this write replaces all of
+    // it, and RWF_DSYNC makes bytes and size durable before the rename can be.
     file.write_durable_at(&encode(identity), 0).await?;
-    file.sync_data().await?;
     drop(file);
     fs.rename(&temporary, &dir.join(COPY_IDENTITY_FILE)).await?;
     fs.sync_dir(dir).await
