@@ -507,20 +507,53 @@ fn reactor_affinity(node: &Node) -> Vec<(usize, String)> {
     found
 }
 
+/// The CPUs this (test) process may run on, which the node it starts inherits.
+fn allowed_cpus() -> Vec<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let list = status
+        .lines()
+        .find_map(|line| line.strip_prefix("Cpus_allowed_list:"))
+        .unwrap()
+        .trim();
+    let mut cpus = Vec::new();
+    for part in list.split(',') {
+        match part.split_once('-') {
+            Some((first, last)) => {
+                cpus.extend(first.parse::<usize>().unwrap()..=last.parse().unwrap())
+            }
+            None => cpus.push(part.parse().unwrap()),
+        }
+    }
+    cpus
+}
+
 #[test]
 fn reactors_are_pinned_to_the_listed_cpus_in_order() {
-    let node = Node::start_with(&["--reactor-cpus", "1,0"]);
-    assert_eq!(
-        reactor_affinity(&node),
-        vec![(0, "1".to_string()), (1, "0".to_string())],
-        "reactor 0 on CPU 1, reactor 1 on CPU 0"
-    );
+    let allowed = allowed_cpus();
+    // The allowed CPUs in reverse order (on a two-CPU machine: "1,0").
+    let reversed: Vec<usize> = allowed.iter().rev().copied().take(2).collect();
+    let list = reversed
+        .iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    // The harness starts every node with --reactors 2.
+    let node = Node::start_with(&["--reactor-cpus", &list]);
+    let expected: Vec<(usize, String)> = (0..2)
+        .map(|i| (i, reversed[i % reversed.len()].to_string()))
+        .collect();
+    assert_eq!(reactor_affinity(&node), expected, "--reactor-cpus {list}");
+    // By default the reactors take the allowed CPUs in ascending order.
     let default = Node::start();
     let pinned: Vec<String> = reactor_affinity(&default)
         .into_iter()
         .map(|(_, cpus)| cpus)
         .collect();
-    assert_eq!(pinned.first().map(String::as_str), Some("0"), "{pinned:?}");
+    assert_eq!(
+        pinned.first(),
+        Some(&allowed[0].to_string()),
+        "{pinned:?} (allowed: {allowed:?})"
+    );
 
     let dir = tempfile::tempdir().unwrap();
     let data_dir = dir.path().join("data");

@@ -13,7 +13,7 @@ mod etcd_server;
 
 use common::cluster::acked::AckedWriter;
 use common::nbd::NbdConn;
-use common::{cluster_node, node_id, ownership, run_bounded_env, Node};
+use common::{cluster_node, node_id, ownership, run_bounded_env, wait_until, Node};
 use etcd_server::EtcdServer;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -208,20 +208,16 @@ fn a_copy_added_for_a_hand_over_nobody_takes_is_dropped_again() {
     );
     assert_eq!(ownership(&a, vdisk)["owner"], id_a.as_str());
 
-    let start = Instant::now();
-    let shrunk = loop {
-        let shown = ownership(&a, vdisk);
-        if shown["copies"].as_array().unwrap().len() == 2 && a.log().contains("no longer asked for")
-        {
-            break shown;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "the copy set kept its extra copy: {shown}\n{}",
-            a.log()
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    };
+    let mut shrunk = serde_json::Value::Null;
+    let dropped = wait_until(Duration::from_secs(60), || {
+        shrunk = ownership(&a, vdisk);
+        shrunk["copies"].as_array().unwrap().len() == 2 && a.log().contains("no longer asked for")
+    });
+    assert!(
+        dropped,
+        "the copy set kept its extra copy: {shrunk}\n{}",
+        a.log()
+    );
     assert_eq!(shrunk["owner"], id_a.as_str(), "{shrunk}");
     assert_eq!(shrunk["copies"][0], id_a.as_str(), "{shrunk}");
     // fio wrote past the pattern: it is intact.

@@ -16,7 +16,8 @@ use ashlar_powercut_fs::{CutPolicy, PowercutFs};
 use common::nbd::NbdConn;
 use common::writes::{self, Slot, BLOCK};
 use common::{
-    cluster_node, cluster_node_with_lease, mount_powercut, node_id, run_bounded_env, Node,
+    cluster_node, cluster_node_with_lease, mount_powercut, node_id, run_bounded_env, wait_until,
+    Node,
 };
 use etcd_server::EtcdServer;
 use serde_json::Value;
@@ -133,18 +134,13 @@ fn vdisk_health(status: &Value) -> String {
 /// Waits up to 120 s until `cluster status` (asked of `node`) calls the test's vdisk "ok"
 /// (every copy up, no resync running); that status.
 fn wait_healthy(node: &Node) -> Value {
-    let start = Instant::now();
-    loop {
-        let status = cluster_status(node);
-        if vdisk_health(&status) == "ok" {
-            return status;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "still not ok: {status}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    let mut status = Value::Null;
+    let ok = wait_until(Duration::from_secs(120), || {
+        status = cluster_status(node);
+        vdisk_health(&status) == "ok"
+    });
+    assert!(ok, "still not ok: {status}");
+    status
 }
 
 /// The highest owner epoch the node's replica fence file for the vdisk holds.
@@ -371,22 +367,16 @@ fn a_copy_that_stopped_answering_for_a_while_catches_up_on_the_chunks_failed_wri
 
     // The claim after C answered again compared only the 4 chunks of the second pattern
     // (the failed writes' chunks), not the 64 of the vdisk.
-    let start = Instant::now();
-    let caught_up = loop {
+    let mut caught_up = String::new();
+    let found = wait_until(Duration::from_secs(60), || {
         let log = a.log();
-        let line = log
-            .lines()
-            .rfind(|line| line.contains("copies resynchronized") && line.contains("caught_up=true"))
-            .map(str::to_string);
-        if let Some(line) = line {
-            break line;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "no catch-up: {log}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    };
+        let line = log.lines().rfind(|line| {
+            line.contains("copies resynchronized") && line.contains("caught_up=true")
+        });
+        caught_up = line.unwrap_or_default().to_string();
+        line.is_some()
+    });
+    assert!(found, "no catch-up: {}", a.log());
     let counts = resync_counts(&caught_up);
     let (sent, same) = counts[0];
     let pattern_chunks = (PATTERN_BYTES >> 20) as u64;
@@ -684,31 +674,21 @@ fn every_acknowledged_write_survives_a_power_cut_of_the_owner() {
 
 /// Waits up to 30 s until `asked` lists node `id` (called `name` in failures) as down.
 fn wait_listed_down(asked: &Node, id: &str, name: &str) {
-    let start = Instant::now();
-    while common::node_state(asked, id) != "down" {
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "{name} never listed down"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    let down = wait_until(Duration::from_secs(30), || {
+        common::node_state(asked, id) == "down"
+    });
+    assert!(down, "{name} never listed down");
 }
 
 /// The first resync (chunks sent, chunks the same, whether it caught up) an owner finished
 /// after its first `before` ones, waiting up to 60 s.
 fn wait_for_resync_after(owner: &Node, before: usize) -> (u64, u64, bool) {
-    let start = Instant::now();
-    loop {
-        if let Some(found) = resync_lines(&owner.log()).get(before) {
-            return *found;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "no resync: {}",
-            owner.log()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    let mut found = None;
+    wait_until(Duration::from_secs(60), || {
+        found = resync_lines(&owner.log()).get(before).copied();
+        found.is_some()
+    });
+    found.unwrap_or_else(|| panic!("no resync: {}", owner.log()))
 }
 
 /// The replication path under in-process network faults (`--test-net-faults`: this
@@ -860,15 +840,8 @@ fn a_copy_cut_off_from_its_owner_is_replaced_once_unreachable_for_long() {
     std::fs::write(&b_faults, "").unwrap();
 
     let b_egroup = b.egroup_path(&vdisk_dir, 0);
-    let start = Instant::now();
-    while b_egroup.exists() {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "B kept its replaced copy: {}",
-            b.log()
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    let trimmed = wait_until(Duration::from_secs(60), || !b_egroup.exists());
+    assert!(trimmed, "B kept its replaced copy: {}", b.log());
     assert_both_hold(&a, &mut c, dir.path(), &vdisk_dir, &second_data, &filled);
 }
 
