@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# iscsi-cpu.sh — the server CPU of one fixed iSCSI job, for A/B comparisons of two binaries
+# and for profiles (bench/results/20261126-123253-vm/NOTES.md). Starts a single node
+# (2 reactors, 3 GiB cache) with vdisk `bench` (2 GiB) exported as LUN 0 of
+# iqn.2024-01.io.ashlar:bench, runs fio's libiscsi engine once over 2 GiB (1 MiB blocks,
+# QD8) and prints the node's task-clock for that job (`perf stat -p`), or records a perf
+# profile of it.
+#
+#   bench/iscsi-cpu.sh BIN write|read [stat|profile]   (as root; profile -> /tmp/iscsi-cpu.perf)
+#
+# `read` (or FILL=1) fills the vdisk first, not measured: with FILL=1 a write job overwrites
+# instead of creating extent group files. Alternate two binaries several times and
+# compare medians: single runs on this shared machine vary by more than a few percent.
+# Needs perf, curl, python3 and fio with the libiscsi engine (FIO_ISCSI, default: what
+# ../shared/bench/peers/build-fio-libiscsi.sh builds).
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+BIN=${1:?usage: iscsi-cpu.sh BIN write|read [stat|profile]}
+RW=${2:?usage: iscsi-cpu.sh BIN write|read [stat|profile]}
+MODE=${3:-stat}
+FIO=${FIO_ISCSI:-$("$HERE/../../shared/bench/peers/build-fio-libiscsi.sh" 2>/dev/null)}
+DIR=/tmp/iscsi-cpu-node
+INITIATOR=iqn.2019-04.org.fio:fio
+FN='iscsi\://127.0.0.1\:19091/iqn.2024-01.io.ashlar\:bench/0'
+rm -rf "$DIR"; mkdir -p "$DIR"
+RUST_LOG=warn "$BIN" node --data-dir "$DIR" --nbd-listen 127.0.0.1:19092 \
+    --http-listen 127.0.0.1:19093 --iscsi-listen 127.0.0.1:19091 --reactors 2 \
+    --cache-size 3G --ensure-vdisk bench:2G > "$DIR.log" 2>&1 &
+NODE=$!
+trap 'kill $NODE 2>/dev/null; wait $NODE 2>/dev/null || true' EXIT
+for _ in $(seq 50); do curl -sf http://127.0.0.1:19093/healthz >/dev/null && break; sleep 0.2; done
+export ASHLAR_SERVER=http://127.0.0.1:19093
+"$BIN" vg create bench >/dev/null
+"$BIN" vg add-disk bench bench >/dev/null
+"$BIN" vg attach bench --initiator "$INITIATOR" >/dev/null
+job() { "$FIO" --name="$1" --ioengine=libiscsi --filename="$FN" --initiator="$INITIATOR" \
+    --rw="$2" --bs=1M --iodepth=8 --size=2G --output-format=json; }
+if [ "$RW" = read ] || [ "${FILL:-0}" = 1 ]; then job fill write >/dev/null; sleep 2; fi
+if [ "$MODE" = profile ]; then
+    perf record -F 1000 --call-graph dwarf,16384 -p "$NODE" -o /tmp/iscsi-cpu.perf 2>/dev/null &
+else
+    perf stat -e task-clock -p "$NODE" -o /tmp/iscsi-cpu.stat &
+fi
+PERF=$!
+sleep 0.5
+job measured "$RW" > /tmp/iscsi-cpu.json
+kill -INT "$PERF"; wait "$PERF" 2>/dev/null || true
+MIBS=$(python3 -c "t=open('/tmp/iscsi-cpu.json').read(); import json; \
+print(round(json.loads(t[t.index('{'):])['jobs'][0]['$RW']['bw']/1024))")
+if [ "$MODE" = profile ]; then
+    echo "$(basename "$BIN") $RW MiB/s=$MIBS profile=/tmp/iscsi-cpu.perf (perf report -i ... --no-children)"
+else
+    echo "$(basename "$BIN") $RW MiB/s=$MIBS task_clock_ms=$(awk '/task-clock/{gsub(",","",$1); print $1}' /tmp/iscsi-cpu.stat)"
+fi
