@@ -8,6 +8,10 @@
 //! *curator leader* (the serving node that is up with the lowest id): it claims the vdisk,
 //! which does the same, then gives the claim up again. Writes to an owned vdisk fail while
 //! its claim is renewed (as after a failed copy); without a client nothing waits.
+//!
+//! Each scan also claims again every vdisk this node serves whose copy set holds a copy
+//! beyond its RF that nobody asked for within `--hand-over-copy-keep-s`
+//! ([`shrink_extra_copy`]): the claim drops it (`docs/forwarding.md`).
 
 use crate::cluster::NodeMeta;
 use crate::ownership::NodeOwnership;
