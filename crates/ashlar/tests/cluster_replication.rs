@@ -942,24 +942,35 @@ fn rf_above_one_needs_a_cluster_and_at_most_three() {
     assert!(text.contains("only 1 node(s) are up"), "{text}");
 }
 
-#[test]
-fn a_node_without_a_copy_takes_over_a_dead_owner_from_the_storage_only_copy() {
-    let etcd = EtcdServer::start();
-    let mut a = cluster_node(&etcd.url, &[]);
-    let b = cluster_node(&etcd.url, &[]);
-    let mut c = cluster_node(&etcd.url, &["--storage-only"]);
+/// Nodes A and B and a storage-only node C, and an RF 2 vdisk written through A with
+/// pattern `seed` (returned), whose copies are on A and C.
+fn written_with_storage_only_copy(
+    etcd_url: &str,
+    dir: &Path,
+    seed: u8,
+) -> (Node, Node, Node, Vec<u8>) {
+    let a = cluster_node(etcd_url, &[]);
+    let b = cluster_node(etcd_url, &[]);
+    let c = cluster_node(etcd_url, &["--storage-only"]);
     a.cli(&["vdisk", "create", VDISK, "--size", "64M", "--rf", "2"])
         .assert_ok("vdisk create --rf 2");
-    let dir = tempfile::tempdir().unwrap();
-    let (first, first_data) = pattern(dir.path(), 3);
+    let (first, first_data) = pattern(dir, seed);
     let (ok, text) = nbdcopy(first.to_str().unwrap(), &a.uri(VDISK));
     assert!(ok, "write through A: {text}");
-    let (id_a, id_b, id_c) = (node_id(&a), node_id(&b), node_id(&c));
     // The default placement: the owner and the storage-only node, which never serves.
     assert_eq!(
         a.show(VDISK)["ownership"]["copies"],
-        serde_json::json!([id_a, id_c])
+        serde_json::json!([node_id(&a), node_id(&c)])
     );
+    (a, b, c, first_data)
+}
+
+#[test]
+fn a_node_without_a_copy_takes_over_a_dead_owner_from_the_storage_only_copy() {
+    let etcd = EtcdServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut a, b, mut c, first_data) = written_with_storage_only_copy(&etcd.url, dir.path(), 3);
+    let (id_a, id_b) = (node_id(&a), node_id(&b));
     let healthy = cluster_status(&b);
     assert_eq!(healthy["fault_tolerance"], 1, "{healthy}");
     assert_eq!(vdisk_health(&healthy), "ok", "{healthy}");
@@ -984,15 +995,7 @@ fn a_node_without_a_copy_takes_over_a_dead_owner_from_the_storage_only_copy() {
     let back = dir.path().join("back");
     let (ok, text) = nbdcopy(&b.uri(VDISK), back.to_str().unwrap());
     assert!(ok, "read through B: {text}\n{}", b.log());
-    assert!(std::fs::read(&back).unwrap()[..PATTERN_BYTES] == first_data[..]);
-    assert!(b.log().contains("got a copy of the vdisk"), "{}", b.log());
-    let ownership = b.show(VDISK)["ownership"].clone();
-    assert_eq!(ownership["owner"], id_b.as_str(), "{ownership}");
-    assert_eq!(
-        ownership["copies"],
-        serde_json::json!([id_b, id_c]),
-        "{ownership}"
-    );
+    assert_b_took_over_from_c(&b, &c, &back, &first_data);
     // The online resync of C (which held everything) ends soon after the takeover.
     let restored = wait_healthy(&b);
     assert_eq!(restored["fault_tolerance"], 1, "{restored}");
@@ -1022,6 +1025,64 @@ fn a_node_without_a_copy_takes_over_a_dead_owner_from_the_storage_only_copy() {
     assert!(ok, "read through A: {text}\n{}", a.log());
     assert!(std::fs::read(&through_a).unwrap()[..PATTERN_BYTES] == second_data[..]);
     assert_eq!(a.show(VDISK)["ownership"]["owner"], id_b.as_str());
+}
+
+#[test]
+fn a_vdisk_whose_every_copy_is_down_stays_offline_and_serves_again_once_they_are_back() {
+    let etcd = EtcdServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut a, b, mut c, first_data) = written_with_storage_only_copy(&etcd.url, dir.path(), 5);
+    let d = cluster_node(&etcd.url, &[]);
+    let (id_a, id_c) = (node_id(&a), node_id(&c));
+    let placed = serde_json::json!([id_a, id_c]);
+
+    a.kill9();
+    c.kill9();
+    wait_listed_down(&b, &id_a, "A");
+    wait_listed_down(&b, &id_c, "C");
+    // B and D are up, enough for RF 2, but neither holds the data: the vdisk stays offline
+    // and the record keeps naming the nodes that hold it.
+    let refused = dir.path().join("refused");
+    for attempt in 0..3 {
+        let (ok, text) = nbdcopy(&b.uri(VDISK), refused.to_str().unwrap());
+        assert!(
+            !ok,
+            "read through B with every copy down (attempt {attempt}): {text}"
+        );
+        std::thread::sleep(Duration::from_millis(700));
+    }
+    assert!(
+        b.log().contains("no node holding a complete copy is up"),
+        "{}",
+        b.log()
+    );
+    assert_eq!(b.show(VDISK)["ownership"]["copies"], placed);
+    assert_eq!(d.show(VDISK)["ownership"]["copies"], placed);
+
+    // Both come back: the next client of B gets B a copy from one of them, and reads
+    // every acknowledged write.
+    a.restart();
+    c.restart();
+    let back = dir.path().join("back");
+    let served = wait_until(Duration::from_secs(60), || {
+        nbdcopy(&b.uri(VDISK), back.to_str().unwrap()).0
+    });
+    assert!(served, "B never served the vdisk again\n{}", b.log());
+    assert_b_took_over_from_c(&b, &c, &back, &first_data);
+}
+
+/// B read `data` back into `back` after it got a copy (from storage-only C), and serves the
+/// vdisk with copies on B and C.
+fn assert_b_took_over_from_c(b: &Node, c: &Node, back: &Path, data: &[u8]) {
+    assert!(std::fs::read(back).unwrap()[..PATTERN_BYTES] == data[..]);
+    assert!(b.log().contains("got a copy of the vdisk"), "{}", b.log());
+    let ownership = b.show(VDISK)["ownership"].clone();
+    assert_eq!(ownership["owner"], node_id(b).as_str(), "{ownership}");
+    assert_eq!(
+        ownership["copies"],
+        serde_json::json!([node_id(b), node_id(c)]),
+        "{ownership}"
+    );
 }
 
 #[test]

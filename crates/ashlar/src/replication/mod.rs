@@ -215,14 +215,7 @@ impl NodeReplication {
                 let found = previous.copies.iter().copied().find(|n| {
                     *n != self.node && copies.contains(n) && previous.holds_complete_copy(*n)
                 });
-                Some(found.ok_or_else(|| {
-                    format!(
-                        "vdisk {name}: no node holding a complete copy is up (copies {}, of \
-                         which {} are being filled); it stays offline until one is",
-                        names(&previous.copies).join(", "),
-                        names(&previous.filling).join(", ")
-                    )
-                })?)
+                Some(found.ok_or_else(|| no_complete_copy_up(name, previous))?)
             }
             _ => None,
         };
@@ -466,6 +459,11 @@ impl NodeReplication {
                 renewed.push(wanted);
             }
         }
+        if !renewed.iter().any(|n| placement.holds_complete_copy(*n)) {
+            // Recording this set would forget where the data is: the nodes that hold it stay
+            // in the record, and the vdisk serves again once one of them is back.
+            return Err(no_complete_copy_up(name, &placement));
+        }
         if renewed != placement.copies {
             let filling: Vec<NodeId> = renewed
                 .iter()
@@ -662,6 +660,15 @@ impl NodeReplication {
             "got a copy of the vdisk from a node holding one");
         Ok(())
     }
+}
+
+fn no_complete_copy_up(name: &str, placement: &PlacementRecord) -> String {
+    format!(
+        "vdisk {name}: no node holding a complete copy is up (copies {}, of which {} are being \
+         filled); it stays offline until one is",
+        names(&placement.copies).join(", "),
+        names(&placement.filling).join(", ")
+    )
 }
 
 /// Whether `node` may be given a new copy: up and not being drained.
