@@ -93,8 +93,8 @@ pub enum NodeAction {
     },
     /// Empty a node before removing it: it stops claiming vdisks and getting new copies, its
     /// claims are given up and every copy it holds is rebuilt on other nodes (by the
-    /// curators). Shows progress until the node holds nothing. Refused while the node holds
-    /// the only copy of a vdisk (replication factor 1).
+    /// curators; the only copy of an RF 1 vdisk is offline while it is copied). Shows
+    /// progress until the node holds nothing.
     Drain {
         /// The node's id (`ashlar node list`).
         node: String,

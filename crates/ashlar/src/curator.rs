@@ -9,6 +9,9 @@
 //! which does the same, then gives the claim up again. Writes to an owned vdisk fail while
 //! its claim is renewed (as after a failed copy); without a client nothing waits.
 //!
+//! A node being drained counts as down at once, and its drain also moves the only copy of
+//! an RF 1 vdisk it holds ([`placement_to_move`]).
+//!
 //! Each scan also claims again every vdisk this node serves whose copy set holds a copy
 //! beyond its RF that nobody asked for within `--hand-over-copy-keep-s`
 //! ([`shrink_extra_copy`]): the claim drops it (`docs/forwarding.md`).
@@ -16,7 +19,10 @@
 use crate::cluster::NodeMeta;
 use crate::ownership::NodeOwnership;
 use crate::registry::NodeEngine;
-use ashlar_cluster::{list_nodes, read_ownership, read_placement, NodeId, NodeState, NodeStatus};
+use ashlar_cluster::{
+    list_nodes, read_ownership, read_placement, record_placement, NodeId, NodeState, NodeStatus,
+    PlacementRecord,
+};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -129,13 +135,13 @@ pub async fn run(
             }
         };
         shrink_extra_copies(&engine, &meta, &ownership).await;
+        let draining: HashSet<NodeId> = nodes
+            .iter()
+            .filter(|n| n.draining)
+            .map(|n| n.record.node_id)
+            .collect();
         let mut overdue = down.update(&nodes, Instant::now(), after);
-        overdue.extend(
-            nodes
-                .iter()
-                .filter(|n| n.draining)
-                .map(|n| n.record.node_id),
-        );
+        overdue.extend(draining.iter().copied());
         if overdue.is_empty() {
             failing.clear();
             continue;
@@ -148,15 +154,24 @@ pub async fn run(
                 continue;
             }
         };
-        for record in records.iter().filter(|r| r.replication_factor > 1) {
-            let Ok(Some(placement)) = read_placement(&meta, record.id).await else {
-                continue;
-            };
+        for record in &records {
             let Ok(state) = read_ownership(&meta, record.id).await else {
                 continue;
             };
-            let owner = state.owner.map(|(owner, _)| owner.node);
-            let action = restore_action(me, leader, owner, &placement.copies, &overdue);
+            let owner = state.owner.as_ref().map(|(owner, _)| owner.node);
+            let Some(placement) =
+                placement_to_move(&meta, record, me, owner, state.last_owner, &draining).await
+            else {
+                continue;
+            };
+            // An RF 1 vdisk's one copy moves off a draining node; on a node that is down
+            // there is nothing to restore it from.
+            let overdue = if record.replication_factor > 1 {
+                &overdue
+            } else {
+                &draining
+            };
+            let action = restore_action(me, leader, owner, &placement.copies, overdue);
             if action == Restore::Nothing {
                 continue;
             }
@@ -200,14 +215,44 @@ pub async fn run(
     }
 }
 
-/// Claims again each replicated vdisk this node serves whose copy set holds a copy more
-/// than its RF that nobody asked for recently (`shrink_extra_copy`).
+/// The vdisk's copy set, for the scan. An RF 1 vdisk has none until it first moves: its
+/// data is on its last owner. When that is this node and it is being drained, this node
+/// records the set (itself) so that the curator leader can move the copy
+/// (`placement::renew_copies` keeps this one as the source).
+async fn placement_to_move(
+    meta: &NodeMeta,
+    record: &ashlar_engine::catalog::VdiskRecord,
+    me: NodeId,
+    owner: Option<NodeId>,
+    last_owner: Option<NodeId>,
+    draining: &HashSet<NodeId>,
+) -> Option<PlacementRecord> {
+    match read_placement(meta, record.id).await {
+        Ok(Some(placement)) => return Some(placement),
+        Ok(None) => {}
+        Err(_) => return None,
+    }
+    let holds_the_data = owner.or(last_owner) == Some(me);
+    if record.replication_factor > 1 || !draining.contains(&me) || !holds_the_data {
+        return None;
+    }
+    match record_placement(meta, record.id, vec![me]).await {
+        Ok(placement) => {
+            tracing::info!(vdisk = %record.name,
+                "curator: this node is being drained and holds the vdisk's one copy; recorded it as the copy set, so that the copy can move");
+            Some(placement)
+        }
+        Err(error) => {
+            tracing::debug!(vdisk = %record.name, %error, "curator: recording the copy set failed; next scan");
+            None
+        }
+    }
+}
+
+/// Claims again each vdisk this node serves whose copy set holds a copy more than its RF
+/// that nobody asked for recently (`shrink_extra_copy`).
 async fn shrink_extra_copies(engine: &NodeEngine, meta: &NodeMeta, ownership: &NodeOwnership) {
-    for info in engine
-        .list_vdisks()
-        .into_iter()
-        .filter(|info| info.replication_factor > 1)
-    {
+    for info in engine.list_vdisks() {
         if ownership.serving_claim(info.id).is_err() {
             continue;
         }

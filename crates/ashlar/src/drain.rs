@@ -6,23 +6,13 @@
 use crate::client::{approximate_size, ApiTarget, Client};
 use crate::http::{ApiError, ApiState};
 use anyhow::{bail, Result};
-use ashlar_cluster::{ClusterStatus, NodeId};
+use ashlar_cluster::NodeId;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::Json;
 use serde_json::{json, Value};
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
-
-/// Vdisks whose only copy is on `node` (one copy, last served there): a drain cannot move them.
-pub fn single_copies_on(status: &ClusterStatus, node: NodeId) -> Vec<String> {
-    status
-        .vdisks
-        .iter()
-        .filter(|v| v.replication_factor <= 1 && v.copies.contains(&node))
-        .map(|v| v.name.clone())
-        .collect()
-}
 
 fn parse_node(text: &str) -> Result<NodeId, ApiError> {
     text.parse()
@@ -57,21 +47,6 @@ pub async fn start(
         return Err(ApiError(
             StatusCode::NOT_FOUND,
             format!("node {node} is not a member of this cluster (`ashlar node list`)"),
-        ));
-    }
-    let status = crate::cluster_status::gather(&state.meta)
-        .await
-        .map_err(|e| unavailable("reading the cluster's vdisks", e))?;
-    let stuck = single_copies_on(&status, node);
-    if !stuck.is_empty() {
-        return Err(ApiError(
-            StatusCode::CONFLICT,
-            format!(
-                "node {node} holds the only copy of {} (replication factor 1); a drain cannot \
-                 move them in this version: copy their data to vdisks with --rf 2 or 3, or \
-                 delete them, then drain again",
-                stuck.join(", ")
-            ),
         ));
     }
     let now_unix_ms = crate::replication::unix_ms();

@@ -84,7 +84,7 @@ pub async fn run(
         let mut dropped = Vec::new();
         let mut epochs = HashMap::new();
         let local = engine.list_vdisks();
-        for info in local.iter().filter(|v| v.replication_factor > 1) {
+        for info in &local {
             // The owner epoch is read before the copy set: a claim that makes this node a
             // copy again fences it at that epoch or a later one, which stops the trim.
             let Ok(state) = read_ownership(&meta, info.id).await else {

@@ -1,8 +1,8 @@
 //! `ashlar node drain`, end to end with a real etcd and four `ashlar node --etcd` processes on
 //! loopback: draining the storage-only copy holder moves its copy to another node (the owner
 //! claims again); draining the owner releases its claim and the curator leader moves its copy;
-//! the drained nodes can then die without any data lost. A node holding the only copy of a
-//! vdisk (replication factor 1) is refused a drain, with the vdisk named.
+//! the drained nodes can then die without any data lost. The only copy of a vdisk
+//! (replication factor 1) moves too.
 
 mod common;
 // Shared with other test binaries, each of which uses a part of it.
@@ -49,7 +49,7 @@ fn draining(asked: &Node, id: &str) -> bool {
 }
 
 #[test]
-fn draining_moves_claims_and_copies_off_a_node_and_refuses_single_copies() {
+fn draining_moves_claims_and_copies_off_a_node_including_single_copies() {
     let etcd = EtcdServer::start();
     let mut a = cluster_node(&etcd.url, &[]);
     let b = cluster_node(&etcd.url, &[]);
@@ -78,16 +78,6 @@ fn draining_moves_claims_and_copies_off_a_node_and_refuses_single_copies() {
     );
     assert_eq!(copies(&a), vec![id_a.clone(), id_c.clone()]);
 
-    // A holds the only copy of "single": its drain is refused, naming it.
-    let refused = b.cli(&["node", "drain", &id_a]);
-    assert!(!refused.status.success(), "{}", refused.stdout);
-    assert!(
-        refused.stderr.contains("only copy of single"),
-        "{}",
-        refused.stderr
-    );
-    assert!(!draining(&b, &id_a));
-
     // Drain the storage-only copy holder: the owner claims again and moves the copy.
     let out = b.cli(&["node", "drain", &id_c, "--timeout-s", "90"]);
     out.assert_ok("node drain C");
@@ -105,10 +95,9 @@ fn draining_moves_claims_and_copies_off_a_node_and_refuses_single_copies() {
     );
     assert!(a.log().contains("curator"), "{}", a.log());
 
-    // Drain the owner (after deleting the vdisk only it holds): it gives its claim up and
-    // the curator leader moves its copy.
-    a.cli(&["vdisk", "delete", "single"])
-        .assert_ok("vdisk delete single");
+    // Drain the owner, which also holds the only copy of "single" (RF 1): it gives its
+    // claims up, and the curator leader moves both copies (the RF 1 one offline: the
+    // leader copies it before it serves it).
     let out = b.cli(&["node", "drain", &id_a, "--timeout-s", "90"]);
     out.assert_ok("node drain A");
     let after_a = copies(&b);
@@ -118,13 +107,41 @@ fn draining_moves_claims_and_copies_off_a_node_and_refuses_single_copies() {
         "{after_a:?}"
     );
     assert_ne!(b.show(VDISK)["ownership"]["owner"], id_a.as_str());
+    let single = b.show("single")["ownership"].clone();
+    let single_copies = single["copies"].as_array().cloned().unwrap_or_default();
+    assert_eq!(single_copies.len(), 1, "{single}");
+    assert_ne!(single_copies[0], id_a.as_str(), "{single}");
+    assert_ne!(single["owner"], id_a.as_str(), "{single}");
+    assert!(
+        a.log().contains("holds the vdisk's one copy"),
+        "A recorded no copy set for single:\n{}",
+        a.log()
+    );
+    let status: Value = serde_json::from_str(&b.cli(&["cluster", "status", "--json"]).stdout)
+        .expect("cluster status --json");
+    let listed = status["vdisks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "single")
+        .cloned()
+        .unwrap();
+    assert_eq!(listed["copies"], single["copies"], "{status}");
 
-    // Both drained nodes die: every byte is still there.
+    // Both drained nodes die: every byte of both vdisks is still there.
     a.kill9();
     c.kill9();
     let back = dir.path().join("back");
     nbdcopy(&b.uri(VDISK), back.to_str().unwrap(), "read through B", &b);
     assert!(std::fs::read(&back).unwrap()[..data.len()] == data[..]);
+    let single_back = dir.path().join("single-back");
+    nbdcopy(
+        &b.uri("single"),
+        single_back.to_str().unwrap(),
+        "read single through B",
+        &b,
+    );
+    assert!(std::fs::read(&single_back).unwrap()[..data.len()] == data[..]);
 
     // A cancelled drain lets the node take copies again.
     let out = b.cli(&["node", "drain", &id_c, "--cancel"]);

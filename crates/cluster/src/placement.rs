@@ -147,7 +147,8 @@ pub async fn replace_placement<M: MetaStore>(
 /// claimant from outside the set, or a set holding one copy more than RF, drops the least
 /// preferred one: a copy still being filled (in `filling`) before any complete one, and
 /// never a storage-only copy before a serving node's), then, in place of those that are
-/// down, the best other nodes that are up; `rf` nodes in all.
+/// down, the best other nodes that are up; `rf` nodes in all, or one more when only that
+/// keeps a complete copy in the set ([`keep_a_complete_copy`]).
 pub fn renew_copies(
     me: NodeId,
     rf: u8,
@@ -185,6 +186,7 @@ pub fn renew_copies(
             renewed.push(candidate);
         }
     }
+    keep_a_complete_copy(&mut renewed, copies, filling, nodes);
     if renewed.len() < usize::from(rf) {
         return Err(PlacementError::TooFewNodes {
             wanted: rf,
@@ -192,6 +194,30 @@ pub fn renew_copies(
         });
     }
     Ok(renewed)
+}
+
+/// A renewed set must not lose the data: when none of its nodes holds a complete copy (the
+/// claimant has none, and the complete ones are on draining nodes, or left no room at RF 1),
+/// the first complete copy on a node that is up stays in it, one beyond RF. The claimant
+/// takes its copy from there; a later claim, once the claimant's copy is complete, drops it.
+fn keep_a_complete_copy(
+    renewed: &mut Vec<NodeId>,
+    copies: &[NodeId],
+    filling: &[NodeId],
+    nodes: &[NodeStatus],
+) {
+    let complete = |node: &NodeId| copies.contains(node) && !filling.contains(node);
+    if renewed.iter().any(complete) {
+        return;
+    }
+    let up = |node: &NodeId| {
+        nodes
+            .iter()
+            .any(|n| n.record.node_id == *node && n.state == NodeState::Up)
+    };
+    if let Some(source) = copies.iter().find(|n| complete(n) && up(n)) {
+        renewed.push(*source);
+    }
 }
 
 /// Records `copies` as the vdisk's copy set unless it has one; returns the set now recorded
@@ -358,6 +384,32 @@ mod tests {
             Ok(vec![id(1), id(3)])
         );
         assert_eq!(choose_copies(id(1), 2, &drained), Ok(vec![id(1), id(3)]));
+        // The only complete copy is on a draining node: it stays, one beyond RF, as the
+        // claimant's source (RF 1 moved off a draining node; RF 2 whose complete copies
+        // all drain).
+        assert_eq!(
+            renew_copies(id(1), 1, &[id(4)], &[], &drained),
+            Ok(vec![id(1), id(4)])
+        );
+        assert_eq!(
+            renew_copies(id(1), 2, &[id(4), id(2)], &[id(2)], &drained),
+            Ok(vec![id(1), id(3), id(4)])
+        );
+        // Once the claimant's copy is complete, the draining one goes.
+        assert_eq!(
+            renew_copies(id(1), 1, &[id(1), id(4)], &[], &drained),
+            Ok(vec![id(1)])
+        );
+        // At RF 1 a claimant from outside keeps the complete copy it takes its data from.
+        assert_eq!(
+            renew_copies(id(3), 1, &[id(1)], &[], &nodes),
+            Ok(vec![id(3), id(1)])
+        );
+        // No complete copy up: nothing to keep (the claim is refused, `replication`).
+        assert_eq!(
+            renew_copies(id(1), 1, &[id(2)], &[], &nodes),
+            Ok(vec![id(1)])
+        );
         let two = [node(1, true, false, 1), node(2, false, false, 1)];
         assert_eq!(
             renew_copies(id(1), 2, &[id(2), id(1)], &[], &two),

@@ -39,7 +39,8 @@ pub struct VdiskFacts {
     pub replication_factor: u8,
     pub owner: Option<NodeId>,
     pub last_owner: Option<NodeId>,
-    /// The recorded copy set (replicated vdisks claimed at least once).
+    /// The recorded copy set (replicated vdisks claimed at least once, RF 1 vdisks that
+    /// moved).
     pub copies: Vec<NodeId>,
 }
 
@@ -74,7 +75,7 @@ pub struct VdiskHealth {
     pub id: VdiskId,
     pub replication_factor: u8,
     pub owner: Option<NodeId>,
-    /// The nodes holding its data (the last owner of an unreplicated vdisk).
+    /// The nodes holding its data (the last owner of an unreplicated vdisk that never moved).
     pub copies: Vec<NodeId>,
     pub copies_up: usize,
     pub health: Health,
@@ -108,7 +109,8 @@ pub fn cluster_status(
     let mut fault_tolerance: Option<usize> = None;
     let mut report = Vec::new();
     for vdisk in vdisks {
-        let copies = if vdisk.replication_factor > 1 {
+        // An RF 1 vdisk that never moved has no copy set: its data is on its last owner.
+        let copies = if vdisk.replication_factor > 1 || !vdisk.copies.is_empty() {
             vdisk.copies.clone()
         } else {
             vdisk.last_owner.into_iter().collect()

@@ -190,15 +190,14 @@ impl NodeReplication {
     }
 
     /// Makes vdisk `name` ready to take writes at ownership `epoch`: nothing to do with one
-    /// copy; else its copy set is settled, every other copy fenced and the replicator
-    /// installed. The error is the line a refused client is shown.
+    /// copy that never moved (no copy set recorded: its data is on its last owner); else its
+    /// copy set is settled, every other copy fenced and the replicator installed. The error
+    /// is the line a refused client is shown.
     pub async fn prepare(&self, name: &str, vdisk: VdiskId, epoch: u64) -> Result<(), String> {
         let info = self.engine.vdisk(name).map_err(|e| e.to_string())?;
         let rf = info.replication_factor;
-        if rf <= 1 {
-            lock(&self.tracks).forget(vdisk);
-            lock(&self.unreachable).forget(vdisk, |_| false);
-            let _ = self.engine.set_replicator(name, None);
+        if rf <= 1 && !self.has_placement(name, vdisk).await? {
+            self.serve_single_copy(name, vdisk);
             return Ok(());
         }
         let consecutive = lock(&self.tracks).claim(vdisk, epoch);
@@ -277,6 +276,15 @@ impl NodeReplication {
         if let Some(source) = source {
             self.pull(name, vdisk, epoch, source, &nodes).await?;
         }
+        if copies == [self.node] {
+            // RF 1, its one copy here (moved here, `keep_a_complete_copy`): nobody to
+            // replicate to or resync.
+            self.serve_single_copy(name, vdisk);
+            if let Err(error) = mark_placement_synced(&self.meta, vdisk, &copies, epoch).await {
+                tracing::warn!(vdisk = name, %error, "could not record the copy set as complete");
+            }
+            return Ok(());
+        }
         assert_eq!(
             peers.len() + 1,
             copies.len(),
@@ -324,6 +332,22 @@ impl NodeReplication {
         })
         .await;
         Ok(())
+    }
+
+    /// Whether the vdisk has a recorded copy set (an RF 1 vdisk has one once a drain moved it).
+    async fn has_placement(&self, name: &str, vdisk: VdiskId) -> Result<bool, String> {
+        let placement = read_placement(&self.meta, vdisk)
+            .await
+            .map_err(|e| format!("vdisk {name}: reading its placement: {e}"))?;
+        Ok(placement.is_some())
+    }
+
+    /// Serves the vdisk from this node's copy alone.
+    fn serve_single_copy(&self, name: &str, vdisk: VdiskId) {
+        lock(&self.tracks).forget(vdisk);
+        lock(&self.unreachable).forget(vdisk, |_| false);
+        lock(&self.resyncs).remove(&vdisk);
+        let _ = self.engine.set_replicator(name, None);
     }
 
     /// Resyncs the other copies while the vdisk serves (`resync::resync_online`), publishing
