@@ -732,11 +732,16 @@ impl Clustered {
         };
         held.wanted.gate.close();
         let name = &held.wanted.name;
-        if let Err(error) = shared.settle().await {
+        match shared.settle().await {
+            Ok(()) => {
+                self.replication
+                    .note_release(name, &shared, held.claim.epoch.0)
+                    .await
+            }
             // The claim is released anyway: the next owner resynchronizes every copy from
             // its own, and this node's gate stays shut.
-            tracing::warn!(vdisk = %name, %error, why,
-                "writes in flight did not settle before the claim was released");
+            Err(error) => tracing::warn!(vdisk = %name, %error, why,
+                "writes in flight did not settle before the claim was released"),
         }
         release(&self.meta, &held.claim)
             .await

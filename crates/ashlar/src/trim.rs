@@ -129,6 +129,7 @@ mod tests {
             copies: copies.to_vec(),
             synced_epoch,
             filling: Vec::new(),
+            released_in_sync: None,
         }
     }
 

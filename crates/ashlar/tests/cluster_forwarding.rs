@@ -164,6 +164,28 @@ fn a_client_of_another_node_is_forwarded_and_ownership_follows_sustained_io() {
         "B pulled a copy before serving: {}",
         b.log()
     );
+    // A settled its writes and released the vdisk with every copy in sync; B found each
+    // copy as A left it, so its resync compared nothing.
+    assert!(
+        a.log().contains("released with every copy in sync"),
+        "{}",
+        a.log()
+    );
+    assert!(
+        b.log()
+            .contains("every copy is as it left them: nothing to compare"),
+        "{}",
+        b.log()
+    );
+    assert!(
+        b.log()
+            .lines()
+            .any(|line| line.contains("copies resynchronized")
+                && line.contains("chunks_sent=0 chunks_same=0")
+                && line.contains("caught_up=true")),
+        "{}",
+        b.log()
+    );
     let copies = moved["copies"].as_array().unwrap().clone();
     assert_eq!(copies.len(), 2, "{moved}");
     assert_eq!(copies[0], id_b.as_str(), "{moved}");

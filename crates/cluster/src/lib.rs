@@ -31,8 +31,8 @@ pub use ownership::{
 };
 pub use placement::{
     choose_copies, mark_placement_synced, read_placement, read_placement_revision,
-    record_placement, remove_placement, renew_copies, replace_placement, PlacementError,
-    PlacementRecord, PLACEMENT_RECORD_VERSION,
+    record_in_sync_release, record_placement, remove_placement, renew_copies, replace_placement,
+    InSyncCopy, InSyncRelease, PlacementError, PlacementRecord, PLACEMENT_RECORD_VERSION,
 };
 pub use record::{AdvertisedAddresses, DiskRecord, NodeRecord, NODE_RECORD_VERSION};
 pub use serving::{decide_serve, gate_step, GateStep, ServeRefusal};

@@ -34,6 +34,30 @@ pub struct PlacementRecord {
     /// copy from a complete one.
     #[serde(default)]
     pub filling: Vec<NodeId>,
+    /// Set by an owner that gave its claim up with every copy holding all of its writes
+    /// ([`record_in_sync_release`]): the next claim, if it finds the same copies (or fewer),
+    /// compares nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released_in_sync: Option<InSyncRelease>,
+}
+
+/// What an owner recorded when it released a vdisk whose copies all held every write of
+/// its claim: its writes were settled, none had failed, and its resync had completed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InSyncRelease {
+    /// The released claim's owner epoch.
+    pub epoch: u64,
+    pub size_bytes: u64,
+    /// Every copy of the set then, with the identity it had (a copy that restarted having
+    /// lost data, or was trimmed, has a new one).
+    pub copies: Vec<InSyncCopy>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InSyncCopy {
+    pub node: NodeId,
+    /// The copy's identity, 32 hex digits.
+    pub identity: String,
 }
 
 impl PlacementRecord {
@@ -135,6 +159,7 @@ pub async fn replace_placement<M: MetaStore>(
         copies,
         synced_epoch: 0,
         filling,
+        released_in_sync: None,
     };
     let txn = Txn::new()
         .when([Compare::mod_revision_equals(key.clone(), revision)])
@@ -234,6 +259,7 @@ pub async fn record_placement<M: MetaStore>(
         copies,
         synced_epoch: 0,
         filling: Vec::new(),
+        released_in_sync: None,
     };
     let txn = Txn::new()
         .when([Compare::absent(key.clone())])
@@ -266,6 +292,33 @@ pub async fn mark_placement_synced<M: MetaStore>(
     }
     placement.synced_epoch = placement.synced_epoch.max(epoch);
     placement.filling.clear();
+    let key = keys::placement_key(vdisk);
+    let txn = Txn::new()
+        .when([Compare::mod_revision_equals(key.clone(), revision)])
+        .and_then([TxnOp::put(key, record::encode(&placement), None)]);
+    Ok(store.txn(txn).await?.succeeded)
+}
+
+/// Records `release` in the vdisk's placement if the record still shows the released claim's
+/// set as complete: the same nodes, none being filled, synced at `release.epoch`; false if
+/// not (the release then records nothing, and the next claim compares everything).
+pub async fn record_in_sync_release<M: MetaStore>(
+    store: &M,
+    vdisk: VdiskId,
+    release: InSyncRelease,
+) -> Result<bool, ClusterError> {
+    let Some((mut placement, revision)) = read_placement_revision(store, vdisk).await? else {
+        return Ok(false);
+    };
+    let same_nodes = placement.copies.len() == release.copies.len()
+        && release
+            .copies
+            .iter()
+            .all(|copy| placement.copies.contains(&copy.node));
+    if !same_nodes || !placement.filling.is_empty() || placement.synced_epoch != release.epoch {
+        return Ok(false);
+    }
+    placement.released_in_sync = Some(release);
     let key = keys::placement_key(vdisk);
     let txn = Txn::new()
         .when([Compare::mod_revision_equals(key.clone(), revision)])

@@ -11,7 +11,7 @@
 //! after a trim or any loss). Anything else compares everything.
 
 use super::wire::CopyIdentity;
-use ashlar_cluster::NodeId;
+use ashlar_cluster::{InSyncCopy, InSyncRelease, NodeId};
 use ashlar_core::VdiskId;
 use std::collections::HashMap;
 
@@ -97,10 +97,55 @@ impl Tracks {
         }
     }
 
+    /// The other copies and the identities they answered, if this node's claim at `epoch`
+    /// is its last one and that claim's resync completed: what an in-sync release records.
+    pub fn in_sync_at(
+        &self,
+        vdisk: VdiskId,
+        epoch: u64,
+    ) -> Option<&[(NodeId, Option<CopyIdentity>)]> {
+        let track = self.tracks.get(&vdisk)?;
+        let in_sync =
+            track.last_claim == epoch && track.resync_epoch == epoch && track.resync_complete;
+        in_sync.then_some(track.copies.as_slice())
+    }
+
     /// Forgets the vdisk (it has one copy now).
     pub fn forget(&mut self, vdisk: VdiskId) {
         self.tracks.remove(&vdisk);
     }
+}
+
+/// A copy's identity as an [`InSyncRelease`] records it.
+pub fn identity_text(identity: CopyIdentity) -> String {
+    format!("{:032x}", identity.0)
+}
+
+/// `node`'s copy, with `identity`, as an [`InSyncRelease`] records it.
+pub fn in_sync_copy(node: NodeId, identity: CopyIdentity) -> InSyncCopy {
+    InSyncCopy {
+        node,
+        identity: identity_text(identity),
+    }
+}
+
+/// Whether a claim at `epoch` finds every copy as the previous owner left them when it
+/// released the vdisk in sync (`release`): the very next claim, the same size, and every copy
+/// of the new set (`holders`: this node's own and the others', with the identity each
+/// answered) one of the released set with the identity it had then. The copies then hold
+/// the same data and nothing needs comparing. A copy not in the released set (a new one)
+/// or with a new identity (restarted having lost data, or trimmed) needs the full compare.
+pub fn in_sync_since_release(
+    release: &InSyncRelease,
+    epoch: u64,
+    size_bytes: u64,
+    holders: &[(NodeId, Option<CopyIdentity>)],
+) -> bool {
+    release.epoch.checked_add(1) == Some(epoch)
+        && release.size_bytes == size_bytes
+        && holders.iter().all(|(node, identity)| {
+            identity.is_some_and(|identity| release.copies.contains(&in_sync_copy(*node, identity)))
+        })
 }
 
 #[cfg(test)]
@@ -173,6 +218,35 @@ mod tests {
             ..found(6, 1)
         };
         assert!(!tracks.may_catch_up(VDISK, true, &resized));
+    }
+
+    #[test]
+    fn the_claim_after_an_in_sync_release_compares_nothing_if_every_copy_is_as_released() {
+        let id = |n: u128| Some(CopyIdentity(n));
+        let release = InSyncRelease {
+            epoch: 9,
+            size_bytes: 1 << 30,
+            copies: vec![
+                in_sync_copy(node(1), CopyIdentity(11)),
+                in_sync_copy(node(2), CopyIdentity(22)),
+                in_sync_copy(node(3), CopyIdentity(33)),
+            ],
+        };
+        let holders = [(node(2), id(22)), (node(3), id(33))];
+        assert!(in_sync_since_release(&release, 10, 1 << 30, &holders));
+        // The released owner's copy left the set: fewer copies, nothing to compare either.
+        assert!(in_sync_since_release(&release, 10, 1 << 30, &holders[..1]));
+        // Another claim came in between, or the vdisk was resized.
+        assert!(!in_sync_since_release(&release, 11, 1 << 30, &holders));
+        assert!(!in_sync_since_release(&release, 10, 2 << 30, &holders));
+        // A copy restarted having lost data, answered without an identity, or is new.
+        for changed in [
+            [(node(2), id(22)), (node(3), id(34))],
+            [(node(2), id(22)), (node(3), None)],
+            [(node(2), id(22)), (node(4), id(33))],
+        ] {
+            assert!(!in_sync_since_release(&release, 10, 1 << 30, &changed));
+        }
     }
 
     #[test]

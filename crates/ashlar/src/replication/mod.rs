@@ -31,8 +31,8 @@ use crate::registry::NodeEngine;
 use anyhow::{anyhow, bail, Context, Result};
 use ashlar_cluster::{
     choose_copies, list_nodes, mark_placement_synced, read_placement, read_placement_revision,
-    record_placement, renew_copies, replace_placement, NodeId, NodeState, NodeStatus,
-    PlacementRecord, ResyncRecord, RESYNC_RECORD_VERSION,
+    record_in_sync_release, record_placement, renew_copies, replace_placement, InSyncRelease,
+    NodeId, NodeState, NodeStatus, PlacementRecord, ResyncRecord, RESYNC_RECORD_VERSION,
 };
 use ashlar_core::VdiskId;
 use ashlar_meta::{Compare, MetaStore, Txn, TxnOp};
@@ -259,10 +259,24 @@ impl NodeReplication {
             .take_unreplicated()
             .await
             .map_err(|e| format!("vdisk {name}: {e}"))?;
+        let size_bytes = shared.size_bytes.load(std::sync::atomic::Ordering::Relaxed);
+        let released_in_sync = source.is_none()
+            && previous
+                .as_ref()
+                .and_then(|p| p.released_in_sync.as_ref())
+                .is_some_and(|release| {
+                    let mut holders = vec![(self.node, Some(shared.copy_identity))];
+                    holders.extend(identities.iter().copied());
+                    catch_up::in_sync_since_release(release, epoch, size_bytes, &holders)
+                });
+        if released_in_sync {
+            tracing::info!(vdisk = name, epoch,
+                "the previous owner released the vdisk with every copy in sync, and every copy is as it left them: nothing to compare");
+        }
         let found = catch_up::ClaimFound {
             epoch,
             copies: identities,
-            size_bytes: shared.size_bytes.load(std::sync::atomic::Ordering::Relaxed),
+            size_bytes,
             set_changed: previous
                 .as_ref()
                 .is_none_or(|p| p.copies != copies || !p.filling.is_empty() || source.is_some()),
@@ -271,7 +285,11 @@ impl NodeReplication {
             let mut tracks = lock(&self.tracks);
             let catch_up = tracks.may_catch_up(vdisk, consecutive, &found);
             tracks.resync_started(vdisk, &found, previous.is_none());
-            catch_up.then_some(missed).flatten()
+            if released_in_sync {
+                Some(Vec::new())
+            } else {
+                catch_up.then_some(missed).flatten()
+            }
         };
         if let Some(source) = source {
             self.pull(name, vdisk, epoch, source, &nodes).await?;
@@ -320,7 +338,6 @@ impl NodeReplication {
         }
         // Every write from now on reaches every copy; what they held before is made equal
         // to this node's in the background, chunk by chunk, while the vdisk serves.
-        let size_bytes = shared.size_bytes.load(std::sync::atomic::Ordering::Relaxed);
         self.start_online_resync(OnlineResync {
             name: name.to_string(),
             vdisk,
@@ -332,6 +349,53 @@ impl NodeReplication {
         })
         .await;
         Ok(())
+    }
+
+    /// Called when this node gives its claim at `epoch` up, its gate shut and its writes
+    /// settled: if every copy held all of the claim's writes (its resync completed, no write
+    /// failed since), records that in the placement, so that the next owner compares nothing.
+    pub async fn note_release(
+        &self,
+        name: &str,
+        shared: &ashlar_engine::vdisk::VdiskShared,
+        epoch: u64,
+    ) {
+        let vdisk = shared.id;
+        let Some(others) = lock(&self.tracks)
+            .in_sync_at(vdisk, epoch)
+            .map(<[_]>::to_vec)
+        else {
+            return;
+        };
+        match shared.take_unreplicated().await {
+            Ok(Some(missed)) if missed.is_empty() => {}
+            _ => {
+                // Some write failed (or nobody knows): whoever claims next, this node
+                // included, compares everything.
+                lock(&self.tracks).forget(vdisk);
+                return;
+            }
+        }
+        let mut copies = vec![catch_up::in_sync_copy(self.node, shared.copy_identity)];
+        for (node, identity) in others {
+            let Some(identity) = identity else { return };
+            copies.push(catch_up::in_sync_copy(node, identity));
+        }
+        let release = InSyncRelease {
+            epoch,
+            size_bytes: shared.size_bytes.load(std::sync::atomic::Ordering::Relaxed),
+            copies,
+        };
+        match record_in_sync_release(&self.meta, vdisk, release).await {
+            Ok(true) => tracing::info!(
+                vdisk = name,
+                epoch,
+                "released with every copy in sync: the next owner compares nothing"
+            ),
+            Ok(false) => {}
+            Err(error) => tracing::info!(vdisk = name, %error,
+                "could not record that the copies are in sync; the next owner compares them"),
+        }
     }
 
     /// Whether the vdisk has a recorded copy set (an RF 1 vdisk has one once a drain moved it).
