@@ -139,9 +139,11 @@ pub struct NodeArgs {
     /// all contend for the same ones.
     #[arg(long, value_name = "LIST")]
     pub reactor_cpus: Option<String>,
-    /// After serving a client request, a reactor keeps polling for the next one this many
-    /// microseconds before it sleeps. Saves a wakeup per request (tens of microseconds on
-    /// virtual machines) at the cost of CPU while clients are active; 0 turns it off.
+    /// After a client request arrives or its reply goes out, a reactor keeps polling for
+    /// what comes next this many microseconds before it sleeps. Saves a wakeup per request
+    /// (tens of microseconds on virtual machines) at the cost of CPU while clients are
+    /// active; spins that keep catching nothing (after requests that wait for a slow disk)
+    /// stop by themselves. 0 turns it off.
     #[arg(long, default_value_t = ashlar_engine::config::DEFAULT_POLL_WINDOW.as_micros() as u64, value_name = "MICROSECONDS")]
     pub poll_window_us: u64,
     /// Read cache of the whole node, split across reactors (K/M/G suffixes).

@@ -18,6 +18,7 @@ mod outbox;
 pub mod reactor;
 pub mod replication;
 pub mod shard;
+pub mod spin_policy;
 pub mod startup;
 pub mod stats;
 pub mod vdisk;

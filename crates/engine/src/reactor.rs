@@ -3,6 +3,7 @@
 //! may move once, right after its handshake, to a reactor that runs one of its vdisk's
 //! shards (see the node's accept loop). Other threads reach them only by message.
 
+use crate::spin_policy::{SpinPolicy, SpinStart};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::thread::JoinHandle;
@@ -119,19 +120,31 @@ thread_local! {
     static ACTIVITY: RefCell<Option<Rc<Activity>>> = const { RefCell::new(None) };
 }
 
-#[derive(Default)]
 struct Activity {
-    last: Cell<Option<Instant>>,
+    /// The last client I/O on this reactor, and what it was.
+    last: Cell<Option<(Instant, SpinStart)>>,
     polling: Cell<bool>,
     wake_poller: Notify,
 }
 
-/// Marks client I/O on this reactor: it keeps polling for the next request for its poll
-/// window instead of sleeping at once (see [`ReactorPool::start`]).
-pub fn note_client_io() {
+impl Default for Activity {
+    fn default() -> Self {
+        Activity {
+            last: Cell::new(None),
+            polling: Cell::new(false),
+            wake_poller: Notify::new(),
+        }
+    }
+}
+
+/// Marks client I/O on this reactor, a request arriving or its reply going out: it keeps
+/// polling for what comes next for its poll window instead of sleeping at once (see
+/// [`ReactorPool::start`]), unless such spins have been missing lately
+/// ([`crate::spin_policy`]).
+pub fn note_client_io(what: SpinStart) {
     let _ = ACTIVITY.try_with(|activity| {
         if let Some(activity) = activity.borrow().as_ref() {
-            activity.last.set(Some(Instant::now()));
+            activity.last.set(Some((Instant::now(), what)));
             if !activity.polling.get() {
                 activity.wake_poller.notify_one();
             }
@@ -142,20 +155,37 @@ pub fn note_client_io() {
 /// Keeps the reactor polling its sockets (the runtime polls with a zero timeout while a task
 /// yields) until no client I/O has happened for `window`, then lets it sleep. A sleeping
 /// reactor is woken by an interrupt to its CPU, which on virtual machines costs tens of
-/// microseconds per request; polling spends CPU for latency only while clients are active.
+/// microseconds per request; polling spends CPU for latency only while clients are active,
+/// and only after the kinds of I/O whose spins have been catching something.
 async fn poll_while_active(activity: Rc<Activity>, window: Duration) {
+    let mut policy = SpinPolicy::default();
     loop {
         activity.polling.set(false);
         activity.wake_poller.notified().await;
         activity.polling.set(true);
-        while activity
-            .last
-            .get()
-            .is_some_and(|last| last.elapsed() < window)
-        {
+        let Some(mut spin) = activity.last.get() else {
+            continue;
+        };
+        if !policy.should_spin(spin.1) {
+            continue;
+        }
+        loop {
             // Disk completions that landed wake their waiters now, not at the next epoll.
             ashlar_storage::fs::uring::reap_completions();
             tokio::task::yield_now().await;
+            let Some(last) = activity.last.get() else {
+                break;
+            };
+            if last.0 != spin.0 {
+                policy.caught(spin.1);
+                spin = last;
+                if !policy.should_spin(spin.1) {
+                    break;
+                }
+            } else if spin.0.elapsed() >= window {
+                policy.missed(spin.1);
+                break;
+            }
         }
     }
 }

@@ -382,7 +382,7 @@ impl VdiskHandle {
     }
 
     fn check(&self, offset: u64, length: u64) -> IoResult<()> {
-        crate::reactor::note_client_io();
+        crate::reactor::note_client_io(crate::spin_policy::SpinStart::Request);
         if self.shared.closing.load(Ordering::Relaxed) {
             return Err(IoError::ShuttingDown);
         }
@@ -391,6 +391,7 @@ impl VdiskHandle {
     }
 
     fn record<T>(&self, kind: OpKind, bytes: u64, started: Instant, result: &IoResult<T>) {
+        crate::reactor::note_client_io(crate::spin_policy::SpinStart::Reply);
         self.shared
             .counters
             .record(kind, bytes, started.elapsed(), result.is_ok());
