@@ -11,6 +11,7 @@
 # `read` (or FILL=1) fills the vdisk first, not measured: with FILL=1 a write job overwrites
 # instead of creating extent group files. Alternate two binaries several times and
 # compare medians: single runs on this shared machine vary by more than a few percent.
+# NODE_ARGS adds flags to the node's command line (e.g. NODE_ARGS="--iscsi-first-burst 1M").
 # Needs perf, curl, python3 and fio with the libiscsi engine (FIO_ISCSI, default: what
 # ../shared/bench/peers/build-fio-libiscsi.sh builds).
 set -euo pipefail
@@ -25,7 +26,7 @@ FN='iscsi\://127.0.0.1\:19091/iqn.2024-01.io.ashlar\:bench/0'
 rm -rf "$DIR"; mkdir -p "$DIR"
 RUST_LOG=warn "$BIN" node --data-dir "$DIR" --nbd-listen 127.0.0.1:19092 \
     --http-listen 127.0.0.1:19093 --iscsi-listen 127.0.0.1:19091 --reactors 2 \
-    --cache-size 3G --ensure-vdisk bench:2G > "$DIR.log" 2>&1 &
+    --cache-size 3G --ensure-vdisk bench:2G ${NODE_ARGS:-} > "$DIR.log" 2>&1 &
 NODE=$!
 trap 'kill $NODE 2>/dev/null; wait $NODE 2>/dev/null || true' EXIT
 for _ in $(seq 50); do curl -sf http://127.0.0.1:19093/healthz >/dev/null && break; sleep 0.2; done
