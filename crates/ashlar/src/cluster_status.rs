@@ -34,16 +34,15 @@ pub async fn gather(meta: &NodeMeta) -> Result<ClusterStatus, String> {
         let ownership = read_ownership(meta, vdisk.id)
             .await
             .map_err(|e| format!("reading the ownership of {}: {e}", vdisk.name))?;
+        let placement = placements.remove(&vdisk.id);
         vdisks.push(VdiskFacts {
             id: vdisk.id,
             name: vdisk.name,
             replication_factor: vdisk.replication_factor,
             owner: ownership.owner.map(|(owner, _)| owner.node),
             last_owner: ownership.last_owner,
-            copies: placements
-                .remove(&vdisk.id)
-                .map(|p| p.copies)
-                .unwrap_or_default(),
+            synced_epoch: placement.as_ref().map_or(0, |p| p.synced_epoch),
+            copies: placement.map(|p| p.copies).unwrap_or_default(),
         });
     }
     Ok(cluster_status(&nodes, &vdisks, &resyncs))

@@ -16,8 +16,8 @@ use ashlar_powercut_fs::{CutPolicy, PowercutFs};
 use common::nbd::NbdConn;
 use common::writes::{self, Slot, BLOCK};
 use common::{
-    cluster_node, cluster_node_with_lease, mount_powercut, node_id, run_bounded_env, wait_until,
-    Node,
+    cluster_node, cluster_node_with_lease, mount_powercut, node_id, run_bounded, run_bounded_env,
+    wait_until, Node,
 };
 use etcd_server::EtcdServer;
 use serde_json::Value;
@@ -349,13 +349,7 @@ fn a_copy_that_stopped_answering_for_a_while_catches_up_on_the_chunks_failed_wri
     let etcd = EtcdServer::start();
     let dir = tempfile::tempdir().unwrap();
     let (a, mut c, filled, vdisk_dir) = owner_and_steady_copy(&etcd.url, dir.path(), &[], &[]);
-    let signal = |name: &str| {
-        let status = std::process::Command::new("kill")
-            .args([name, &c.pid().to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success(), "kill {name}");
-    };
+    let signal = |name: &str| send_signal(&c, name);
     signal("-STOP");
     let (second, second_data) = pattern(dir.path(), 2);
     let writer = write_in_background(a.uri(VDISK), second);
@@ -393,6 +387,102 @@ fn a_copy_that_stopped_answering_for_a_while_catches_up_on_the_chunks_failed_wri
         a.log()
     );
     assert_both_hold(&a, &mut c, dir.path(), &vdisk_dir, &second_data, &filled);
+}
+
+/// Sends signal `name` (`-STOP`, `-CONT`) to `node`'s process.
+fn send_signal(node: &Node, name: &str) {
+    let status = std::process::Command::new("kill")
+        .args([name, &node.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill {name}");
+}
+
+/// The number of resync records in etcd (its JSON gateway, through curl).
+fn resync_records(etcd_url: &str) -> u64 {
+    // etcd's gateway takes keys in base64 (standard alphabet, padded).
+    let b64 = |text: &str| -> String {
+        const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+        let mut out = String::new();
+        for group in text.as_bytes().chunks(3) {
+            let bits = group
+                .iter()
+                .enumerate()
+                .fold(0u32, |acc, (i, b)| acc | u32::from(*b) << (16 - 8 * i));
+            for i in 0..4 {
+                if i <= group.len() {
+                    out.push(ALPHABET[(bits >> (18 - 6 * i) & 63) as usize] as char);
+                } else {
+                    out.push('=');
+                }
+            }
+        }
+        out
+    };
+    let prefix = ashlar_cluster::keys::RESYNC_PREFIX;
+    let mut end = prefix.as_bytes().to_vec();
+    *end.last_mut().unwrap() += 1;
+    let body = serde_json::json!({
+        "key": b64(prefix),
+        "range_end": b64(std::str::from_utf8(&end).unwrap()),
+        "count_only": true,
+    });
+    let url = format!("{etcd_url}/v3/kv/range");
+    let out = run_bounded(
+        "curl",
+        &["-sf", "-X", "POST", "-d", &body.to_string(), &url],
+        30,
+    );
+    assert!(out.status.success(), "curl {url}");
+    let answer: Value = serde_json::from_slice(&out.stdout).unwrap();
+    answer["count"]
+        .as_str()
+        .map_or(0, |count| count.parse().unwrap())
+}
+
+/// A resync that fails (its copy stopped answering) leaves the vdisk under-replicated in
+/// `cluster status` until a claim sees a resync through, not "ok" with copies that may lack
+/// writes; deleting the vdisk removes its resync record.
+#[test]
+fn a_failed_resync_leaves_the_vdisk_under_replicated_until_one_completes() {
+    let etcd = EtcdServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let slow = ["--resync-max-mib-s", "1", "--resync-latency-percent", "0"];
+    let (mut a, b, _filled, _) = owner_and_steady_copy(&etcd.url, dir.path(), &slow, &[]);
+    let signal = |name: &str| send_signal(&b, name);
+    // A restarted knows nothing of its earlier claims: its next claim compares the whole
+    // vdisk, at 1 MiB/s.
+    a.kill9();
+    a.restart();
+    let (ok, text) = nbdcopy(&a.uri(VDISK), dir.path().join("read").to_str().unwrap());
+    assert!(ok, "read through A: {text}\n{}", a.log());
+    let rebuilding = wait_until(Duration::from_secs(30), || {
+        vdisk_health(&cluster_status(&a)) == "rebuilding"
+    });
+    assert!(rebuilding, "{}", cluster_status(&a));
+    assert_eq!(resync_records(&etcd.url), 1);
+    // B stops answering (its 60 s lease keeps it listed up): the resync fails, and so do
+    // A's claims until B answers again.
+    signal("-STOP");
+    let failed = wait_until(Duration::from_secs(60), || {
+        a.log().contains("resynchronizing the copies failed")
+    });
+    assert!(failed, "{}", a.log());
+    // Rebuilding until A's claim at that epoch ends (its next claim cannot fence B).
+    let mut status = Value::Null;
+    let judged = wait_until(Duration::from_secs(30), || {
+        status = cluster_status(&a);
+        vdisk_health(&status) != "rebuilding"
+    });
+    assert!(judged, "{status}");
+    assert_eq!(vdisk_health(&status), "under-replicated", "{status}");
+    assert!(status["vdisks"][0]["resync"].is_null(), "{status}");
+    assert_eq!(status["fault_tolerance"], 0, "{status}");
+    assert_eq!(status["nodes_down"], 0, "{status}");
+    signal("-CONT");
+    a.cli(&["vdisk", "delete", VDISK]).assert_ok("vdisk delete");
+    let removed = wait_until(Duration::from_secs(10), || resync_records(&etcd.url) == 0);
+    assert!(removed, "the deleted vdisk's resync record stayed");
 }
 
 /// A copy node killed (-9) while a client writes, then started again: its restart lost

@@ -42,6 +42,9 @@ pub struct VdiskFacts {
     /// The recorded copy set (replicated vdisks claimed at least once, RF 1 vdisks that
     /// moved).
     pub copies: Vec<NodeId>,
+    /// The placement's `synced_epoch`: the last claim whose resync completed (0: none since
+    /// the set changed, or no set).
+    pub synced_epoch: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -116,23 +119,28 @@ pub fn cluster_status(
             vdisk.last_owner.into_iter().collect()
         };
         let copies_up = copies.iter().filter(|n| up(n)).count();
-        let resync = resyncs
-            .get(&vdisk.id)
+        let record = resyncs.get(&vdisk.id);
+        let resync = record
             .filter(|r| up(&r.node) && vdisk.owner == Some(r.node))
             .map(resync_view);
+        // A record its claim did not see through (the resync failed, or its node died or
+        // gave the vdisk up) and no later claim replaced: the other copies may lack writes.
+        let unfinished = resync.is_none() && record.is_some_and(|r| vdisk.synced_epoch < r.epoch);
         let health = match (copies.len(), copies_up, &resync) {
             (0, _, _) => Health::Empty,
             (_, 0, _) => Health::Unavailable,
             (_, _, Some(_)) => Health::Rebuilding,
-            (n, up, None) if up < n || n < usize::from(vdisk.replication_factor) => {
+            (n, up, None) if up < n || n < usize::from(vdisk.replication_factor) || unfinished => {
                 Health::UnderReplicated
             }
             _ => Health::Ok,
         };
-        // Copies still being filled do not hold older data yet: only the owner counts.
+        // Copies still being filled do not hold older data yet: only the owner counts (or
+        // the node whose resync did not finish).
         let holding = match health {
             Health::Empty => None,
             Health::Rebuilding => Some(1),
+            _ if unfinished => Some(1),
             _ => Some(copies_up),
         };
         if let Some(holding) = holding {
@@ -197,6 +205,7 @@ mod tests {
             owner: owner.map(id),
             last_owner: owner.map(id),
             copies: copies.iter().map(|c| id(*c)).collect(),
+            synced_epoch: 0,
         }
     }
 
@@ -250,8 +259,23 @@ mod tests {
         assert_eq!(view.eta_seconds, Some(40));
         assert_eq!(status.fault_tolerance, Some(0));
         assert_eq!(status.rebuilding, 1);
-        // A record left by a node that is not the owner (it died mid-resync) is ignored.
-        let status = cluster_status(&nodes, &[vdisk(1, 2, Some(2), &[2, 1])], &resyncs);
+        // A record its claim did not see through (the resync failed, or its node died or
+        // released the vdisk) and no later claim replaced: the other copies may lack writes.
+        for owner in [None, Some(2)] {
+            let status = cluster_status(&nodes, &[vdisk(1, 2, owner, &[2, 1])], &resyncs);
+            let v = &status.vdisks[0];
+            assert_eq!(v.health, Health::UnderReplicated, "owner {owner:?}");
+            assert!(v.resync.is_none());
+            assert_eq!(status.fault_tolerance, Some(0));
+        }
+        // The same record once the placement says that resync (or a later one) completed: a
+        // leftover whose removal failed, ignored.
+        let synced = VdiskFacts {
+            synced_epoch: 4,
+            ..vdisk(1, 2, None, &[2, 1])
+        };
+        let status = cluster_status(&nodes, &[synced], &resyncs);
         assert_eq!(status.vdisks[0].health, Health::Ok);
+        assert_eq!(status.fault_tolerance, Some(1));
     }
 }
