@@ -232,8 +232,7 @@ async fn placement_to_move(
         Ok(None) => {}
         Err(_) => return None,
     }
-    let holds_the_data = owner.or(last_owner) == Some(me);
-    if record.replication_factor > 1 || !draining.contains(&me) || !holds_the_data {
+    if !records_single_copy(me, record.replication_factor, owner, last_owner, draining) {
         return None;
     }
     match record_placement(meta, record.id, vec![me]).await {
@@ -247,6 +246,19 @@ async fn placement_to_move(
             None
         }
     }
+}
+
+/// Whether `me` records itself as the copy set of a vdisk (RF `rf`) that has none, so that
+/// its one copy can move: an RF 1 vdisk whose data is here (owned here, or owned by nobody
+/// and last owned here) while this node is being drained.
+pub fn records_single_copy(
+    me: NodeId,
+    rf: u8,
+    owner: Option<NodeId>,
+    last_owner: Option<NodeId>,
+    draining: &HashSet<NodeId>,
+) -> bool {
+    rf <= 1 && draining.contains(&me) && owner.or(last_owner) == Some(me)
 }
 
 /// Claims again each vdisk this node serves whose copy set holds a copy more than its RF
@@ -314,6 +326,32 @@ mod tests {
             restore_action(me, Some(me), Some(me), &[me, other], &overdue),
             Restore::Nothing
         );
+    }
+
+    #[test]
+    fn a_draining_node_records_the_copy_set_of_the_single_copies_it_holds() {
+        let (me, other) = (id(1), id(2));
+        let draining: HashSet<NodeId> = [me].into();
+        assert!(records_single_copy(me, 1, Some(me), Some(me), &draining));
+        assert!(records_single_copy(me, 1, None, Some(me), &draining));
+        // Its data is elsewhere, it is replicated, or this node is not draining.
+        assert!(!records_single_copy(
+            me,
+            1,
+            Some(other),
+            Some(other),
+            &draining
+        ));
+        assert!(!records_single_copy(me, 1, None, Some(other), &draining));
+        assert!(!records_single_copy(me, 1, None, None, &draining));
+        assert!(!records_single_copy(me, 2, Some(me), Some(me), &draining));
+        assert!(!records_single_copy(
+            me,
+            1,
+            Some(me),
+            Some(me),
+            &HashSet::new()
+        ));
     }
 
     #[test]
