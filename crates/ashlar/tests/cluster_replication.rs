@@ -451,11 +451,24 @@ fn a_failed_resync_leaves_the_vdisk_under_replicated_until_one_completes() {
     let (mut a, b, _filled, _) = owner_and_steady_copy(&etcd.url, dir.path(), &slow, &[]);
     let signal = |name: &str| send_signal(&b, name);
     // A restarted knows nothing of its earlier claims: its next claim compares the whole
-    // vdisk, at 1 MiB/s.
+    // vdisk, at 1 MiB/s while a client reads (without client I/O a resync goes as fast as
+    // it can, and this one would be over before B stops).
     a.kill9();
     a.restart();
-    let (ok, text) = nbdcopy(&a.uri(VDISK), dir.path().join("read").to_str().unwrap());
-    assert!(ok, "read through A: {text}\n{}", a.log());
+    let mut reader = std::process::Command::new("fio")
+        .args([
+            "--name=reader",
+            "--ioengine=nbd",
+            &format!("--uri={}", a.uri(VDISK)),
+            "--rw=randread",
+            "--bs=4k",
+            "--time_based",
+            "--runtime=60",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("fio");
     let rebuilding = wait_until(Duration::from_secs(30), || {
         vdisk_health(&cluster_status(&a)) == "rebuilding"
     });
@@ -480,6 +493,8 @@ fn a_failed_resync_leaves_the_vdisk_under_replicated_until_one_completes() {
     assert_eq!(status["fault_tolerance"], 0, "{status}");
     assert_eq!(status["nodes_down"], 0, "{status}");
     signal("-CONT");
+    let _ = reader.kill();
+    let _ = reader.wait();
     a.cli(&["vdisk", "delete", VDISK]).assert_ok("vdisk delete");
     let removed = wait_until(Duration::from_secs(10), || resync_records(&etcd.url) == 0);
     assert!(removed, "the deleted vdisk's resync record stayed");
