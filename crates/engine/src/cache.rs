@@ -3,6 +3,13 @@
 //! a second hit promotes it to the multi-touch pool, so one large scan cannot flush the blocks a
 //! workload reads again and again. Blocks evicted from the multi-touch pool get a second chance
 //! in the single-touch pool.
+//!
+//! The pools share one capacity: nothing is evicted while the cache has room, whichever pool
+//! holds the blocks. Once it is full, the multi-touch pool gives back what it holds beyond its
+//! share (half the capacity) first, then the single-touch pool's oldest blocks go. So a scan
+//! never takes the multi-touch pool below its share, and a working set that fits the cache
+//! costs one lookup per hit (a hard split made every block of a set larger than half the
+//! cache move between the pools on every hit).
 
 use crate::lru::Lru;
 use ashlar_core::{Epoch, VdiskId};
@@ -33,14 +40,15 @@ pub struct CacheCounters {
 pub struct BlockCache {
     single_touch: Lru<CacheKey, Bytes>,
     multi_touch: Lru<CacheKey, Bytes>,
-    single_touch_limit_bytes: u64,
-    multi_touch_limit_bytes: u64,
+    capacity_bytes: u64,
+    /// What a full cache keeps of the multi-touch pool whatever the single-touch pool reads.
+    multi_touch_share_bytes: u64,
     block_bytes: u64,
     counters: Arc<CacheCounters>,
 }
 
 impl BlockCache {
-    /// `capacity_bytes` is split evenly between the pools.
+    /// The multi-touch pool's share is half of `capacity_bytes`.
     pub fn new(capacity_bytes: u64, block_bytes: u64) -> Self {
         let counters = Arc::new(CacheCounters::default());
         counters
@@ -49,8 +57,8 @@ impl BlockCache {
         BlockCache {
             single_touch: Lru::new(),
             multi_touch: Lru::new(),
-            single_touch_limit_bytes: capacity_bytes / 2,
-            multi_touch_limit_bytes: capacity_bytes - capacity_bytes / 2,
+            capacity_bytes,
+            multi_touch_share_bytes: capacity_bytes - capacity_bytes / 2,
             block_bytes,
             counters,
         }
@@ -83,7 +91,7 @@ impl BlockCache {
     /// Caches a block just read from the extent store.
     pub fn insert(&mut self, key: CacheKey, block: Bytes) {
         debug_assert_eq!(block.len() as u64, self.block_bytes);
-        if self.single_touch_limit_bytes < self.block_bytes {
+        if self.capacity_bytes < self.block_bytes {
             return;
         }
         self.multi_touch.remove(&key);
@@ -100,19 +108,17 @@ impl BlockCache {
     }
 
     fn enforce_limits(&mut self) {
-        while self.bytes(&self.multi_touch) > self.multi_touch_limit_bytes {
-            match self.multi_touch.pop_lru() {
-                Some((key, block)) => {
-                    self.single_touch.insert(key, block);
-                }
-                None => break,
+        while self.bytes(&self.single_touch) + self.bytes(&self.multi_touch) > self.capacity_bytes {
+            if self.bytes(&self.multi_touch) > self.multi_touch_share_bytes {
+                let (key, block) = self.multi_touch.pop_lru().expect("a pool over its share");
+                self.single_touch.insert(key, block);
+            } else if self.single_touch.pop_lru().is_none() {
+                self.multi_touch.pop_lru();
             }
         }
-        while self.bytes(&self.single_touch) > self.single_touch_limit_bytes {
-            if self.single_touch.pop_lru().is_none() {
-                break;
-            }
-        }
+        debug_assert!(
+            self.bytes(&self.single_touch) + self.bytes(&self.multi_touch) <= self.capacity_bytes
+        );
         self.publish_sizes();
     }
 
@@ -155,8 +161,41 @@ mod tests {
         }
         assert_eq!(cache.get(&key(0)).unwrap()[0], 0);
         let counters = cache.counters();
-        assert!(counters.single_touch_bytes.load(Ordering::Relaxed) <= 4 * 4096);
+        assert_eq!(
+            counters.single_touch_bytes.load(Ordering::Relaxed),
+            7 * 4096
+        );
         assert_eq!(counters.multi_touch_bytes.load(Ordering::Relaxed), 4096);
+    }
+
+    #[test]
+    fn a_working_set_that_fits_stays_whole_and_a_scan_takes_only_what_exceeds_the_share() {
+        let mut cache = BlockCache::new(8 * 4096, 4096);
+        // Six blocks read twice: more than the multi-touch pool's share, less than the cache.
+        for b in 0..6 {
+            cache.insert(key(b), block(b as u8));
+            assert!(cache.get(&key(b)).is_some());
+        }
+        for round in 0..3 {
+            for b in 0..6 {
+                assert!(cache.get(&key(b)).is_some(), "round {round}, block {b}");
+            }
+        }
+        let counters = cache.counters();
+        assert_eq!(counters.multi_touch_bytes.load(Ordering::Relaxed), 6 * 4096);
+        assert_eq!(counters.multi_touch_hits.load(Ordering::Relaxed), 18);
+        // A scan: the multi-touch pool keeps its share, its most recently used blocks.
+        for b in 100..200 {
+            cache.insert(key(b), block(b as u8));
+        }
+        assert_eq!(counters.multi_touch_bytes.load(Ordering::Relaxed), 4 * 4096);
+        assert_eq!(
+            counters.single_touch_bytes.load(Ordering::Relaxed),
+            4 * 4096
+        );
+        for b in 2..6 {
+            assert_eq!(cache.get(&key(b)).unwrap()[0], b as u8);
+        }
     }
 
     #[test]
