@@ -41,18 +41,10 @@ fn losing_the_metadata_file_sets_data_aside_instead_of_deleting_it() {
         "the vdisk's directories were not set aside: {aside:?}"
     );
     // The bytes are all there, in the oplog or the extent store files that were set aside.
-    let mut files = Vec::new();
-    let mut dirs = vec![quarantine.clone()];
-    while let Some(dir) = dirs.pop() {
-        for entry in std::fs::read_dir(&dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                dirs.push(path);
-            } else {
-                files.push(path);
-            }
-        }
-    }
+    let files: Vec<_> = file_listing(&quarantine)
+        .into_iter()
+        .map(|(path, _)| path)
+        .collect();
     for (i, needle) in written.chunks(4096).enumerate() {
         assert!(
             files.iter().any(|f| std::fs::read(f)
@@ -114,4 +106,77 @@ fn a_vdisk_that_cannot_start_is_offline_and_the_others_are_served() {
     );
     node.cli(&["vdisk", "delete", "broken"])
         .assert_ok("deleting an offline vdisk");
+}
+
+/// Every file under `dir` with its size, sorted: what a start must leave alone.
+fn file_listing(dir: &std::path::Path) -> Vec<(std::path::PathBuf, u64)> {
+    let mut files = Vec::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let entry = entry.unwrap();
+            if entry.file_type().unwrap().is_dir() {
+                dirs.push(entry.path());
+            } else {
+                files.push((entry.path(), entry.metadata().unwrap().len()));
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
+/// A byte changed inside a vdisk's record in `meta.redb` (its size, still valid JSON) is
+/// caught by the record's CRC: the node refuses to start with one line naming the file, and
+/// touches no data; with the file restored, every written byte reads back.
+#[test]
+fn a_damaged_metadata_record_stops_the_node_before_it_touches_any_data() {
+    let mut node = Node::start();
+    node.create_vdisk("keepme", "64M");
+    let written = write_pattern(&node, "keepme", 11);
+    node.sigterm_and_wait();
+
+    let meta = node.data_dir.join("meta.redb");
+    let intact = std::fs::read(&meta).unwrap();
+    let needle = br#""name":"keepme","size_bytes":6"#;
+    let at = intact
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .expect("the vdisk's record in meta.redb");
+    let mut damaged = intact.clone();
+    damaged[at + needle.len() - 1] = b'3'; // 64 MiB reads as 34 MiB: valid, and wrong
+    std::fs::write(&meta, &damaged).unwrap();
+    let disk = node.data_dir.join("disk0");
+    let before = file_listing(&disk);
+
+    let (nbd, http) = (common::free_port(), common::free_port());
+    let out = common::ashlar(&[
+        "node",
+        "--data-dir",
+        node.data_dir.to_str().unwrap(),
+        "--nbd-listen",
+        &format!("127.0.0.1:{nbd}"),
+        "--http-listen",
+        &format!("127.0.0.1:{http}"),
+        "--iscsi-listen",
+        &format!("127.0.0.1:{}", common::free_port()),
+    ]);
+    assert_ne!(out.code(), Some(0), "the node started on a damaged store");
+    let said = format!("{}{}", out.stdout, out.stderr);
+    assert!(
+        said.contains("meta.redb") && said.contains("CRC") && said.contains("keepme"),
+        "the error does not name the file, the damage and the key:\n{said}"
+    );
+    assert!(!said.contains("panicked"), "{said}");
+    assert_eq!(
+        file_listing(&disk),
+        before,
+        "a failed start changed the data"
+    );
+
+    std::fs::write(&meta, &intact).unwrap();
+    node.restart();
+    let mut conn = NbdConn::connect(node.nbd_addr(), "keepme").expect("connect");
+    assert_eq!(conn.read_ok(0, written.len() as u32), written);
+    conn.disconnect();
 }

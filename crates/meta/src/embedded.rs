@@ -23,7 +23,7 @@ use tokio::sync::Notify;
 
 use crate::engine::{
     check_key, check_range, storage_error, Inner, SpaceReserve, State, FORMAT_VERSION, KV, META,
-    META_FORMAT, META_LEASE_EPOCH, META_REVISION,
+    META_FORMAT, META_LEASE_EPOCH, META_REVISION, UNCHECKED_FORMAT_VERSION,
 };
 use crate::error::MetaError;
 use crate::lease::LeaseTable;
@@ -90,11 +90,13 @@ impl EmbeddedMetaStore {
                 "watch_channel_capacity and max_txn_ops must be at least 1",
             ));
         }
-        let db = Database::create(path).map_err(|e| storage_error(path, e))?;
+        let db = without_panics(path, || {
+            Database::create(path).map_err(|e| storage_error(path, e))
+        })?;
         sync_directory_entries(path).map_err(|e| storage_error(path, redb::StorageError::Io(e)))?;
         // Before the first commit: the disk may already be full.
         let reserve = SpaceReserve::open(path);
-        let (revision, epoch, dropped) = recover(&db, path)?;
+        let (revision, epoch, dropped) = without_panics(path, || recover(&db, path))?;
         reserve.renew(path);
         if dropped > 0 {
             tracing::info!(
@@ -149,6 +151,44 @@ impl EmbeddedMetaStore {
     }
 }
 
+/// Runs `open` (opening or checking the file), turning a panic into `MetaError::Corrupt`:
+/// redb trusts what it reads from its own pages, and some damage (a flipped byte in a page
+/// of the store-wide table) makes it panic rather than return an error.
+fn without_panics<T>(
+    path: &Path,
+    open: impl FnOnce() -> Result<T, MetaError>,
+) -> Result<T, MetaError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(open)).unwrap_or_else(|panic| {
+        let what = panic
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| panic.downcast_ref::<&str>().copied())
+            .unwrap_or("no message");
+        Err(MetaError::Corrupt {
+            path: path.to_path_buf(),
+            detail: format!("the file's structure is damaged (reading it failed: {what})"),
+        })
+    })
+}
+
+/// Rewrites every format-1 record (no CRC) in format 2.
+fn upgrade_records(
+    kv: &mut redb::Table<&[u8], &[u8]>,
+    err: impl Fn(redb::Error) -> MetaError,
+    corrupt: impl Fn(String) -> MetaError,
+) -> Result<usize, MetaError> {
+    let mut records = Vec::new();
+    for entry in kv.iter().map_err(|e| err(e.into()))? {
+        let (k, v) = entry.map_err(|e| err(e.into()))?;
+        records.push(record::decode_unchecked(k.value(), v.value()).map_err(&corrupt)?);
+    }
+    for record in &records {
+        kv.insert(record.key.as_slice(), record::encode(record).as_slice())
+            .map_err(|e| err(e.into()))?;
+    }
+    Ok(records.len())
+}
+
 /// Prepare the file on open: create the tables on first use, check the
 /// format, bump the lease epoch, and delete keys of the previous process's
 /// leases. One durable transaction. Returns (revision, lease epoch, keys dropped).
@@ -169,6 +209,13 @@ fn recover(db: &Database, path: &Path) -> Result<(Revision, i64, usize), MetaErr
         };
         match get(&meta, META_FORMAT)? {
             Some(FORMAT_VERSION) => {}
+            Some(UNCHECKED_FORMAT_VERSION) => {
+                let records = upgrade_records(&mut kv, err, corrupt)?;
+                meta.insert(META_FORMAT, FORMAT_VERSION)
+                    .map_err(|e| err(e.into()))?;
+                tracing::info!(path = %path.display(), records,
+                    "upgraded the metadata store to format {FORMAT_VERSION}: every record carries a CRC");
+            }
             Some(v) => {
                 return Err(corrupt(format!(
                     "format version {v}, this build reads version {FORMAT_VERSION}"

@@ -32,7 +32,10 @@ pub(crate) const META: TableDefinition<&str, i64> = TableDefinition::new("meta")
 pub(crate) const META_FORMAT: &str = "format_version";
 pub(crate) const META_REVISION: &str = "revision";
 pub(crate) const META_LEASE_EPOCH: &str = "lease_epoch";
-pub(crate) const FORMAT_VERSION: i64 = 1;
+/// Format 2: every record carries a CRC (`record.rs`).
+pub(crate) const FORMAT_VERSION: i64 = 2;
+/// Format 1: records without a CRC, upgraded on open.
+pub(crate) const UNCHECKED_FORMAT_VERSION: i64 = 1;
 
 pub(crate) struct State {
     pub(crate) revision: Revision,
