@@ -41,7 +41,7 @@ sleep 5
 copies=$("${CLI[@]}" vdisk show restore --json | jq -r '.ownership.copies[]')
 victim=""
 for n in 1 2 3; do
-    id=$(cat "$BASE_DIR/node$n/node-id")
+    id=$(cut -d' ' -f1 "$BASE_DIR/node$n/node-id") # the id, then its CRC
     if grep -qx "$id" <<<"$copies" && [ "$n" != 1 ]; then victim=$n; fi
 done
 [ -n "$victim" ] || { echo "node 1 does not share the vdisk with another node: $copies" >&2; exit 1; }

@@ -82,33 +82,80 @@ impl<'de> Deserialize<'de> for NodeId {
 
 /// The node id of `data_dir`: read from its `node-id` file, or generated and stored durably
 /// (file synced, renamed into place, directory synced) when there is none yet. A file that
-/// exists but does not hold an id is an error, never replaced: replacing it would silently
-/// turn this node into a new member.
+/// exists but does not hold an id, or whose CRC does not match, is an error, never replaced:
+/// replacing it would silently turn this node into a new member. A file of version 1 (no
+/// CRC) is rewritten in version 2.
 pub fn load_or_create_node_id(data_dir: &Path) -> Result<NodeId, NodeIdError> {
     let path = data_dir.join(NODE_ID_FILE);
-    match std::fs::read_to_string(&path) {
-        Ok(text) => parse_node_id_file(&path, &text),
+    let text = std::fs::read(&path).map(|bytes| {
+        String::from_utf8(bytes).map_err(|_| NodeIdError::Corrupt {
+            path: path.clone(),
+            detail: "the file is not text".to_string(),
+        })
+    });
+    match text {
+        Ok(text) => match parse_node_id_file(&path, &text?)? {
+            (id, NodeIdFileVersion::Checked) => Ok(id),
+            (id, NodeIdFileVersion::Unchecked) => {
+                store_node_id_file(data_dir, id)?;
+                tracing::info!(path = %path.display(), %id, "node id file rewritten with a CRC (version 2)");
+                Ok(id)
+            }
+        },
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => create_node_id_file(data_dir),
         Err(source) => Err(NodeIdError::Io { path, source }),
     }
 }
 
-/// Format version 1 of the file: the id's 32 hex digits and a newline.
-fn parse_node_id_file(path: &Path, text: &str) -> Result<NodeId, NodeIdError> {
-    let line = text.strip_suffix('\n').unwrap_or(text);
-    line.parse().map_err(|detail| NodeIdError::Corrupt {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NodeIdFileVersion {
+    /// Version 1: the id alone.
+    Unchecked,
+    /// Version 2: the id and its CRC.
+    Checked,
+}
+
+/// The CRC32C of the id's text, as version 2 of the file writes it.
+fn node_id_crc(id_text: &str) -> String {
+    format!("{:08x}", crc32c::crc32c(id_text.as_bytes()))
+}
+
+/// Version 2 of the file: the id's 32 hex digits, a space, the CRC32C of those digits as 8
+/// lowercase hex digits, and a newline. Version 1 (the digits and a newline) is still read.
+fn parse_node_id_file(path: &Path, text: &str) -> Result<(NodeId, NodeIdFileVersion), NodeIdError> {
+    let corrupt = |detail: String| NodeIdError::Corrupt {
         path: path.to_path_buf(),
         detail,
-    })
+    };
+    let line = text.strip_suffix('\n').unwrap_or(text);
+    match line.split_once(' ') {
+        Some((id_text, crc)) => {
+            let id = id_text.parse().map_err(corrupt)?;
+            if crc != node_id_crc(id_text) {
+                return Err(corrupt(format!(
+                    "the id {id_text} does not match its CRC {crc:?}: the file is damaged"
+                )));
+            }
+            Ok((id, NodeIdFileVersion::Checked))
+        }
+        None => Ok((line.parse().map_err(corrupt)?, NodeIdFileVersion::Unchecked)),
+    }
 }
 
 fn create_node_id_file(data_dir: &Path) -> Result<NodeId, NodeIdError> {
+    let path = data_dir.join(NODE_ID_FILE);
+    let id = NodeId::random().map_err(|source| NodeIdError::Io { path, source })?;
+    store_node_id_file(data_dir, id)?;
+    Ok(id)
+}
+
+/// Writes the file (version 2) durably: synced, renamed into place, directory synced.
+fn store_node_id_file(data_dir: &Path, id: NodeId) -> Result<(), NodeIdError> {
     let path = data_dir.join(NODE_ID_FILE);
     let io = |path: &PathBuf| {
         let path = path.clone();
         move |source| NodeIdError::Io { path, source }
     };
-    let id = NodeId::random().map_err(io(&path))?;
     let temporary = data_dir.join(format!("{NODE_ID_FILE}.tmp"));
     let mut file = OpenOptions::new()
         .write(true)
@@ -116,7 +163,8 @@ fn create_node_id_file(data_dir: &Path) -> Result<NodeId, NodeIdError> {
         .truncate(true)
         .open(&temporary)
         .map_err(io(&temporary))?;
-    file.write_all(format!("{id}\n").as_bytes())
+    let id_text = id.to_string();
+    file.write_all(format!("{id_text} {}\n", node_id_crc(&id_text)).as_bytes())
         .and_then(|()| file.sync_all())
         .map_err(io(&temporary))?;
     // The rename publishes a complete file; syncing the directory makes the name durable,
@@ -125,7 +173,7 @@ fn create_node_id_file(data_dir: &Path) -> Result<NodeId, NodeIdError> {
     File::open(data_dir)
         .and_then(|dir| dir.sync_all())
         .map_err(io(&data_dir.to_path_buf()))?;
-    Ok(id)
+    Ok(())
 }
 
 #[cfg(test)]
@@ -139,7 +187,10 @@ mod tests {
         let second = load_or_create_node_id(dir.path()).unwrap();
         assert_eq!(first, second);
         let text = std::fs::read_to_string(dir.path().join(NODE_ID_FILE)).unwrap();
-        assert_eq!(text, format!("{first}\n"));
+        assert_eq!(
+            text,
+            format!("{first} {}\n", node_id_crc(&first.to_string()))
+        );
         assert!(!dir.path().join("node-id.tmp").exists());
         let other = tempfile::tempdir().unwrap();
         assert_ne!(load_or_create_node_id(other.path()).unwrap(), first);
@@ -156,6 +207,41 @@ mod tests {
             std::fs::read_to_string(dir.path().join(NODE_ID_FILE)).unwrap(),
             "not an id\n"
         );
+    }
+
+    #[test]
+    fn any_flipped_bit_of_the_file_is_an_error_never_another_id() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = load_or_create_node_id(dir.path()).unwrap();
+        let path = dir.path().join(NODE_ID_FILE);
+        let intact = std::fs::read(&path).unwrap();
+        for bit in 0..intact.len() * 8 {
+            let mut damaged = intact.clone();
+            damaged[bit / 8] ^= 1 << (bit % 8);
+            std::fs::write(&path, &damaged).unwrap();
+            match load_or_create_node_id(dir.path()) {
+                Err(NodeIdError::Corrupt { .. }) => {}
+                other => panic!("bit {bit}: {other:?} instead of an error"),
+            }
+            assert_eq!(
+                std::fs::read(&path).unwrap(),
+                damaged,
+                "a damaged file was replaced"
+            );
+        }
+        std::fs::write(&path, &intact).unwrap();
+        assert_eq!(load_or_create_node_id(dir.path()).unwrap(), id);
+    }
+
+    #[test]
+    fn a_version_1_file_keeps_its_id_and_gains_a_crc() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = NodeId::new(0xfeed_beef).unwrap();
+        std::fs::write(dir.path().join(NODE_ID_FILE), format!("{id}\n")).unwrap();
+        assert_eq!(load_or_create_node_id(dir.path()).unwrap(), id);
+        let text = std::fs::read_to_string(dir.path().join(NODE_ID_FILE)).unwrap();
+        assert_eq!(text, format!("{id} {}\n", node_id_crc(&id.to_string())));
+        assert_eq!(load_or_create_node_id(dir.path()).unwrap(), id);
     }
 
     #[test]

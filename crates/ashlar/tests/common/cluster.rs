@@ -420,11 +420,7 @@ impl Cluster {
 
     /// Node `i`'s id (`DATA_DIR/node-id`, created at its first start).
     pub fn node_id(&self, i: usize) -> String {
-        let path = self.data_dir(i).join("node-id");
-        std::fs::read_to_string(&path)
-            .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
-            .trim_end()
-            .to_string()
+        super::read_node_id(&self.data_dir(i))
     }
 
     pub fn pid(&self, i: usize) -> u32 {

@@ -908,8 +908,18 @@ pub fn cluster_node_with_lease(etcd_url: &str, lease_ttl_ms: u64, extra: &[&str]
 
 /// The node's persistent id (its data directory's `node-id` file).
 pub fn node_id(node: &Node) -> String {
-    let text = std::fs::read_to_string(node.data_dir.join("node-id")).expect("node-id file");
-    text.trim_end().to_string()
+    read_node_id(&node.data_dir)
+}
+
+/// The id in `data_dir`'s `node-id` file: its first field (version 2 adds a CRC after it).
+pub fn read_node_id(data_dir: &Path) -> String {
+    let path = data_dir.join("node-id");
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    text.split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_string()
 }
 
 /// `vdisk show NAME --json`'s ownership (owner, owner_epoch, epoch, last_owner) as `asked`
