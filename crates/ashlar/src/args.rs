@@ -176,6 +176,15 @@ pub struct NodeArgs {
     /// (e.g. ramfs) fall back to the page cache either way, with one warning in the log.
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = ["on", "off"])]
     pub direct_io: String,
+    /// Bytes of 4 KiB-aligned bounce buffers each reactor keeps for its disk I/O (K/M/G
+    /// suffixes, binary units; 1M to 1G). A disk read or write that finds them in use waits
+    /// for one to finish; one operation moves at most 1 MiB.
+    #[arg(long, default_value = "16M", value_name = "SIZE")]
+    pub io_bounce_pool: String,
+    /// Disk operations each reactor has in flight at once (1 to 32768); more wait for one to
+    /// finish. Its io_uring has room for at least this many.
+    #[arg(long, default_value_t = ashlar_storage::fs::uring::DEFAULT_MAX_IN_FLIGHT_OPS, value_name = "N")]
+    pub io_max_in_flight: usize,
     /// Shard count of vdisks created without --shards (1 to 64). One shard serves a vdisk on
     /// one core with no cross-core hop per request, and each shard has its own oplog (at
     /// least 16M); give a vdisk that needs more than one core more shards with

@@ -226,6 +226,14 @@ async fn node_info(State(state): State<ApiState>) -> Json<Value> {
             ashlar_storage::fs::NodeFs::Uring(fs) => fs.config().prefer_direct,
             _ => false,
         },
+        // Each reactor's io_uring limits (`--io-bounce-pool`, `--io-max-in-flight`).
+        "disk_io_limits": match &config.fs {
+            ashlar_storage::fs::NodeFs::Uring(fs) => json!({
+                "bounce_pool_bytes": fs.config().bounce_pool_bytes,
+                "max_in_flight_ops": fs.config().max_in_flight_ops,
+            }),
+            _ => Value::Null,
+        },
         // Files opened through the page cache because their filesystem refused O_DIRECT.
         "buffered_fallback_opens": ashlar_storage::fs::uring::buffered_fallback_opens(),
         // Data startup found that no vdisk accounts for, moved aside rather than deleted.

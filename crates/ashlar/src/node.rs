@@ -205,11 +205,28 @@ fn engine_config(args: &NodeArgs) -> Result<EngineConfig> {
             .max_writing_egroups
             .clamp(1, args.max_open_egroups.max(1)),
         default_shards: args.default_shards,
-        fs: NodeFs::detect(UringConfig {
-            prefer_direct: args.direct_io == "on",
-            ..UringConfig::default()
-        })
-        .map_err(|e| anyhow!("setting up disk I/O: {e}"))?,
+        fs: NodeFs::detect(uring_config(args)?).map_err(|e| anyhow!("setting up disk I/O: {e}"))?,
+    })
+}
+
+/// Each reactor's disk I/O limits: `--direct-io`, `--io-bounce-pool`, `--io-max-in-flight`.
+fn uring_config(args: &NodeArgs) -> Result<UringConfig> {
+    let bounce = parse_size(&args.io_bounce_pool).map_err(|e| anyhow!("--io-bounce-pool: {e}"))?;
+    if !((1 << 20)..=(1 << 30)).contains(&bounce) {
+        bail!("--io-bounce-pool must be between 1M and 1G");
+    }
+    if !(1..=32768).contains(&args.io_max_in_flight) {
+        bail!("--io-max-in-flight must be between 1 and 32768");
+    }
+    let defaults = UringConfig::default();
+    Ok(UringConfig {
+        prefer_direct: args.direct_io == "on",
+        bounce_pool_bytes: bounce as usize,
+        max_in_flight_ops: args.io_max_in_flight,
+        ring_entries: (args.io_max_in_flight as u32)
+            .next_power_of_two()
+            .max(defaults.ring_entries),
+        ..defaults
     })
 }
 
@@ -480,6 +497,8 @@ fn print_banner(
         nbd_request_budget = %format_size(limits.request_budget.capacity_bytes()),
         max_connections = args.max_connections, disk_io = config.fs.name(),
         direct_io = %args.direct_io,
+        io_bounce_pool = %args.io_bounce_pool,
+        io_max_in_flight = args.io_max_in_flight,
         startup_ms = startup.as_millis() as u64, "node ready");
     println!(
         "Ashlar node ready: NBD on {}, iSCSI on {}, HTTP API on http://{}{}",

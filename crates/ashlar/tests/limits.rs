@@ -334,6 +334,11 @@ fn limit_flags_are_explained_and_checked() {
         "--max-connections <N>",
         "closed at once",
         "[default: 1024]",
+        "--io-bounce-pool <SIZE>",
+        "bounce buffers each reactor keeps",
+        "[default: 16M]",
+        "--io-max-in-flight <N>",
+        "[default: 256]",
     ] {
         assert!(
             text.contains(needle),
@@ -353,4 +358,34 @@ fn limit_flags_are_explained_and_checked() {
     node(&["--nbd-request-budget", "512K"]).assert_cli_error("between 1M and 1T");
     node(&["--nbd-request-budget", "2T"]).assert_cli_error("between 1M and 1T");
     node(&["--nbd-request-budget", "lots"]).assert_cli_error("--nbd-request-budget");
+    node(&["--io-bounce-pool", "512K"])
+        .assert_cli_error("--io-bounce-pool must be between 1M and 1G");
+    node(&["--io-max-in-flight", "0"])
+        .assert_cli_error("--io-max-in-flight must be between 1 and 32768");
+}
+
+/// The disk I/O limits reach the node's io_uring configuration, and it serves with them.
+#[test]
+fn disk_io_limits_are_the_ones_asked_for() {
+    let node = Node::start_with(&[
+        "--io-bounce-pool",
+        "4M",
+        "--io-max-in-flight",
+        "300",
+        "--ensure-vdisk",
+        "small:16M",
+    ]);
+    let info = node.http_json("/api/v1/node");
+    assert_eq!(info["disk_io"], "io_uring", "{info}");
+    assert_eq!(
+        info["disk_io_limits"]["bounce_pool_bytes"],
+        4 << 20,
+        "{info}"
+    );
+    assert_eq!(info["disk_io_limits"]["max_in_flight_ops"], 300, "{info}");
+    let data = Rng::new(5).bytes(1 << 20);
+    let mut conn = NbdConn::connect(node.nbd_addr(), "small").expect("connect");
+    conn.write_ok(0, &data);
+    assert_eq!(conn.read_ok(0, data.len() as u32), data);
+    conn.disconnect();
 }

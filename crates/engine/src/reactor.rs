@@ -120,21 +120,12 @@ thread_local! {
     static ACTIVITY: RefCell<Option<Rc<Activity>>> = const { RefCell::new(None) };
 }
 
+#[derive(Default)]
 struct Activity {
     /// The last client I/O on this reactor, and what it was.
     last: Cell<Option<(Instant, SpinStart)>>,
     polling: Cell<bool>,
     wake_poller: Notify,
-}
-
-impl Default for Activity {
-    fn default() -> Self {
-        Activity {
-            last: Cell::new(None),
-            polling: Cell::new(false),
-            wake_poller: Notify::new(),
-        }
-    }
 }
 
 /// Marks client I/O on this reactor, a request arriving or its reply going out: it keeps
