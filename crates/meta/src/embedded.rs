@@ -139,14 +139,16 @@ impl EmbeddedMetaStore {
         F: FnOnce(&Inner) -> Result<T, MetaError> + Send + 'static,
     {
         let inner = Arc::clone(&self.inner);
+        // A panic inside redb (damage it trusted) is this call's Corrupt error; the state
+        // mutex it held is poisoned, so later calls fail with `Poisoned`.
+        let call = move || without_panics(&inner.path, || f(&inner));
         match Handle::try_current() {
-            Ok(handle) => match handle.spawn_blocking(move || f(&inner)).await {
+            Ok(handle) => match handle.spawn_blocking(call).await {
                 Ok(result) => result,
                 Err(e) if e.is_cancelled() => Err(MetaError::Closed),
-                // A panic inside a call: the state mutex is poisoned too.
                 Err(_) => Err(MetaError::Poisoned),
             },
-            Err(_) => f(&inner),
+            Err(_) => call(),
         }
     }
 }
