@@ -153,14 +153,14 @@ impl EmbeddedMetaStore {
     }
 }
 
-/// Runs `open` (opening or checking the file), turning a panic into `MetaError::Corrupt`:
-/// redb trusts what it reads from its own pages, and some damage (a flipped byte in a page
-/// of the store-wide table) makes it panic rather than return an error.
+/// Runs `call` (opening the file, checking it, or one operation on it), turning a panic into
+/// `MetaError::Corrupt`: redb trusts what it reads from its own pages, and some damage (a
+/// flipped byte in a page of the store-wide table) makes it panic rather than return an error.
 fn without_panics<T>(
     path: &Path,
-    open: impl FnOnce() -> Result<T, MetaError>,
+    call: impl FnOnce() -> Result<T, MetaError>,
 ) -> Result<T, MetaError> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(open)).unwrap_or_else(|panic| {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)).unwrap_or_else(|panic| {
         let what = panic
             .downcast_ref::<String>()
             .map(String::as_str)

@@ -31,9 +31,14 @@ fn record_crc(key: &[u8], body: &[u8]) -> u32 {
     crc32c::crc32c_append(crc32c::crc32c(key), body)
 }
 
+/// What is wrong with the record of `key`, for `MetaError::Corrupt`.
+fn describe(key: &[u8], what: &str) -> String {
+    format!("record of key {:?}: {what}", String::from_utf8_lossy(key))
+}
+
 /// Decode a record; the error describes what is wrong, for `MetaError::Corrupt`.
 pub(crate) fn decode(key: &[u8], bytes: &[u8]) -> Result<KeyValue, String> {
-    let describe = |what: &str| format!("record of key {:?}: {what}", String::from_utf8_lossy(key));
+    let describe = |what: &str| describe(key, what);
     if bytes.first() != Some(&RECORD_FORMAT) {
         return Err(describe(&format!(
             "record format {:?}, expected {RECORD_FORMAT}",
@@ -57,10 +62,12 @@ pub(crate) fn decode(key: &[u8], bytes: &[u8]) -> Result<KeyValue, String> {
 /// Decode a format-1 record (no CRC), written before format 2 existed.
 pub(crate) fn decode_unchecked(key: &[u8], bytes: &[u8]) -> Result<KeyValue, String> {
     if bytes.first() != Some(&UNCHECKED_RECORD_FORMAT) {
-        return Err(format!(
-            "record of key {:?}: record format {:?}, expected {UNCHECKED_RECORD_FORMAT}",
-            String::from_utf8_lossy(key),
-            bytes.first()
+        return Err(describe(
+            key,
+            &format!(
+                "record format {:?}, expected {UNCHECKED_RECORD_FORMAT}",
+                bytes.first()
+            ),
         ));
     }
     decode_body(key, bytes)
@@ -68,7 +75,7 @@ pub(crate) fn decode_unchecked(key: &[u8], bytes: &[u8]) -> Result<KeyValue, Str
 
 /// The header and value, whatever the format byte says.
 fn decode_body(key: &[u8], bytes: &[u8]) -> Result<KeyValue, String> {
-    let describe = |what: &str| format!("record of key {:?}: {what}", String::from_utf8_lossy(key));
+    let describe = |what: &str| describe(key, what);
     if bytes.len() < HEADER_LEN {
         return Err(describe(&format!(
             "{} bytes is shorter than the {HEADER_LEN}-byte header",
