@@ -154,10 +154,16 @@ pub struct NodeArgs {
     #[arg(long, default_value = "256M", value_name = "SIZE")]
     pub oplog_size: String,
     /// Oplog data one drain step moves into the extent store at once, per shard (held in
-    /// memory while it runs). Larger steps touch each extent group for more blocks at once,
-    /// so fewer syncs per block drained; 1M to 1G.
-    #[arg(long, default_value = "8M", value_name = "SIZE")]
+    /// memory while it runs, taken from --drain-memory). Larger steps bring more blocks to
+    /// each extent group they touch, so far fewer disk writes and syncs per block drained;
+    /// 1M to 1G.
+    #[arg(long, default_value = "128M", value_name = "SIZE")]
     pub drain_batch: String,
+    /// Oplog data the drain steps of the whole node hold in memory at once (1M to 1T). A step
+    /// takes --drain-batch when that much is free, else what is free (at least 1M): many
+    /// shards draining at once take smaller steps rather than more memory.
+    #[arg(long, default_value = "256M", value_name = "SIZE")]
+    pub drain_memory: String,
     /// Requests queued per shard controller before clients wait.
     #[arg(long, default_value_t = 1024, value_name = "N")]
     pub shard_queue_limit: usize,

@@ -220,6 +220,9 @@ async fn node_info(State(state): State<ApiState>) -> Json<Value> {
         "reactors": config.reactors,
         "cache_bytes": config.cache_bytes,
         "oplog_bytes_per_vdisk": config.oplog_bytes_per_vdisk,
+        // A drain step's data (`--drain-batch`) and what all of them hold (`--drain-memory`).
+        "drain_batch_bytes": config.drain_batch_bytes,
+        "drain_memory_bytes": config.drain_memory_bytes,
         "disks": config.disks.iter().map(|d| json!({"path": d.path.display().to_string(), "tier": d.tier.name()})).collect::<Vec<_>>(),
         "disk_io": config.fs.name(),
         "direct_io": match &config.fs {

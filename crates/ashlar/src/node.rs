@@ -176,6 +176,10 @@ fn engine_config(args: &NodeArgs) -> Result<EngineConfig> {
     if !((1 << 20)..=(1 << 30)).contains(&drain_batch_bytes) {
         bail!("--drain-batch must be between 1M and 1G");
     }
+    let drain_memory_bytes = size("--drain-memory", &args.drain_memory)?;
+    if !((1 << 20)..=(1 << 40)).contains(&drain_memory_bytes) {
+        bail!("--drain-memory must be between 1M and 1T");
+    }
     let disks = if args.disks.is_empty() {
         vec![Disk {
             path: args.data_dir.join("disk0"),
@@ -199,6 +203,7 @@ fn engine_config(args: &NodeArgs) -> Result<EngineConfig> {
         shard_requests_in_flight_limit:
             ashlar_engine::config::DEFAULT_SHARD_REQUESTS_IN_FLIGHT_LIMIT,
         drain_batch_bytes,
+        drain_memory_bytes,
         drain_idle: Duration::from_millis(500),
         max_open_egroups_per_shard: args.max_open_egroups.max(1),
         max_writing_egroups_per_shard: args

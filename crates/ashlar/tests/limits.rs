@@ -5,6 +5,8 @@
 //!   well-behaved clients' small I/O goes on; once the stallers leave, large writes work.
 //! - `--max-connections`: a connection over the limit is closed at once; the others are
 //!   unaffected, and a slot freed by any kind of connection end is usable again.
+//! - `--drain-batch` and `--drain-memory`: a node whose drain steps must share a budget
+//!   smaller than two steps drains all it was given, and every byte reads back.
 
 mod common;
 
@@ -339,6 +341,10 @@ fn limit_flags_are_explained_and_checked() {
         "[default: 16M]",
         "--io-max-in-flight <N>",
         "[default: 256]",
+        "--drain-batch <SIZE>",
+        "[default: 128M]",
+        "--drain-memory <SIZE>",
+        "drain steps of the whole node hold in memory",
     ] {
         assert!(
             text.contains(needle),
@@ -362,6 +368,74 @@ fn limit_flags_are_explained_and_checked() {
         .assert_cli_error("--io-bounce-pool must be between 1M and 1G");
     node(&["--io-max-in-flight", "0"])
         .assert_cli_error("--io-max-in-flight must be between 1 and 32768");
+    node(&["--drain-memory", "512K"]).assert_cli_error("--drain-memory must be between 1M and 1T");
+    node(&["--drain-memory", "2T"]).assert_cli_error("--drain-memory must be between 1M and 1T");
+    node(&["--drain-batch", "2G"]).assert_cli_error("--drain-batch must be between 1M and 1G");
+}
+
+/// Two vdisks (four shards) whose logs take more than they hold, with a drain budget smaller
+/// than two steps: steps shrink to what is free or wait, and all the data drains and
+/// reads back.
+#[test]
+fn drains_share_a_budget_smaller_than_their_steps() {
+    // The harness gives each vdisk 64M of oplog over two shards.
+    let node = Node::start_with(&[
+        "--drain-batch",
+        "2M",
+        "--drain-memory",
+        "3M",
+        "--ensure-vdisk",
+        "one:256M",
+        "--ensure-vdisk",
+        "two:256M",
+    ]);
+    let info = node.http_json("/api/v1/node");
+    assert_eq!(info["drain_batch_bytes"], 2 << 20, "{info}");
+    assert_eq!(info["drain_memory_bytes"], 3 << 20, "{info}");
+    let mut rng = Rng::new(11);
+    let chunk = 64 * 1024;
+    // 48 MiB per vdisk, more than its log holds, at scattered chunk-aligned offsets.
+    let offsets: Vec<u64> = (0..768u64)
+        .map(|i| (i * 2_654_435_761) % 4096 * chunk as u64)
+        .collect();
+    let writers: Vec<_> = ["one", "two"]
+        .into_iter()
+        .map(|name| {
+            let (addr, offsets) = (node.nbd_addr(), offsets.clone());
+            let data = rng.bytes(offsets.len() * chunk);
+            std::thread::spawn(move || {
+                let mut conn = NbdConn::connect(addr, name).expect("connect");
+                for (i, offset) in offsets.iter().enumerate() {
+                    conn.write_ok(*offset, &data[i * chunk..(i + 1) * chunk]);
+                }
+                conn.disconnect();
+                (name, data)
+            })
+        })
+        .collect();
+    let written: Vec<_> = writers.into_iter().map(|w| w.join().unwrap()).collect();
+    for (name, data) in written {
+        assert!(
+            wait_until(Duration::from_secs(60), || {
+                node.vdisk_stats(name)["oplog_live_bytes"].as_u64() == Some(0)
+            }),
+            "vdisk {name} did not drain: {}",
+            node.vdisk_stats(name)
+        );
+        // Later writes of an offset win (the offsets repeat).
+        let mut expected = std::collections::BTreeMap::new();
+        for (i, offset) in offsets.iter().enumerate() {
+            expected.insert(*offset, &data[i * chunk..(i + 1) * chunk]);
+        }
+        let mut conn = NbdConn::connect(node.nbd_addr(), name).expect("connect");
+        for (offset, bytes) in expected {
+            assert!(
+                conn.read_ok(offset, chunk as u32) == bytes,
+                "vdisk {name}: 64 KiB at {offset} read back wrong"
+            );
+        }
+        conn.disconnect();
+    }
 }
 
 /// The disk I/O limits reach the node's io_uring configuration, and it serves with them.

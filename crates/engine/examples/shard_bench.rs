@@ -115,7 +115,8 @@ fn main() {
             shard_queue_limit: 1024,
             shard_requests_in_flight_limit:
                 ashlar_engine::config::DEFAULT_SHARD_REQUESTS_IN_FLIGHT_LIMIT,
-            drain_batch_bytes: 8 << 20,
+            drain_batch_bytes: ashlar_engine::drain_budget::DEFAULT_DRAIN_BATCH_BYTES,
+            drain_memory_bytes: ashlar_engine::drain_budget::DEFAULT_DRAIN_MEMORY_BYTES,
             drain_idle: Duration::from_millis(500),
             max_open_egroups_per_shard: 256,
             max_writing_egroups_per_shard:

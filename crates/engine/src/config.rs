@@ -26,8 +26,11 @@ pub struct EngineConfig {
     pub shard_queue_limit: usize,
     /// Client requests a shard controller works on at once; more wait in its queue.
     pub shard_requests_in_flight_limit: usize,
-    /// Largest amount of oplog data one drain pass moves to the extent store.
+    /// Largest amount of oplog data one drain step moves to the extent store.
     pub drain_batch_bytes: u64,
+    /// Oplog data all the node's drain steps may hold in memory at once (see
+    /// [`crate::drain_budget`]): a step takes less than `drain_batch_bytes` when less is free.
+    pub drain_memory_bytes: u64,
     /// A shard drains its oplog when it has seen no write for this long.
     pub drain_idle: Duration,
     /// Extent groups a shard keeps open (fds and checksum blocks, 16 KiB each).

@@ -5,6 +5,7 @@
 use crate::cache::{BlockCache, CacheCounters};
 use crate::catalog::{self, CatalogError, VdiskRecord};
 use crate::config::{EngineConfig, MAX_SHARDS, MIN_OPLOG_BYTES_PER_SHARD};
+use crate::drain_budget::DrainBudget;
 use crate::gate::ServeGate;
 use crate::reactor::{ReactorId, ReactorPool};
 use crate::replication::{ReplicationSlot, Replicator};
@@ -202,6 +203,8 @@ pub struct Engine<M: MetaStore> {
     /// In a cluster: every vdisk's serving gate starts closed, and only the node's
     /// ownership layer opens it (after claiming the vdisk). See [`Engine::require_ownership`].
     ownership_required: AtomicBool,
+    /// Memory of every drain step of the node (shards, recovery, hand-overs).
+    drain_budget: DrainBudget,
 }
 
 thread_local! {
@@ -254,6 +257,7 @@ impl<M: MetaStore> Engine<M> {
                 .map_err(|e| EngineError::Storage(e.to_string()))?;
             cache_counters.push(counters);
         }
+        let drain_budget = DrainBudget::new(config.drain_memory_bytes);
         let engine = Arc::new(Engine {
             config,
             meta,
@@ -265,6 +269,7 @@ impl<M: MetaStore> Engine<M> {
             started_at: Instant::now(),
             quarantined: Mutex::new(Vec::new()),
             ownership_required: AtomicBool::new(false),
+            drain_budget,
         });
         let records = catalog::list(&engine.meta).await?;
         engine.account_for_data(&records).await?;
@@ -368,6 +373,8 @@ impl<M: MetaStore> Engine<M> {
             .max(MIN_OPLOG_BYTES_PER_SHARD);
         let max_open_egroups = self.config.max_open_egroups_per_shard;
         let max_writing_egroups = self.config.max_writing_egroups_per_shard;
+        let drain_budget = self.drain_budget.clone();
+        let drain_step_bytes = self.config.drain_batch_bytes;
         let reactor = self.reactors.get(ReactorId(vdisk.0 as usize));
         let lost_ranges = reactor
             .run(move || async move {
@@ -390,7 +397,7 @@ impl<M: MetaStore> Engine<M> {
                     log_replay_report(vdisk, &report);
                     lost_ranges += report.lost.len() as u64;
                     let live = oplog.live_bytes();
-                    drain_all(&oplog, &store).await?;
+                    drain_all(&oplog, &store, &drain_budget, drain_step_bytes).await?;
                     drop(oplog);
                     remove_oplog_dir(&fs, &dir).await?;
                     if live > 0 {
@@ -427,6 +434,7 @@ impl<M: MetaStore> Engine<M> {
                 max_open_egroups: self.config.max_open_egroups_per_shard,
                 max_writing_egroups: self.config.max_writing_egroups_per_shard,
                 drain_batch_bytes: self.config.drain_batch_bytes,
+                drain_budget: self.drain_budget.clone(),
                 drain_idle: self.config.drain_idle,
                 request_queue_limit: self.config.shard_queue_limit,
                 max_requests_in_flight: self.config.shard_requests_in_flight_limit,

@@ -7,10 +7,12 @@
 //! - [`startup`]: what startup does with data the catalog does not name (sets it aside).
 //! - [`gate`]: the per-vdisk serving gate (cluster ownership) every request passes.
 //! - [`cache`]: the per-reactor read cache (single-touch and multi-touch LRU pools).
+//! - [`drain_budget`]: the node-wide bound on the memory drain steps hold.
 
 pub mod cache;
 pub mod catalog;
 pub mod config;
+pub mod drain_budget;
 pub mod engine;
 pub mod gate;
 mod lru;

@@ -376,6 +376,7 @@ impl Node {
             shard_requests_in_flight_limit:
                 ashlar_engine::config::DEFAULT_SHARD_REQUESTS_IN_FLIGHT_LIMIT,
             drain_batch_bytes: s.drain_batch_bytes,
+            drain_memory_bytes: ashlar_engine::drain_budget::DEFAULT_DRAIN_MEMORY_BYTES,
             drain_idle: s.drain_idle,
             max_open_egroups_per_shard: s.max_open_egroups_per_shard,
             max_writing_egroups_per_shard:

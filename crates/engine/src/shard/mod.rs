@@ -24,6 +24,7 @@ pub use unreplicated::{MAX_UNREPLICATED_CHUNKS, UNREPLICATED_CHUNK_BYTES};
 pub use work::{drain_all, remove_oplog_dir};
 
 use crate::cache::BlockCache;
+use crate::drain_budget::DrainBudget;
 use crate::reactor::{ReactorId, ReplyRoute};
 use crate::replication::ReplicationSlot;
 use ashlar_core::{BlockStatusRun, Epoch, IoError, VdiskId};
@@ -155,6 +156,8 @@ pub struct ShardSpec {
     pub max_open_egroups: usize,
     pub max_writing_egroups: usize,
     pub drain_batch_bytes: u64,
+    /// The node-wide budget every drain step takes its memory from.
+    pub drain_budget: DrainBudget,
     pub drain_idle: Duration,
     pub request_queue_limit: usize,
     /// Client requests a controller works on at once (reads in flight, writes waiting for

@@ -4,6 +4,7 @@
 
 use super::inline::block_range;
 use super::Storage;
+use crate::drain_budget::DrainBudget;
 use ashlar_core::{BlockStatusRun, IoError, VdiskId, BLOCK_SIZE_BYTES, EXTENT_SIZE_BYTES};
 use ashlar_storage::extent_store::{ExtentError, ExtentStore, WriteBatch};
 use ashlar_storage::fs::{remove_tree, NodeFs};
@@ -251,10 +252,16 @@ impl DrainError {
     }
 }
 
-/// Moves about `max_bytes` of the oldest live oplog entries into the extent store, syncs it,
-/// and lets the oplog free what it no longer needs. Returns how many entries moved.
-pub(super) async fn drain_step(storage: Rc<Storage>, max_bytes: u64) -> Result<usize, DrainError> {
-    drain_batch(&storage.oplog, &storage.store, max_bytes).await
+/// Moves about `max_bytes` of the oldest live oplog entries into the extent store (less when
+/// the node's drain budget has less free), syncs it, and lets the oplog free what it no
+/// longer needs. Returns how many entries moved.
+pub(super) async fn drain_step(
+    storage: Rc<Storage>,
+    budget: DrainBudget,
+    max_bytes: u64,
+) -> Result<usize, DrainError> {
+    let allowance = budget.take(max_bytes).await;
+    drain_batch(&storage.oplog, &storage.store, allowance.bytes()).await
 }
 
 async fn drain_batch(
@@ -306,11 +313,18 @@ async fn drain_batch(
     Ok(items.len())
 }
 
-/// Drains every live oplog entry into the extent store, then lets the log finish freeing
-/// its segments. Used when a shard retires and when a node recovers oplogs left by a crash.
-pub async fn drain_all(oplog: &Oplog<NodeFs>, store: &ExtentStore<NodeFs>) -> Result<(), String> {
+/// Drains every live oplog entry into the extent store, in steps of at most `step_bytes`
+/// taken from the node's drain budget, then lets the log finish freeing its segments. Used
+/// when a shard retires and when a node recovers oplogs left by a crash.
+pub async fn drain_all(
+    oplog: &Oplog<NodeFs>,
+    store: &ExtentStore<NodeFs>,
+    budget: &DrainBudget,
+    step_bytes: u64,
+) -> Result<(), String> {
     while !oplog.is_empty() {
-        drain_batch(oplog, store, u64::MAX)
+        let allowance = budget.take(step_bytes).await;
+        drain_batch(oplog, store, allowance.bytes())
             .await
             .map_err(|e| e.to_string())?;
     }
@@ -332,11 +346,12 @@ pub(super) async fn hand_over(
     fs: NodeFs,
     oplog_dir: std::path::PathBuf,
     discard: bool,
+    (budget, step_bytes): (DrainBudget, u64),
 ) -> Result<(), String> {
     if discard {
         storage.oplog.idle().await;
     } else {
-        drain_all(&storage.oplog, &storage.store).await?;
+        drain_all(&storage.oplog, &storage.store, &budget, step_bytes).await?;
     }
     storage.store.close_all();
     remove_oplog_dir(&fs, &oplog_dir).await

@@ -24,6 +24,8 @@ pub fn config(dir: &Path, oplog_bytes_per_vdisk: u64) -> EngineConfig {
         shard_requests_in_flight_limit:
             ashlar_engine::config::DEFAULT_SHARD_REQUESTS_IN_FLIGHT_LIMIT,
         drain_batch_bytes: 1 << 20,
+        // Two shards' steps share it: a step sometimes takes less than it wants.
+        drain_memory_bytes: 3 << 19,
         drain_idle: Duration::from_millis(50),
         max_open_egroups_per_shard: 8,
         max_writing_egroups_per_shard: ashlar_storage::extent_store::DEFAULT_MAX_WRITING_EGROUPS,
