@@ -15,7 +15,7 @@ use super::format::{data_offset, BLOCKS_PER_EXTENT, BLOCK_LEN, EXTENTS};
 use super::table::{zero_block_crc, BlockState, Entry};
 use super::{io_error, ExtentError};
 use crate::fs::{DiskFile, Filesystem};
-use crate::join::try_run_windowed;
+use crate::join::try_join_all;
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -256,13 +256,7 @@ fn table_bits(entries: &[(usize, Entry)]) -> u8 {
 
 type IoFuture<'f> = Pin<Box<dyn Future<Output = Result<(), ExtentError>> + 'f>>;
 
-/// Disk writes one egroup's phase keeps in flight. A large drain step brings tens of blocks
-/// to each egroup; all of them at once would queue the oplog's commits (a QD1 client's
-/// every write) behind them.
-const MAX_PHASE_WRITES_IN_FLIGHT: usize = 8;
-
-/// Issues the data runs, hole punches and runs of checksum blocks of a phase, at most
-/// [`MAX_PHASE_WRITES_IN_FLIGHT`] at a time.
+/// Issues every data run, hole punch and run of checksum blocks of a phase concurrently.
 async fn write_all<D: DiskFile>(
     egroup: &Egroup<D>,
     data: &[(usize, Content<'_>)],
@@ -282,7 +276,7 @@ async fn write_all<D: DiskFile>(
     for (first, bytes) in &table_runs {
         ios.push(Box::pin(egroup.write_table_run(*first, bytes)));
     }
-    try_run_windowed(ios, MAX_PHASE_WRITES_IN_FLIGHT).await
+    try_join_all(ios).await.map(|_| ())
 }
 
 /// Runs of consecutive blocks; a run borrowed from one contiguous batch buffer is not copied.
