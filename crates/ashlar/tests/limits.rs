@@ -374,8 +374,9 @@ fn limit_flags_are_explained_and_checked() {
 }
 
 /// Two vdisks (four shards) whose logs take more than they hold, with a drain budget smaller
-/// than two steps: steps shrink to what is free or wait, and all the data drains and
-/// reads back.
+/// than two steps: every drain completes and all the data reads back. (That steps shrink
+/// to what is free, or wait, is shown by the unit tests of `drain_budget.rs`; this test
+/// shows the node's flags reach the engine and a tight budget loses nothing.)
 #[test]
 fn drains_share_a_budget_smaller_than_their_steps() {
     // The harness gives each vdisk 64M of oplog over two shards.
