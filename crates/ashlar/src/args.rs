@@ -177,6 +177,12 @@ pub struct NodeArgs {
     /// client writes from queueing behind a drain step's writes and syncs (their p99 latency).
     #[arg(long, default_value_t = ashlar_storage::extent_store::DEFAULT_MAX_WRITING_EGROUPS, value_name = "N")]
     pub max_writing_egroups: usize,
+    /// Disk writes one extent group keeps in flight while a write batch (a drain step, a
+    /// bypass write) updates it (1 to 4096). A large drain step brings tens of blocks to each
+    /// extent group; more in flight drains a little faster, fewer keeps the oplog's commits
+    /// (every client write at QD1) from queueing behind them.
+    #[arg(long, default_value_t = ashlar_storage::extent_store::DEFAULT_WRITES_IN_FLIGHT_PER_EGROUP, value_name = "N")]
+    pub writes_in_flight_per_egroup: usize,
     /// Disk I/O with O_DIRECT (`on`, the default: data is cached once, in Ashlar's cache) or
     /// through the kernel page cache (`off`). Files on a filesystem that refuses O_DIRECT
     /// (e.g. ramfs) fall back to the page cache either way, with one warning in the log.

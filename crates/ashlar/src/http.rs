@@ -223,6 +223,10 @@ async fn node_info(State(state): State<ApiState>) -> Json<Value> {
         // A drain step's data (`--drain-batch`) and what all of them hold (`--drain-memory`).
         "drain_batch_bytes": config.drain_batch_bytes,
         "drain_memory_bytes": config.drain_memory_bytes,
+        // How a drain step writes the extent store (`--max-writing-egroups`,
+        // `--writes-in-flight-per-egroup`).
+        "max_writing_egroups": config.max_writing_egroups_per_shard,
+        "writes_in_flight_per_egroup": config.writes_in_flight_per_egroup,
         "disks": config.disks.iter().map(|d| json!({"path": d.path.display().to_string(), "tier": d.tier.name()})).collect::<Vec<_>>(),
         "disk_io": config.fs.name(),
         "direct_io": match &config.fs {

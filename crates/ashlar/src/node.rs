@@ -180,6 +180,9 @@ fn engine_config(args: &NodeArgs) -> Result<EngineConfig> {
     if !((1 << 20)..=(1 << 40)).contains(&drain_memory_bytes) {
         bail!("--drain-memory must be between 1M and 1T");
     }
+    if !(1..=4096).contains(&args.writes_in_flight_per_egroup) {
+        bail!("--writes-in-flight-per-egroup must be between 1 and 4096");
+    }
     let disks = if args.disks.is_empty() {
         vec![Disk {
             path: args.data_dir.join("disk0"),
@@ -209,6 +212,7 @@ fn engine_config(args: &NodeArgs) -> Result<EngineConfig> {
         max_writing_egroups_per_shard: args
             .max_writing_egroups
             .clamp(1, args.max_open_egroups.max(1)),
+        writes_in_flight_per_egroup: args.writes_in_flight_per_egroup,
         default_shards: args.default_shards,
         fs: NodeFs::detect(uring_config(args)?).map_err(|e| anyhow!("setting up disk I/O: {e}"))?,
     })

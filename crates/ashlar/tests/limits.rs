@@ -5,8 +5,9 @@
 //!   well-behaved clients' small I/O goes on; once the stallers leave, large writes work.
 //! - `--max-connections`: a connection over the limit is closed at once; the others are
 //!   unaffected, and a slot freed by any kind of connection end is usable again.
-//! - `--drain-batch` and `--drain-memory`: a node whose drain steps must share a budget
-//!   smaller than two steps drains all it was given, and every byte reads back.
+//! - `--drain-batch`, `--drain-memory` and `--writes-in-flight-per-egroup`: a node whose
+//!   drain steps must share a budget smaller than two steps, each extent group written two
+//!   writes at a time, drains all it was given, and every byte reads back.
 
 mod common;
 
@@ -345,6 +346,8 @@ fn limit_flags_are_explained_and_checked() {
         "[default: 128M]",
         "--drain-memory <SIZE>",
         "drain steps of the whole node hold in memory",
+        "--writes-in-flight-per-egroup <N>",
+        "[default: 8]",
     ] {
         assert!(
             text.contains(needle),
@@ -371,6 +374,10 @@ fn limit_flags_are_explained_and_checked() {
     node(&["--drain-memory", "512K"]).assert_cli_error("--drain-memory must be between 1M and 1T");
     node(&["--drain-memory", "2T"]).assert_cli_error("--drain-memory must be between 1M and 1T");
     node(&["--drain-batch", "2G"]).assert_cli_error("--drain-batch must be between 1M and 1G");
+    for bad in ["0", "5000"] {
+        node(&["--writes-in-flight-per-egroup", bad])
+            .assert_cli_error("--writes-in-flight-per-egroup must be between 1 and 4096");
+    }
 }
 
 /// Two vdisks (four shards) whose logs take more than they hold, with a drain budget smaller
@@ -385,6 +392,8 @@ fn drains_share_a_budget_smaller_than_their_steps() {
         "2M",
         "--drain-memory",
         "3M",
+        "--writes-in-flight-per-egroup",
+        "2",
         "--ensure-vdisk",
         "one:256M",
         "--ensure-vdisk",
@@ -393,6 +402,7 @@ fn drains_share_a_budget_smaller_than_their_steps() {
     let info = node.http_json("/api/v1/node");
     assert_eq!(info["drain_batch_bytes"], 2 << 20, "{info}");
     assert_eq!(info["drain_memory_bytes"], 3 << 20, "{info}");
+    assert_eq!(info["writes_in_flight_per_egroup"], 2, "{info}");
     let mut rng = Rng::new(11);
     let chunk = 64 * 1024;
     // 48 MiB per vdisk, more than its log holds, at scattered chunk-aligned offsets.

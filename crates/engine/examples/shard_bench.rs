@@ -121,6 +121,8 @@ fn main() {
             max_open_egroups_per_shard: 256,
             max_writing_egroups_per_shard:
                 ashlar_storage::extent_store::DEFAULT_MAX_WRITING_EGROUPS,
+            writes_in_flight_per_egroup:
+                ashlar_storage::extent_store::DEFAULT_WRITES_IN_FLIGHT_PER_EGROUP,
             default_shards: 1,
             fs: ashlar_storage::fs::NodeFs::Std(ashlar_storage::fs::StdFs),
         };

@@ -38,6 +38,9 @@ pub struct EngineConfig {
     /// Extent groups one write batch of a shard (a drain step, a bypass write) writes at once
     /// (see `ExtentStoreConfig::max_writing_egroups`).
     pub max_writing_egroups_per_shard: usize,
+    /// Disk writes one extent group's write phase keeps in flight (see
+    /// `ExtentStoreConfig::writes_in_flight_per_egroup`).
+    pub writes_in_flight_per_egroup: usize,
     /// Shard count of a new vdisk when the user does not choose one.
     pub default_shards: u32,
     /// How the engine reaches its disks (io_uring, blocking calls, or a simulated disk).

@@ -373,6 +373,7 @@ impl<M: MetaStore> Engine<M> {
             .max(MIN_OPLOG_BYTES_PER_SHARD);
         let max_open_egroups = self.config.max_open_egroups_per_shard;
         let max_writing_egroups = self.config.max_writing_egroups_per_shard;
+        let writes_in_flight_per_egroup = self.config.writes_in_flight_per_egroup;
         let drain_budget = self.drain_budget.clone();
         let drain_step_bytes = self.config.drain_batch_bytes;
         let reactor = self.reactors.get(ReactorId(vdisk.0 as usize));
@@ -385,6 +386,7 @@ impl<M: MetaStore> Engine<M> {
                         disks,
                         max_open_egroups,
                         max_writing_egroups,
+                        writes_in_flight_per_egroup,
                     },
                 );
                 let mut lost_ranges = 0;
@@ -433,6 +435,7 @@ impl<M: MetaStore> Engine<M> {
                 disks: self.config.disks.clone(),
                 max_open_egroups: self.config.max_open_egroups_per_shard,
                 max_writing_egroups: self.config.max_writing_egroups_per_shard,
+                writes_in_flight_per_egroup: self.config.writes_in_flight_per_egroup,
                 drain_batch_bytes: self.config.drain_batch_bytes,
                 drain_budget: self.drain_budget.clone(),
                 drain_idle: self.config.drain_idle,

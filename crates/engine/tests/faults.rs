@@ -381,6 +381,8 @@ impl Node {
             max_open_egroups_per_shard: s.max_open_egroups_per_shard,
             max_writing_egroups_per_shard:
                 ashlar_storage::extent_store::DEFAULT_MAX_WRITING_EGROUPS,
+            writes_in_flight_per_egroup:
+                ashlar_storage::extent_store::DEFAULT_WRITES_IN_FLIGHT_PER_EGROUP,
             default_shards: 1,
             fs: NodeFs::Sim(self.sim.clone()),
         }

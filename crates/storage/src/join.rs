@@ -37,12 +37,23 @@ where
     join_all(futures).await.into_iter().collect()
 }
 
+/// What [`try_run_windowed`] does once a future has failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum AfterError {
+    /// Starts nothing more: for independent units of work that a retry redoes whole.
+    StopStarting,
+    /// Starts every future still: for parts of one unit whose recovery assumes all of them
+    /// were issued (an egroup phase's writes, docs/extent-store-format.md "Writes").
+    StartTheRest,
+}
+
 /// Runs the futures in order with at most `width` (at least 1) in flight, starting the next as
-/// one finishes. After the first error no further future starts; those in flight finish, then
-/// that error is returned.
+/// one finishes. After the first error, `after_error` says whether more start; those in
+/// flight always finish, then the first error is returned.
 pub(crate) async fn try_run_windowed<E, F>(
     futures: impl IntoIterator<Item = F>,
     width: usize,
+    after_error: AfterError,
 ) -> Result<(), E>
 where
     F: Future<Output = Result<(), E>>,
@@ -53,7 +64,8 @@ where
     let mut running: Vec<Pin<Box<F>>> = Vec::with_capacity(width);
     let mut first_error: Option<E> = None;
     std::future::poll_fn(|cx| loop {
-        while !source_done && first_error.is_none() && running.len() < width {
+        let starting = first_error.is_none() || after_error == AfterError::StartTheRest;
+        while !source_done && starting && running.len() < width {
             match source.next() {
                 Some(future) => running.push(Box::pin(future)),
                 None => source_done = true,
@@ -69,7 +81,8 @@ where
             }
             Poll::Pending => true,
         });
-        if running.is_empty() && (source_done || first_error.is_some()) {
+        let starting = first_error.is_none() || after_error == AfterError::StartTheRest;
+        if running.is_empty() && (source_done || !starting) {
             return Poll::Ready(());
         }
         if running.len() == before {
@@ -82,21 +95,22 @@ where
 
 #[cfg(test)]
 mod tests {
-    use super::try_run_windowed;
+    use super::{try_run_windowed, AfterError};
     use std::cell::Cell;
 
-    /// Each future yields once; `peak` records the most in flight at once.
+    /// Each future yields once and fails if its id is in `failing`; `peak` records the most in
+    /// flight at once.
     async fn step(
         id: u32,
         live: &Cell<usize>,
         peak: &Cell<usize>,
-        fail: Option<u32>,
+        failing: &[u32],
     ) -> Result<(), u32> {
         live.set(live.get() + 1);
         peak.set(peak.get().max(live.get()));
         tokio::task::yield_now().await;
         live.set(live.get() - 1);
-        if fail == Some(id) {
+        if failing.contains(&id) {
             Err(id)
         } else {
             Ok(())
@@ -108,9 +122,12 @@ mod tests {
         let (live, peak, started) = (Cell::new(0), Cell::new(0), Cell::new(0));
         let futures = (0..10).map(|id| {
             started.set(started.get() + 1);
-            step(id, &live, &peak, None)
+            step(id, &live, &peak, &[])
         });
-        assert_eq!(try_run_windowed(futures, 3).await, Ok(()));
+        assert_eq!(
+            try_run_windowed(futures, 3, AfterError::StopStarting).await,
+            Ok(())
+        );
         assert_eq!(started.get(), 10);
         assert_eq!(peak.get(), 3);
     }
@@ -120,14 +137,33 @@ mod tests {
         let (live, peak, started) = (Cell::new(0), Cell::new(0), Cell::new(0));
         let futures = (0..10).map(|id| {
             started.set(started.get() + 1);
-            step(id, &live, &peak, Some(1))
+            step(id, &live, &peak, &[1])
         });
-        assert_eq!(try_run_windowed(futures, 2).await, Err(1));
+        assert_eq!(
+            try_run_windowed(futures, 2, AfterError::StopStarting).await,
+            Err(1)
+        );
         assert_eq!(
             started.get(),
             2,
             "the window held 0 and 1; nothing started after 1 failed"
         );
+        assert_eq!(live.get(), 0, "every started future finished");
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn can_start_every_future_after_an_error_and_return_the_first() {
+        let (live, peak, started) = (Cell::new(0), Cell::new(0), Cell::new(0));
+        let futures = (0..10).map(|id| {
+            started.set(started.get() + 1);
+            step(id, &live, &peak, &[1, 7])
+        });
+        assert_eq!(
+            try_run_windowed(futures, 2, AfterError::StartTheRest).await,
+            Err(1)
+        );
+        assert_eq!(started.get(), 10, "every future started despite the errors");
+        assert_eq!(peak.get(), 2, "still at most the width in flight");
         assert_eq!(live.get(), 0, "every started future finished");
     }
 }

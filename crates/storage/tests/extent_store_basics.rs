@@ -26,6 +26,8 @@ fn config(dirs: &[&Path]) -> ExtentStoreConfig {
         disks: dirs.iter().map(|d| disk(d)).collect(),
         max_open_egroups: 2,
         max_writing_egroups: ashlar_storage::extent_store::DEFAULT_MAX_WRITING_EGROUPS,
+        writes_in_flight_per_egroup:
+            ashlar_storage::extent_store::DEFAULT_WRITES_IN_FLIGHT_PER_EGROUP,
     }
 }
 

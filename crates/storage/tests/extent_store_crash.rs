@@ -29,6 +29,8 @@ fn config(disks: usize, max_open_egroups: usize) -> ExtentStoreConfig {
             .collect(),
         max_open_egroups,
         max_writing_egroups: ashlar_storage::extent_store::DEFAULT_MAX_WRITING_EGROUPS,
+        writes_in_flight_per_egroup:
+            ashlar_storage::extent_store::DEFAULT_WRITES_IN_FLIGHT_PER_EGROUP,
     }
 }
 

@@ -155,6 +155,7 @@ pub struct ShardSpec {
     pub disks: Vec<Disk>,
     pub max_open_egroups: usize,
     pub max_writing_egroups: usize,
+    pub writes_in_flight_per_egroup: usize,
     pub drain_batch_bytes: u64,
     /// The node-wide budget every drain step takes its memory from.
     pub drain_budget: DrainBudget,
@@ -242,6 +243,7 @@ pub async fn start_shard(
             disks: spec.disks.clone(),
             max_open_egroups: spec.max_open_egroups,
             max_writing_egroups: spec.max_writing_egroups,
+            writes_in_flight_per_egroup: spec.writes_in_flight_per_egroup,
         },
     );
     let (request_tx, request_rx) = mpsc::channel(spec.request_queue_limit);

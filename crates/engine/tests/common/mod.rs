@@ -29,6 +29,8 @@ pub fn config(dir: &Path, oplog_bytes_per_vdisk: u64) -> EngineConfig {
         drain_idle: Duration::from_millis(50),
         max_open_egroups_per_shard: 8,
         max_writing_egroups_per_shard: ashlar_storage::extent_store::DEFAULT_MAX_WRITING_EGROUPS,
+        writes_in_flight_per_egroup:
+            ashlar_storage::extent_store::DEFAULT_WRITES_IN_FLIGHT_PER_EGROUP,
         default_shards: 2,
         fs: ashlar_storage::fs::NodeFs::detect(Default::default()).unwrap(),
     }

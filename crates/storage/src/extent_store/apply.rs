@@ -15,7 +15,7 @@ use super::format::{data_offset, BLOCKS_PER_EXTENT, BLOCK_LEN, EXTENTS};
 use super::table::{zero_block_crc, BlockState, Entry};
 use super::{io_error, ExtentError};
 use crate::fs::{DiskFile, Filesystem};
-use crate::join::try_join_all;
+use crate::join::{try_run_windowed, AfterError};
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -52,12 +52,14 @@ struct Actions<'a> {
     after: Vec<(usize, After)>,
 }
 
-/// Applies `blocks` (egroup block index → action) durably; on error the egroup is left for
+/// Applies `blocks` (egroup block index → action) durably, keeping at most
+/// `writes_in_flight` disk writes of a phase in flight; on error the egroup is left for
 /// `recover` and every block still reads its old or its new content.
 pub(crate) async fn apply_plan<F: Filesystem>(
     fs: &F,
     egroup: &Egroup<F::File>,
     blocks: BTreeMap<usize, BlockOp<'_>>,
+    writes_in_flight: usize,
 ) -> Result<(), ExtentError> {
     let mut touched = 0u8;
     let mut with_content = 0u8;
@@ -78,7 +80,7 @@ pub(crate) async fn apply_plan<F: Filesystem>(
     }
     let actions = decide(egroup, blocks, &views).await?;
     drop(views);
-    let result = run(egroup, &actions).await;
+    let result = run(egroup, &actions, writes_in_flight).await;
     if result.is_err() {
         egroup.mark_failed();
     }
@@ -216,12 +218,17 @@ async fn old_block<D: DiskFile>(
     Ok(buf)
 }
 
-async fn run<D: DiskFile>(egroup: &Egroup<D>, acts: &Actions<'_>) -> Result<(), ExtentError> {
+async fn run<D: DiskFile>(
+    egroup: &Egroup<D>,
+    acts: &Actions<'_>,
+    writes_in_flight: usize,
+) -> Result<(), ExtentError> {
     if !acts.a_entries.is_empty() || !acts.a_data.is_empty() {
         for &(block, entry) in &acts.a_entries {
             egroup.set_entry(block, entry);
         }
-        write_all(egroup, &acts.a_data, &[], table_bits(&acts.a_entries)).await?;
+        let tables = table_bits(&acts.a_entries);
+        write_all(egroup, &acts.a_data, &[], tables, writes_in_flight).await?;
         egroup.sync().await?;
     }
     for &(block, entry) in &acts.b_entries {
@@ -232,6 +239,7 @@ async fn run<D: DiskFile>(egroup: &Egroup<D>, acts: &Actions<'_>) -> Result<(), 
         &acts.b_data,
         &acts.b_punch,
         table_bits(&acts.b_entries),
+        writes_in_flight,
     )
     .await?;
     if egroup.unsynced.get() != 0 {
@@ -256,12 +264,16 @@ fn table_bits(entries: &[(usize, Entry)]) -> u8 {
 
 type IoFuture<'f> = Pin<Box<dyn Future<Output = Result<(), ExtentError>> + 'f>>;
 
-/// Issues every data run, hole punch and run of checksum blocks of a phase concurrently.
+/// Issues every data run, hole punch and run of checksum blocks of a phase, at most
+/// `writes_in_flight` at a time. Every one is issued even after one fails: recovery rewrites
+/// the checksum blocks from memory, which already describes the phase's new states, and
+/// relies on each data write having been attempted (docs/extent-store-format.md, "Writes").
 async fn write_all<D: DiskFile>(
     egroup: &Egroup<D>,
     data: &[(usize, Content<'_>)],
     punch: &[usize],
     tables: u8,
+    writes_in_flight: usize,
 ) -> Result<(), ExtentError> {
     let table_runs = egroup.table_runs(tables);
     let mut ios: Vec<IoFuture<'_>> = Vec::new();
@@ -276,7 +288,7 @@ async fn write_all<D: DiskFile>(
     for (first, bytes) in &table_runs {
         ios.push(Box::pin(egroup.write_table_run(*first, bytes)));
     }
-    try_join_all(ios).await.map(|_| ())
+    try_run_windowed(ios, writes_in_flight, AfterError::StartTheRest).await
 }
 
 /// Runs of consecutive blocks; a run borrowed from one contiguous batch buffer is not copied.

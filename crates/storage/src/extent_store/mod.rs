@@ -49,10 +49,17 @@ pub struct ExtentStoreConfig {
     /// `max_open_egroups`): enough to keep the disk busy, few enough that the oplog's commits
     /// are not queued behind a whole batch's writes and syncs.
     pub max_writing_egroups: usize,
+    /// Disk writes one egroup's write phase keeps in flight (at least 1). A large drain step
+    /// brings tens of blocks to each egroup: issued all at once, they queue the oplog's
+    /// commits (a QD1 client's every write) behind them.
+    pub writes_in_flight_per_egroup: usize,
 }
 
 /// Default of [`ExtentStoreConfig::max_writing_egroups`].
 pub const DEFAULT_MAX_WRITING_EGROUPS: usize = 2;
+
+/// Default of [`ExtentStoreConfig::writes_in_flight_per_egroup`].
+pub const DEFAULT_WRITES_IN_FLIGHT_PER_EGROUP: usize = 8;
 
 /// What went wrong. Every variant names the file; those about data name the vdisk offset and
 /// the file offset. `Corrupt`, `Poisoned`, `Lost`, `BadHeader` and `BadChecksumBlock` persist

@@ -8,7 +8,7 @@ use super::format::{BLOCK, BLOCK_LEN, EGROUP_SPAN_BYTES};
 use super::table::BlockState;
 use super::{ExtentError, ExtentStore};
 use crate::fs::Filesystem;
-use crate::join::{try_join_all, try_run_windowed};
+use crate::join::{try_join_all, try_run_windowed, AfterError};
 use ashlar_core::{EXTENT_SIZE_BYTES, MAX_VDISK_SIZE_BYTES};
 
 /// The end of the range; ranges beyond the largest vdisk (1 PiB) are refused, which keeps
@@ -140,6 +140,7 @@ impl<F: Filesystem> ExtentStore<F> {
                 result
             }),
             width,
+            AfterError::StopStarting,
         )
         .await
     }
@@ -153,7 +154,10 @@ impl<F: Filesystem> ExtentStore<F> {
         let slot = self.pin(egroup);
         let _guard = slot.lock.lock().await;
         match self.load(&slot, egroup, create).await? {
-            Some(open) => apply_plan(&self.fs, open, plan(egroup, &ops)).await,
+            Some(open) => {
+                let writes_in_flight = self.config.writes_in_flight_per_egroup;
+                apply_plan(&self.fs, open, plan(egroup, &ops), writes_in_flight).await
+            }
             None => Ok(()),
         }
     }
