@@ -3,7 +3,8 @@
 # loopback (one disk, two CPUs: every copy shares them, so replication shows as CPU), one
 # vdisk per replication factor (1, 2, 3), each claimed by node 1 and driven through node 1 by
 # fio's nbd engine. For every job: IOPS, p50/p99 latency, CPU-seconds of all three node
-# processes, IOPS per server CPU-second, and the CPU per write relative to RF 1 (issue 7's
+# processes (and of each: node 1 owns every vdisk, nodes 2 and 3 hold copies), IOPS per
+# server CPU-second, and the CPU per write relative to RF 1 (issue 7's
 # goal: an RF 3 write costs at most 3.75x an RF 1 write, each copy at most 1.25x a local
 # write).
 #
@@ -35,26 +36,31 @@ for rf in $RFS; do
 done
 sleep 5 # let the fills drain
 
-cpu_ticks() { local total=0; for pid in "${NODE_PIDS[@]}"; do
-    total=$((total + $(awk '{print $14 + $15}' "/proc/$pid/stat"))); done; echo "$total"; }
+# CPU ticks (user + system) of each node process, space-separated, node 1 first.
+node_ticks() { for pid in "${NODE_PIDS[@]}"; do awk '{printf "%d ", $14 + $15}' "/proc/$pid/stat"; done; }
+# Seconds between two node_ticks readings: "total node1 node2 node3".
+cpu_seconds() { awk -v hz="$HZ" -v a="$1" -v b="$2" 'BEGIN { n = split(a, x, " "); split(b, y, " ")
+    for (i = 1; i <= n; i++) { d[i] = (y[i] - x[i]) / hz; t += d[i] }
+    printf "%.2f", t; for (i = 1; i <= n; i++) printf " %.2f", d[i] }'; }
 HZ=$(getconf CLK_TCK)
 TSV=$OUT_DIR/cluster.tsv
-printf 'rf\tjob\tiops\tp50_us\tp99_us\tnode_cpu_s\tiops_per_cpu_s\n' > "$TSV"
+printf 'rf\tjob\tiops\tp50_us\tp99_us\tnode_cpu_s\tiops_per_cpu_s\tnode1_cpu_s\tnode2_cpu_s\tnode3_cpu_s\n' > "$TSV"
 for job in $JOBS; do
     rw=${job%%:*}; qd=${job##*:}
     for rf in $RFS; do
-        before=$(cpu_ticks)
+        before=$(node_ticks)
         json=$(fio --name="rf$rf" --ioengine=nbd --uri="nbd://127.0.0.1:21809/rf$rf" --rw="$rw" \
             --bs=4k --iodepth="$qd" --runtime="$RUNTIME" --time_based --output-format=json \
             2>/dev/null | sed -n '/^{/,$p')
-        after=$(cpu_ticks)
+        after=$(node_ticks)
         side=$([ "$rw" = randread ] && echo read || echo write)
         iops=$(jq ".jobs[0].$side.iops | floor" <<<"$json")
         p50=$(jq ".jobs[0].$side.clat_ns.percentile[\"50.000000\"] / 1000 | floor" <<<"$json")
         p99=$(jq ".jobs[0].$side.clat_ns.percentile[\"99.000000\"] / 1000 | floor" <<<"$json")
-        cpu=$(awk -v t=$((after - before)) -v hz="$HZ" 'BEGIN {printf "%.2f", t / hz}')
+        read -r cpu cpu1 cpu2 cpu3 <<<"$(cpu_seconds "$before" "$after")"
         per_cpu=$(awk -v i="$iops" -v r="$RUNTIME" -v c="$cpu" 'BEGIN {printf "%.0f", i * r / c}')
-        printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$rf" "$rw-qd$qd" "$iops" "$p50" "$p99" "$cpu" "$per_cpu" \
+        printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$rf" "$rw-qd$qd" "$iops" "$p50" "$p99" "$cpu" "$per_cpu" \
+            "$cpu1" "$cpu2" "$cpu3" \
             | tee -a "$TSV"
         sleep 3 # drains between jobs
     done
