@@ -1,11 +1,20 @@
 //! Connections to the other nodes: one [`Peer`] per node this node replicates to, holding a
 //! connection that is made on first use and made again after it closed.
+//!
+//! A call made on a reactor (a shard's replicated record, a repair read) goes over that
+//! reactor's own connection to the peer, served by tasks on the reactor: the record leaves
+//! and its answer comes back on the thread that waits for it. Through the control runtime
+//! instead, every record woke the control thread to send it and woke the reactor again with
+//! the answer: a third of the owner's CPU per replicated write at QD1
+//! (bench/results/20261127-021500-vm). Calls made elsewhere use the control runtime's
+//! connection.
 
 use arc_swap::ArcSwapOption;
 use ashlar_cluster::NodeId;
 use ashlar_core::VdiskId;
 use ashlar_transport::{Connection, TcpTransport, Transport, TransportError};
 use bytes::Bytes;
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -23,8 +32,8 @@ pub struct Peer {
     node: NodeId,
     address: SocketAddr,
     transport: Arc<TcpTransport>,
-    /// Connections are made on the control runtime, whose tasks then serve them: never on a
-    /// reactor, whose thread belongs to its shards.
+    /// The connection for calls made off the reactors is made on the control runtime, whose
+    /// tasks then serve it (a caller's runtime may be short-lived: a test's, a tool's).
     control: tokio::runtime::Handle,
     connection: ArcSwapOption<Connection>,
     /// Whether the last call failed: the log says so when this changes, not per call.
@@ -50,13 +59,50 @@ impl Peer {
         self.node
     }
 
-    /// One request and its response, connecting first if there is no open connection.
+    /// One request and its response, connecting first if there is no open connection (on a
+    /// reactor: no open connection of that reactor).
     pub async fn call(&self, payload: Bytes, timeout: Duration) -> Result<Bytes, TransportError> {
-        let connection = match self.connection.load_full() {
-            Some(connection) if !connection.is_closed() => connection,
-            _ => self.connect().await?,
+        let connection = if ashlar_engine::reactor::current_reactor().is_some() {
+            self.reactor_connection().await?
+        } else {
+            match self.connection.load_full() {
+                Some(connection) if !connection.is_closed() => connection,
+                _ => self.connect().await?,
+            }
         };
         connection.call(payload, timeout).await
+    }
+
+    /// This reactor's connection to the peer, made here (its tasks run on this reactor) if
+    /// there is none open. Two calls that find none at once may both connect; the later
+    /// stays, the other closes once its call is done.
+    async fn reactor_connection(&self) -> Result<Arc<Connection>, TransportError> {
+        let key = self.reactor_key();
+        let open = REACTOR_CONNECTIONS.with(|connections| {
+            connections
+                .borrow()
+                .get(&key)
+                .filter(|connection| !connection.is_closed())
+                .cloned()
+        });
+        if let Some(connection) = open {
+            return Ok(connection);
+        }
+        let connection = Arc::new(
+            self.transport
+                .connect_node(self.address, transport_id(self.node))
+                .await?,
+        );
+        REACTOR_CONNECTIONS.with(|connections| {
+            let mut connections = connections.borrow_mut();
+            connections.retain(|_, connection| !connection.is_closed());
+            connections.insert(key, connection.clone());
+        });
+        Ok(connection)
+    }
+
+    fn reactor_key(&self) -> ReactorConnectionKey {
+        (self.transport.config().node_id, self.node, self.address)
     }
 
     async fn connect(&self) -> Result<Arc<Connection>, TransportError> {
@@ -74,6 +120,16 @@ impl Peer {
         self.connection.store(Some(connection.clone()));
         Ok(connection)
     }
+}
+
+/// A reactor's connection: from which local node (a test process may run several), to which
+/// node, at which address.
+type ReactorConnectionKey = (ashlar_transport::NodeId, NodeId, SocketAddr);
+
+thread_local! {
+    /// The connections of the reactor running on this thread, made and used only here.
+    static REACTOR_CONNECTIONS: RefCell<HashMap<ReactorConnectionKey, Arc<Connection>>> =
+        RefCell::new(HashMap::new());
 }
 
 /// The node's peers by id. Looked up when a vdisk is claimed, never per I/O.
