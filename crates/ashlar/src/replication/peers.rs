@@ -168,3 +168,83 @@ impl Peers {
         peer
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ashlar_engine::reactor::{ReactorId, ReactorPool};
+    use ashlar_transport::{
+        handler_fn, ClusterSecret, ServerStats, TransportConfig, TransportLimits,
+    };
+
+    fn transport(node: u64) -> Arc<TcpTransport> {
+        let secret = ClusterSecret::new(vec![7; 32]).unwrap();
+        let id = ashlar_transport::NodeId(node);
+        Arc::new(TcpTransport::new(TransportConfig::new(
+            id,
+            secret,
+            TransportLimits::default(),
+        )))
+    }
+
+    /// Calls made on a reactor go over that reactor's own connection, made once; calls made
+    /// elsewhere share the control runtime's.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn a_reactor_calls_over_its_own_connection_and_keeps_it() {
+        let copy = NodeId::new(2).unwrap();
+        let server = transport(transport_id(copy).0)
+            .serve(
+                "127.0.0.1:0".parse().unwrap(),
+                handler_fn(|_peer, request: Bytes| async move { Ok(request) }),
+            )
+            .await
+            .unwrap();
+        let accepted = || ServerStats::get(&server.stats().connections_accepted);
+        let peer = Peers::new(transport(1)).peer(copy, server.local_addr());
+        let timeout = Duration::from_secs(5);
+
+        for _ in 0..2 {
+            let answer = peer.call(Bytes::from_static(b"control"), timeout).await;
+            assert_eq!(answer.unwrap(), Bytes::from_static(b"control"));
+        }
+        assert_eq!(
+            accepted(),
+            1,
+            "the control runtime's calls share one connection"
+        );
+
+        let pool = ReactorPool::start(1, Duration::ZERO, &[]).unwrap();
+        let on_reactor = peer.clone();
+        let answers = pool
+            .get(ReactorId(0))
+            .run(move || async move {
+                let mut answers = Vec::new();
+                for _ in 0..3 {
+                    answers.push(
+                        on_reactor
+                            .call(Bytes::from_static(b"reactor"), timeout)
+                            .await,
+                    );
+                }
+                answers
+            })
+            .await
+            .unwrap();
+        for answer in answers {
+            assert_eq!(answer.unwrap(), Bytes::from_static(b"reactor"));
+        }
+        assert_eq!(
+            accepted(),
+            2,
+            "the reactor made one connection of its own and kept it"
+        );
+        let answer = peer.call(Bytes::from_static(b"again"), timeout).await;
+        assert_eq!(answer.unwrap(), Bytes::from_static(b"again"));
+        assert_eq!(
+            accepted(),
+            2,
+            "the control runtime's connection is still the one used"
+        );
+        pool.stop();
+    }
+}
