@@ -34,7 +34,15 @@ for rf in $RFS; do
     fio --name=fill --ioengine=nbd --uri="nbd://127.0.0.1:21809/rf$rf" --rw=write --bs=1M \
         --iodepth=8 --output-format=json > /dev/null
 done
-sleep 5 # let the fills drain
+# Oplog bytes not yet drained, summed over the three nodes (owners' and copies' vdisks).
+undrained_bytes() { local n; for n in 1 2 3; do curl -sf "http://127.0.0.1:2${n}810/metrics" || true; done |
+    awk '/^ashlar_vdisk_oplog_live_bytes/ { total += $NF } END { printf "%.0f", total }'; }
+# Waits (at most 120 s) until every node drained what the last job wrote: a job's CPU must
+# not include an earlier job's drain (with 128M drain steps that takes seconds).
+wait_drained() { local i; for i in $(seq 240); do
+    [ "$(undrained_bytes)" = 0 ] && return 0; sleep 0.5; done
+    echo "warning: $(undrained_bytes) oplog bytes still undrained after 120 s" >&2; }
+wait_drained # the fills
 
 # CPU ticks (user + system) of each node process, space-separated, node 1 first.
 node_ticks() { for pid in "${NODE_PIDS[@]}"; do awk '{printf "%d ", $14 + $15}' "/proc/$pid/stat"; done; }
@@ -62,7 +70,7 @@ for job in $JOBS; do
         printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$rf" "$rw-qd$qd" "$iops" "$p50" "$p99" "$cpu" "$per_cpu" \
             "$cpu1" "$cpu2" "$cpu3" \
             | tee -a "$TSV"
-        sleep 3 # drains between jobs
+        wait_drained
     done
 done
 # CPU per I/O relative to RF 1, per job.
