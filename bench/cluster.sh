@@ -26,16 +26,17 @@ ETCD_PORT=23791
 
 source "$HERE/cluster-start.sh"
 prepare_cluster_run "$BASE_DIR" "$OUT_DIR"
-start_cluster "$BASE_DIR" "$ETCD_PORT" 2 3000
+PORT_PREFIX=2 # node n listens on ports ${PORT_PREFIX}${n}809 (NBD), ...810 (HTTP), ...
+start_cluster "$BASE_DIR" "$ETCD_PORT" "$PORT_PREFIX" 3000
 NODE_PIDS=("${NODE_PID[1]}" "${NODE_PID[2]}" "${NODE_PID[3]}")
 for rf in $RFS; do
-    "$ASHLAR_BIN" --server http://127.0.0.1:21810 vdisk create "rf$rf" --size "$SIZE" --rf "$rf" >/dev/null
+    "$ASHLAR_BIN" --server http://127.0.0.1:${PORT_PREFIX}1810 vdisk create "rf$rf" --size "$SIZE" --rf "$rf" >/dev/null
     # Fill it (so reads read data) and claim it on node 1.
-    fio --name=fill --ioengine=nbd --uri="nbd://127.0.0.1:21809/rf$rf" --rw=write --bs=1M \
+    fio --name=fill --ioengine=nbd --uri="nbd://127.0.0.1:${PORT_PREFIX}1809/rf$rf" --rw=write --bs=1M \
         --iodepth=8 --output-format=json > /dev/null
 done
 # Oplog bytes not yet drained, summed over the three nodes (owners' and copies' vdisks).
-undrained_bytes() { local n; for n in 1 2 3; do curl -sf "http://127.0.0.1:2${n}810/metrics" || true; done |
+undrained_bytes() { local n; for n in 1 2 3; do curl -sf "http://127.0.0.1:${PORT_PREFIX}${n}810/metrics" || true; done |
     awk '/^ashlar_vdisk_oplog_live_bytes/ { total += $NF } END { printf "%.0f", total }'; }
 # Waits (at most 120 s) until every node drained what the last job wrote: a job's CPU must
 # not include an earlier job's drain (with 128M drain steps that takes seconds).
@@ -57,7 +58,7 @@ for job in $JOBS; do
     rw=${job%%:*}; qd=${job##*:}
     for rf in $RFS; do
         before=$(node_ticks)
-        json=$(fio --name="rf$rf" --ioengine=nbd --uri="nbd://127.0.0.1:21809/rf$rf" --rw="$rw" \
+        json=$(fio --name="rf$rf" --ioengine=nbd --uri="nbd://127.0.0.1:${PORT_PREFIX}1809/rf$rf" --rw="$rw" \
             --bs=4k --iodepth="$qd" --runtime="$RUNTIME" --time_based --output-format=json \
             2>/dev/null | sed -n '/^{/,$p')
         after=$(node_ticks)

@@ -265,9 +265,9 @@ fn table_bits(entries: &[(usize, Entry)]) -> u8 {
 type IoFuture<'f> = Pin<Box<dyn Future<Output = Result<(), ExtentError>> + 'f>>;
 
 /// Issues every data run, hole punch and run of checksum blocks of a phase, at most
-/// `writes_in_flight` at a time. Every one is issued even after one fails: recovery rewrites
-/// the checksum blocks from memory, which already describes the phase's new states, and
-/// relies on each data write having been attempted (docs/extent-store-format.md, "Writes").
+/// `writes_in_flight` at a time. Every one is issued even after one fails, as when all went
+/// out at once: a window that stopped at the first error lost acknowledged blocks after
+/// ENOSPC in `full_disk.rs` (docs/extent-store-format.md, "Writes").
 async fn write_all<D: DiskFile>(
     egroup: &Egroup<D>,
     data: &[(usize, Content<'_>)],
