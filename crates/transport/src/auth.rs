@@ -114,6 +114,7 @@ mod tests {
             max_in_flight_requests: 8,
             nonce: [nonce; 32],
             mac: [0; 32],
+            lane: 0,
         }
     }
 

@@ -14,10 +14,13 @@ pub struct Negotiated {
     pub peer: NodeId,
     pub max_frame_payload_bytes: u32,
     pub max_in_flight_requests: u32,
+    /// The client's lane (0: none), see [`crate::wire::hello::Hello::lane`].
+    pub lane: u8,
 }
 
-fn hello(kind: HelloKind, config: &TransportConfig) -> std::io::Result<Hello> {
+fn hello(kind: HelloKind, config: &TransportConfig, lane: u8) -> std::io::Result<Hello> {
     Ok(Hello {
+        lane,
         kind,
         node_id: config.node_id,
         max_frame_payload_bytes: config.limits.max_frame_payload_bytes,
@@ -27,8 +30,9 @@ fn hello(kind: HelloKind, config: &TransportConfig) -> std::io::Result<Hello> {
     })
 }
 
-fn negotiated(config: &TransportConfig, peer: &Hello) -> Negotiated {
+fn negotiated(config: &TransportConfig, peer: &Hello, lane: u8) -> Negotiated {
     Negotiated {
+        lane,
         peer: peer.node_id,
         max_frame_payload_bytes: config
             .limits
@@ -83,14 +87,16 @@ async fn with_timeout<T>(
         .unwrap_or(Err(TransportError::Timeout { timeout_ms }))
 }
 
-/// The connecting side's handshake, within the handshake timeout.
+/// The connecting side's handshake, within the handshake timeout. `lane`: see
+/// [`Hello::lane`].
 pub async fn client_handshake(
     reader: &mut (impl AsyncRead + Unpin),
     writer: &mut (impl AsyncWrite + Unpin),
     config: &TransportConfig,
+    lane: u8,
 ) -> Result<Negotiated, TransportError> {
     with_timeout(config, async {
-        let client_hello = hello(HelloKind::ClientHello, config)?;
+        let client_hello = hello(HelloKind::ClientHello, config, lane)?;
         send(writer, &client_hello).await?;
         let server_hello = receive(reader, HelloKind::ServerHello).await?;
         if !verify(
@@ -109,9 +115,10 @@ pub async fn client_handshake(
             max_in_flight_requests: 0,
             nonce: [0; NONCE_BYTES],
             mac: prove(&config.secret, Role::Client, &client_hello, &server_hello),
+            lane: 0,
         };
         send(writer, &proof).await?;
-        Ok(negotiated(config, &server_hello))
+        Ok(negotiated(config, &server_hello, lane))
     })
     .await
 }
@@ -124,7 +131,7 @@ pub async fn server_handshake(
 ) -> Result<Negotiated, TransportError> {
     with_timeout(config, async {
         let client_hello = receive(reader, HelloKind::ClientHello).await?;
-        let mut server_hello = hello(HelloKind::ServerHello, config)?;
+        let mut server_hello = hello(HelloKind::ServerHello, config, 0)?;
         server_hello.mac = prove(&config.secret, Role::Server, &client_hello, &server_hello);
         send(writer, &server_hello).await?;
         let proof = receive(reader, HelloKind::ClientProof).await?;
@@ -144,7 +151,7 @@ pub async fn server_handshake(
         ) {
             return Err(TransportError::AuthFailed);
         }
-        Ok(negotiated(config, &client_hello))
+        Ok(negotiated(config, &client_hello, client_hello.lane))
     })
     .await
 }

@@ -48,7 +48,7 @@ pub use error::{CloseReason, ProtocolError, RemoteError, TransportError};
 pub use faults::{LinkFaults, OutgoingFaults};
 pub use ids::{NodeId, RequestId};
 pub use limits::TransportLimits;
-pub use server::{handler_fn, FnHandler, Handler, Server, ServerStats};
+pub use server::{handler_fn, FnHandler, Handler, LanePlacer, PlacedServing, Server, ServerStats};
 pub use tcp::{TcpListener, TcpTransport, TcpWriter};
 pub use transport::{Listener, Transport};
 

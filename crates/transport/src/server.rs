@@ -21,11 +21,12 @@ use futures_util::FutureExt;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
 /// Answers requests. Runs on the runtime's tasks, many at once (up to the in-flight limit
@@ -65,6 +66,28 @@ where
     }
 }
 
+/// A connection's serving, ready to run on another runtime ([`LanePlacer`]).
+pub type PlacedServing = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send>;
+
+/// Chooses where connections that name a lane are served: a node serves the connection a
+/// peer's reactor made on its own reactor of the same lane, so a request and its answer stay
+/// on the thread that handles them.
+pub trait LanePlacer: Send + Sync + 'static {
+    /// Starts `serving` (call it there, then run its future) inside a tokio `LocalSet` on the
+    /// runtime for `lane` (the client's lane, 0-based): the connection's handlers run as
+    /// local tasks there. Dropping `serving` instead closes the connection.
+    fn place(&self, lane: u8, serving: PlacedServing);
+}
+
+/// Where a connection's handler tasks run.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HandlerTasks {
+    /// Spawned on the runtime.
+    Runtime,
+    /// Spawned on the `LocalSet` the connection is served in (a placed connection).
+    Local,
+}
+
 /// Counters of one server, for tests and metrics.
 #[derive(Debug, Default)]
 pub struct ServerStats {
@@ -77,6 +100,8 @@ pub struct ServerStats {
     pub handshakes_failed: AtomicU64,
     /// Accepted connections that have ended.
     pub connections_closed: AtomicU64,
+    /// Accepted connections handed to a [`LanePlacer`] (served on another runtime).
+    pub connections_placed: AtomicU64,
 }
 
 impl ServerStats {
@@ -102,6 +127,7 @@ impl Server {
         listener: L,
         config: TransportConfig,
         handler: H,
+        placer: Option<Arc<dyn LanePlacer>>,
     ) -> Server {
         let local_addr = listener.local_addr();
         let stats = Arc::new(ServerStats::default());
@@ -109,6 +135,7 @@ impl Server {
             listener,
             Arc::new(config),
             Arc::new(handler),
+            placer,
             Arc::clone(&stats),
         );
         Server {
@@ -132,6 +159,7 @@ async fn accept_loop<L: Listener, H: Handler>(
     mut listener: L,
     config: Arc<TransportConfig>,
     handler: Arc<H>,
+    placer: Option<Arc<dyn LanePlacer>>,
     stats: Arc<ServerStats>,
 ) {
     // Dropped with this task, which aborts every connection's task.
@@ -150,12 +178,13 @@ async fn accept_loop<L: Listener, H: Handler>(
         };
         match accepted {
             Ok((reader, writer, remote)) => {
-                let work = serve_incoming(
+                let work = serve_incoming::<L, H>(
                     reader,
                     writer,
                     remote,
                     Arc::clone(&config),
                     Arc::clone(&handler),
+                    placer.clone(),
                     Arc::clone(&stats),
                     slot,
                 );
@@ -169,19 +198,17 @@ async fn accept_loop<L: Listener, H: Handler>(
     }
 }
 
-async fn serve_incoming<R, W, H>(
-    mut reader: R,
-    mut writer: W,
+#[allow(clippy::too_many_arguments)]
+async fn serve_incoming<L: Listener, H: Handler>(
+    mut reader: L::Reader,
+    mut writer: L::Writer,
     remote: SocketAddr,
     config: Arc<TransportConfig>,
     handler: Arc<H>,
+    placer: Option<Arc<dyn LanePlacer>>,
     stats: Arc<ServerStats>,
     _slot: OwnedSemaphorePermit,
-) where
-    R: AsyncRead + Unpin + Send + 'static,
-    W: AsyncWrite + Unpin + Send + 'static,
-    H: Handler,
-{
+) {
     let negotiated = match server_handshake(&mut reader, &mut writer, &config).await {
         Ok(negotiated) => negotiated,
         Err(TransportError::AuthFailed) => {
@@ -196,9 +223,54 @@ async fn serve_incoming<R, W, H>(
         }
     };
     stats.connections_accepted.fetch_add(1, Ordering::Relaxed);
-    let reason = serve_connection(reader, writer, negotiated, &config.limits, handler).await;
+    let reason = match placer.filter(|_| negotiated.lane != 0) {
+        Some(placer) => {
+            stats.connections_placed.fetch_add(1, Ordering::Relaxed);
+            serve_placed::<L, H>(reader, writer, negotiated, config, handler, placer).await
+        }
+        None => {
+            let tasks = HandlerTasks::Runtime;
+            serve_connection(reader, writer, negotiated, &config.limits, handler, tasks).await
+        }
+    };
     stats.connections_closed.fetch_add(1, Ordering::Relaxed);
     tracing::debug!(%remote, peer = %negotiated.peer, %reason, "node-to-node connection closed");
+}
+
+/// Serves a connection that names a lane where `placer` puts it, until it ends; returns why.
+/// This task stays (holding the connection's slot) and dropping it closes the connection.
+async fn serve_placed<L: Listener, H: Handler>(
+    reader: L::Reader,
+    writer: L::Writer,
+    negotiated: Negotiated,
+    config: Arc<TransportConfig>,
+    handler: Arc<H>,
+    placer: Arc<dyn LanePlacer>,
+) -> CloseReason {
+    let portable = match L::detach(reader, writer) {
+        Ok(portable) => portable,
+        Err(error) => return CloseReason::from_io(&error),
+    };
+    let (ended, reason) = oneshot::channel();
+    // Dropped with this task: the connection, wherever it runs, closes then.
+    let (_served_while_held, dropped) = oneshot::channel::<()>();
+    let serving: PlacedServing = Box::new(move || {
+        Box::pin(async move {
+            let reason = match L::attach(portable) {
+                Ok((reader, writer)) => {
+                    let (limits, tasks) = (&config.limits, HandlerTasks::Local);
+                    tokio::select! {
+                        reason = serve_connection(reader, writer, negotiated, limits, handler, tasks) => reason,
+                        _ = dropped => CloseReason::Local,
+                    }
+                }
+                Err(error) => CloseReason::from_io(&error),
+            };
+            let _ = ended.send(reason);
+        })
+    });
+    placer.place(negotiated.lane - 1, serving);
+    reason.await.unwrap_or(CloseReason::Local)
 }
 
 /// Serves one authenticated connection until it ends; returns why.
@@ -208,6 +280,7 @@ pub(crate) async fn serve_connection<R, W, H>(
     negotiated: Negotiated,
     limits: &TransportLimits,
     handler: Arc<H>,
+    tasks: HandlerTasks,
 ) -> CloseReason
 where
     R: AsyncRead + Unpin + Send + 'static,
@@ -227,7 +300,7 @@ where
     // Whichever ends first ends the connection; dropping the other closes its socket half
     // and (through the JoinSet) aborts the running handlers.
     tokio::select! {
-        reason = session.read_requests(frames, slots, limits.idle_timeout()) => reason,
+        reason = session.read_requests(frames, slots, limits.idle_timeout(), tasks) => reason,
         reason = write_responses(writer, out_rx, limits.idle_timeout()) => reason,
     }
 }
@@ -245,6 +318,7 @@ impl<H: Handler> Session<H> {
         mut frames: FrameReader<R>,
         slots: usize,
         idle_timeout: Duration,
+        tasks: HandlerTasks,
     ) -> CloseReason {
         let slots = Arc::new(Semaphore::new(slots));
         let mut handlers = JoinSet::new();
@@ -270,14 +344,18 @@ impl<H: Handler> Session<H> {
                         .acquire_owned()
                         .await
                         .expect("never closed");
-                    handlers.spawn(answer(
+                    let answering = answer(
                         Arc::clone(&self.handler),
                         self.peer,
                         frame,
                         self.max_payload_bytes,
                         self.out.clone(),
                         slot,
-                    ));
+                    );
+                    match tasks {
+                        HandlerTasks::Runtime => handlers.spawn(answering),
+                        HandlerTasks::Local => handlers.spawn_local(answering),
+                    };
                 }
                 FrameKind::Ping => {
                     let pong = Frame::new(FrameKind::Pong, frame.request_id, Bytes::new());

@@ -141,4 +141,22 @@ impl Listener for TcpListener {
         let (reader, writer) = split(stream)?;
         Ok((reader, TcpWriter::Plain(writer), remote))
     }
+
+    type Portable = std::net::TcpStream;
+
+    fn detach(reader: OwnedReadHalf, writer: TcpWriter) -> io::Result<std::net::TcpStream> {
+        // Accepted connections are never wrapped in faults (those are the dialer's).
+        let TcpWriter::Plain(writer) = writer else {
+            return Err(io::Error::other(
+                "a connection with injected faults cannot move",
+            ));
+        };
+        let stream = reader.reunite(writer).map_err(io::Error::other)?;
+        stream.into_std()
+    }
+
+    fn attach(stream: std::net::TcpStream) -> io::Result<(OwnedReadHalf, TcpWriter)> {
+        let (reader, writer) = split(TcpStream::from_std(stream)?)?;
+        Ok((reader, TcpWriter::Plain(writer)))
+    }
 }

@@ -6,10 +6,11 @@ use crate::config::TransportConfig;
 use crate::error::TransportError;
 use crate::handshake::client_handshake;
 use crate::ids::NodeId;
-use crate::server::{Handler, Server};
+use crate::server::{Handler, LanePlacer, Server};
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 /// A network a node can reach its peers on: real TCP ([`crate::TcpTransport`]) or, in tests,
@@ -37,6 +38,17 @@ pub trait Transport: Send + Sync + 'static {
         &self,
         addr: SocketAddr,
     ) -> impl Future<Output = Result<Connection, TransportError>> + Send {
+        self.connect_on_lane(addr, 0)
+    }
+
+    /// [`Transport::connect`] for the caller's `lane` (its reactor, + 1; 0: none), which the
+    /// peer may serve on the matching one of its own (see [`LanePlacer`]). The connection's
+    /// tasks run on the caller's runtime.
+    fn connect_on_lane(
+        &self,
+        addr: SocketAddr,
+        lane: u8,
+    ) -> impl Future<Output = Result<Connection, TransportError>> + Send {
         async move {
             let limits = &self.config().limits;
             let timeout_ms = limits.handshake_timeout_ms;
@@ -44,7 +56,8 @@ pub trait Transport: Send + Sync + 'static {
                 tokio::time::timeout(limits.handshake_timeout(), self.dial(addr))
                     .await
                     .map_err(|_| TransportError::Timeout { timeout_ms })??;
-            let negotiated = client_handshake(&mut reader, &mut writer, self.config()).await?;
+            let negotiated =
+                client_handshake(&mut reader, &mut writer, self.config(), lane).await?;
             Ok(Connection::start(reader, writer, negotiated, limits))
         }
     }
@@ -57,8 +70,18 @@ pub trait Transport: Send + Sync + 'static {
         addr: SocketAddr,
         expected: NodeId,
     ) -> impl Future<Output = Result<Connection, TransportError>> + Send {
+        self.connect_node_on_lane(addr, expected, 0)
+    }
+
+    /// [`Transport::connect_node`] for the caller's `lane` ([`Transport::connect_on_lane`]).
+    fn connect_node_on_lane(
+        &self,
+        addr: SocketAddr,
+        expected: NodeId,
+        lane: u8,
+    ) -> impl Future<Output = Result<Connection, TransportError>> + Send {
         async move {
-            let connection = self.connect(addr).await?;
+            let connection = self.connect_on_lane(addr, lane).await?;
             let got = connection.peer();
             if got != expected {
                 return Err(TransportError::WrongPeer { expected, got });
@@ -74,9 +97,20 @@ pub trait Transport: Send + Sync + 'static {
         addr: SocketAddr,
         handler: H,
     ) -> impl Future<Output = Result<Server, TransportError>> + Send {
+        self.serve_placed(addr, handler, None)
+    }
+
+    /// [`Transport::serve`], handing each connection that names a lane to `placer` if any.
+    fn serve_placed<H: Handler>(
+        &self,
+        addr: SocketAddr,
+        handler: H,
+        placer: Option<Arc<dyn LanePlacer>>,
+    ) -> impl Future<Output = Result<Server, TransportError>> + Send {
         async move {
             let listener = self.bind(addr).await?;
-            Ok(Server::spawn(listener, self.config().clone(), handler))
+            let config = self.config().clone();
+            Ok(Server::spawn(listener, config, handler, placer))
         }
     }
 }
@@ -93,4 +127,14 @@ pub trait Listener: Send + 'static {
     fn accept(
         &mut self,
     ) -> impl Future<Output = io::Result<(Self::Reader, Self::Writer, SocketAddr)>> + Send;
+
+    /// An accepted connection, detached from the runtime it was accepted on so that another
+    /// runtime can serve it.
+    type Portable: Send + 'static;
+
+    /// Detaches an accepted connection (an error closes it).
+    fn detach(reader: Self::Reader, writer: Self::Writer) -> io::Result<Self::Portable>;
+
+    /// Attaches a detached connection to the current runtime.
+    fn attach(portable: Self::Portable) -> io::Result<(Self::Reader, Self::Writer)>;
 }

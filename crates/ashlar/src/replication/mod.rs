@@ -3,7 +3,10 @@
 //! - `wire`: the replication messages inside node-to-node payloads.
 //! - `peers`: connections to other nodes over `ashlar-transport`.
 //! - `sender`: the owner's [`ashlar_engine::replication::Replicator`] for one vdisk.
-//! - `receiver`: the replica's loop that applies records in order behind the fence.
+//! - `receiver`: the replica's control loop: fences and trims, and the verdict on records
+//!   an intake refused.
+//! - `intake`: one loop per reactor that applies the records of its shards, in order,
+//!   behind the fence (`stream_order` is its pure bookkeeping).
 //! - `fence`: the highest owner epoch seen per vdisk, kept on disk.
 //!
 //! [`NodeReplication::prepare`] runs when this node claims a vdisk, before its gate opens:
@@ -15,12 +18,14 @@
 mod catch_up;
 mod digest;
 mod fence;
+mod intake;
 mod pacer;
 mod peers;
 mod push;
 mod receiver;
 mod resync;
 mod sender;
+mod stream_order;
 mod unreachable;
 pub mod wire;
 
@@ -35,9 +40,11 @@ use ashlar_cluster::{
     NodeId, NodeState, NodeStatus, PlacementRecord, ResyncRecord, RESYNC_RECORD_VERSION,
 };
 use ashlar_core::VdiskId;
+use ashlar_engine::reactor::ReactorId;
 use ashlar_meta::{Compare, MetaStore, Txn, TxnOp};
 use ashlar_transport::{
-    handler_fn, ClusterSecret, Server, TcpTransport, Transport, TransportConfig, TransportLimits,
+    handler_fn, ClusterSecret, LanePlacer, PlacedServing, Server, TcpTransport, Transport,
+    TransportConfig, TransportLimits,
 };
 use peers::Peers;
 pub use peers::{transport_id, Peer};
@@ -130,8 +137,9 @@ impl NodeReplication {
             let services = services.clone();
             async move { services.serve(peer, payload).await }
         });
+        let placer: Arc<dyn LanePlacer> = Arc::new(OnReactors(engine.clone()));
         let server = transport
-            .serve(args.node_listen, handler)
+            .serve_placed(args.node_listen, handler, Some(placer))
             .await
             .with_context(|| {
                 format!(
@@ -747,6 +755,24 @@ impl NodeReplication {
         tracing::info!(vdisk = name, epoch, %source, elapsed_ms = started.elapsed().as_millis() as u64,
             "got a copy of the vdisk from a node holding one");
         Ok(())
+    }
+}
+
+/// Serves a peer reactor's connection on this node's reactor of the same lane, where the
+/// records it carries are applied (`intake`) if both nodes have as many reactors.
+struct OnReactors(Arc<NodeEngine>);
+
+impl LanePlacer for OnReactors {
+    fn place(&self, lane: u8, serving: PlacedServing) {
+        let reactor = self.0.reactors().get(ReactorId(usize::from(lane)));
+        if reactor.spawn_detached(serving).is_err() {
+            // Its job queue is full or it stopped: the connection closes (dropped with the
+            // job) and the peer connects again.
+            tracing::warn!(
+                reactor = reactor.id.0,
+                "could not move a node-to-node connection to its reactor"
+            );
+        }
     }
 }
 

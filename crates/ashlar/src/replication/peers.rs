@@ -62,8 +62,8 @@ impl Peer {
     /// One request and its response, connecting first if there is no open connection (on a
     /// reactor: no open connection of that reactor).
     pub async fn call(&self, payload: Bytes, timeout: Duration) -> Result<Bytes, TransportError> {
-        let connection = if ashlar_engine::reactor::current_reactor().is_some() {
-            self.reactor_connection().await?
+        let connection = if let Some(reactor) = ashlar_engine::reactor::current_reactor() {
+            self.reactor_connection(reactor).await?
         } else {
             match self.connection.load_full() {
                 Some(connection) if !connection.is_closed() => connection,
@@ -76,7 +76,10 @@ impl Peer {
     /// This reactor's connection to the peer, made here (its tasks run on this reactor) if
     /// there is none open. Two calls that find none at once may both connect; the later
     /// stays, the other closes once its call is done.
-    async fn reactor_connection(&self) -> Result<Arc<Connection>, TransportError> {
+    async fn reactor_connection(
+        &self,
+        reactor: ashlar_engine::reactor::ReactorId,
+    ) -> Result<Arc<Connection>, TransportError> {
         let key = self.reactor_key();
         let open = REACTOR_CONNECTIONS.with(|connections| {
             connections
@@ -90,7 +93,7 @@ impl Peer {
         }
         let connection = Arc::new(
             self.transport
-                .connect_node(self.address, transport_id(self.node))
+                .connect_node_on_lane(self.address, transport_id(self.node), lane(reactor))
                 .await?,
         );
         REACTOR_CONNECTIONS.with(|connections| {
@@ -120,6 +123,13 @@ impl Peer {
         self.connection.store(Some(connection.clone()));
         Ok(connection)
     }
+}
+
+/// The lane a reactor's connections name: the peer serves them on its reactor of the same
+/// index (modulo its count), which runs the same shards of a vdisk if both nodes have as
+/// many reactors (a shard's reactor is `vdisk + shard`).
+pub fn lane(reactor: ashlar_engine::reactor::ReactorId) -> u8 {
+    (reactor.0 % usize::from(u8::MAX)) as u8 + 1
 }
 
 /// A reactor's connection: from which local node (a test process may run several), to which
@@ -187,64 +197,108 @@ mod tests {
         )))
     }
 
-    /// Calls made on a reactor go over that reactor's own connection, made once; calls made
-    /// elsewhere share the control runtime's.
+    /// Places connections that name a lane on the pool's reactor of that lane.
+    struct OnPool(Arc<ReactorPool>);
+
+    impl ashlar_transport::LanePlacer for OnPool {
+        fn place(&self, lane: u8, serving: ashlar_transport::PlacedServing) {
+            let reactor = self.0.get(ReactorId(usize::from(lane)));
+            reactor.spawn_detached(serving).unwrap();
+        }
+    }
+
+    /// Answers where it ran: on a reactor or not. On a reactor it runs as a local task (as
+    /// the engine's code expects there): `spawn_local` works.
+    async fn where_served(
+        _peer: ashlar_transport::NodeId,
+        _request: Bytes,
+    ) -> Result<Bytes, ashlar_transport::RemoteError> {
+        let reactor = ashlar_engine::reactor::current_reactor();
+        if reactor.is_some() {
+            tokio::task::spawn_local(async {}).await.unwrap();
+        }
+        Ok(Bytes::from(format!("{:?}", reactor.map(|r| r.0))))
+    }
+
+    /// Calls made on a reactor go over that reactor's own connection, made once and served
+    /// by the peer on its reactor of the same lane; calls made elsewhere share the control
+    /// runtime's connection, which the peer serves on its own runtime.
     #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
-    async fn a_reactor_calls_over_its_own_connection_and_keeps_it() {
+    async fn a_reactor_calls_over_its_own_connection_served_on_the_peers_reactor() {
         let copy = NodeId::new(2).unwrap();
+        let copy_reactors = Arc::new(ReactorPool::start(2, Duration::ZERO, &[]).unwrap());
         let server = transport(transport_id(copy).0)
-            .serve(
+            .serve_placed(
                 "127.0.0.1:0".parse().unwrap(),
-                handler_fn(|_peer, request: Bytes| async move { Ok(request) }),
+                handler_fn(where_served),
+                Some(Arc::new(OnPool(copy_reactors.clone()))),
             )
             .await
             .unwrap();
         let accepted = || ServerStats::get(&server.stats().connections_accepted);
+        let placed = || ServerStats::get(&server.stats().connections_placed);
         let peer = Peers::new(transport(1)).peer(copy, server.local_addr());
         let timeout = Duration::from_secs(5);
 
         for _ in 0..2 {
-            let answer = peer.call(Bytes::from_static(b"control"), timeout).await;
-            assert_eq!(answer.unwrap(), Bytes::from_static(b"control"));
+            let answer = peer.call(Bytes::new(), timeout).await.unwrap();
+            assert_eq!(
+                answer,
+                Bytes::from_static(b"None"),
+                "served off the reactors"
+            );
         }
         assert_eq!(
             accepted(),
             1,
             "the control runtime's calls share one connection"
         );
+        assert_eq!(
+            placed(),
+            0,
+            "a connection that names no lane stays where it was accepted"
+        );
 
-        let pool = ReactorPool::start(1, Duration::ZERO, &[]).unwrap();
-        let on_reactor = peer.clone();
-        let answers = pool
-            .get(ReactorId(0))
-            .run(move || async move {
-                let mut answers = Vec::new();
-                for _ in 0..3 {
-                    answers.push(
-                        on_reactor
-                            .call(Bytes::from_static(b"reactor"), timeout)
-                            .await,
-                    );
-                }
-                answers
-            })
-            .await
-            .unwrap();
-        for answer in answers {
-            assert_eq!(answer.unwrap(), Bytes::from_static(b"reactor"));
+        let pool = ReactorPool::start(2, Duration::ZERO, &[]).unwrap();
+        for reactor in [1, 0] {
+            let on_reactor = peer.clone();
+            let answers = pool
+                .get(ReactorId(reactor))
+                .run(move || async move {
+                    let mut answers = Vec::new();
+                    for _ in 0..3 {
+                        answers.push(on_reactor.call(Bytes::new(), timeout).await);
+                    }
+                    answers
+                })
+                .await
+                .unwrap();
+            for answer in answers {
+                let expected = format!("Some({reactor})");
+                assert_eq!(
+                    answer.unwrap(),
+                    Bytes::from(expected),
+                    "served on the same lane"
+                );
+            }
         }
         assert_eq!(
             accepted(),
-            2,
-            "the reactor made one connection of its own and kept it"
+            3,
+            "each reactor made one connection of its own and kept it"
         );
-        let answer = peer.call(Bytes::from_static(b"again"), timeout).await;
-        assert_eq!(answer.unwrap(), Bytes::from_static(b"again"));
+        assert_eq!(placed(), 2, "both were served on the peer's reactors");
+        let answer = peer.call(Bytes::new(), timeout).await;
+        assert_eq!(answer.unwrap(), Bytes::from_static(b"None"));
         assert_eq!(
             accepted(),
-            2,
+            3,
             "the control runtime's connection is still the one used"
         );
+        drop(server);
         pool.stop();
+        if let Ok(reactors) = Arc::try_unwrap(copy_reactors) {
+            reactors.stop();
+        }
     }
 }

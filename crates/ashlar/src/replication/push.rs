@@ -1,8 +1,8 @@
-//! Serving node-to-node requests: records and fences go to the receiver loop; a push (a
-//! claimant that holds no copy asks this node, which holds one, for all of it) runs as a
-//! resync from this node's copy to the claimant, outside the loop since it takes as long as
-//! reading the vdisk; so does a digest request (what this copy holds, for a claimant's
-//! resync).
+//! Serving node-to-node requests: records go to their shard's intake and fences to the
+//! receiver's control loop (`receiver`); a push (a claimant that holds no copy asks this
+//! node, which holds one, for all of it) runs as a resync from this node's copy to the
+//! claimant, outside the loops since it takes as long as reading the vdisk; so does a
+//! digest request (what this copy holds, for a claimant's resync).
 
 use super::peers::Peers;
 use super::receiver::{remote, ReplicaReceiver};

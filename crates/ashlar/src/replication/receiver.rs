@@ -1,38 +1,30 @@
 //! The replica's side: records other nodes send are applied to this node's copy of the
 //! vdisk, in each stream's order, behind the vdisk's fence.
 //!
-//! One owner, one loop: transport handlers hand each decoded message to the loop and wait
-//! for its answer. The loop checks the epoch against the fence, puts the record in its
-//! stream's order (the network may reorder: a record waits until its `prev_seq` was
-//! applied), and queues it on the local vdisk's shard (`VdiskShared::enqueue_replica`) —
-//! queued one after another, records reach the shard in stream order, so overlapping writes
-//! land in the owner's order. The answer goes back once the shard made the record durable in
-//! this node's own oplog.
+//! Records go straight to the intake of their shard's reactor (`intake`), which orders and
+//! applies them. Fences and trims go through one control loop here, the only place that
+//! reads and raises the fences on disk: a fence is answered once every intake took it, so
+//! no intake applies a record of an older owner after its new owner was answered. Records
+//! an intake cannot admit come back here and get the fence's verdict.
 
 use super::fence::{Fences, Verdict};
+use super::intake::{Answer, IntakeWork, Intakes};
 use super::wire::{Message, FAILED_CODE, FENCED_CODE, MALFORMED_CODE, STALE_CODE};
 use crate::registry::NodeEngine;
 use ashlar_core::VdiskId;
-use ashlar_engine::replication::ReplicaRecord;
-use ashlar_engine::shard::ShardError;
-use ashlar_engine::vdisk::{VdiskShared, SHARD_RANGE_BYTES};
 use ashlar_transport::RemoteError;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::HashSet;
 use std::path::Path;
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
 
-/// Messages queued for the loop; more wait in the transport (which stops reading).
+/// Fences, trims and refused records queued for the control loop.
 pub const RECEIVER_QUEUE_LIMIT: usize = 1024;
-/// Records a stream may hold out of order, waiting for an earlier one, before the stream
-/// is refused (an owner has at most its in-flight limit of records outstanding).
-pub const MAX_WAITING_PER_STREAM: usize = 4096;
 
-type Answer = oneshot::Sender<Result<(), RemoteError>>;
-
-enum Incoming {
-    Message {
-        message: Message,
+pub enum Incoming {
+    Fence {
+        vdisk: VdiskId,
+        epoch: u64,
         answer: Answer,
     },
     /// Drop this node's copy of `vdisk`, no longer one of its copies as of owner `epoch`.
@@ -41,40 +33,56 @@ enum Incoming {
         epoch: u64,
         answer: oneshot::Sender<Result<bool, String>>,
     },
+    /// A record of owner `epoch` an intake did not admit: answer with the fence's verdict.
+    Refuse {
+        vdisk: VdiskId,
+        epoch: u64,
+        answer: Answer,
+    },
 }
 
 /// The handle transport handlers use.
 #[derive(Clone)]
 pub struct ReplicaReceiver {
     queue: mpsc::Sender<Incoming>,
+    intakes: Intakes,
 }
 
 impl ReplicaReceiver {
-    /// Starts the loop on the current (control) runtime.
+    /// Starts the control loop on the current (control) runtime and an intake on every
+    /// reactor.
     pub fn start(engine: Arc<NodeEngine>, data_dir: &Path) -> ReplicaReceiver {
         let (queue, incoming) = mpsc::channel(RECEIVER_QUEUE_LIMIT);
+        let runtime = tokio::runtime::Handle::current();
+        let intakes = Intakes::start(engine.clone(), queue.clone(), runtime);
         let receiver_loop = ReceiverLoop {
             engine,
             fences: Fences::new(data_dir),
-            streams: HashMap::new(),
-            targets: HashMap::new(),
+            intakes: intakes.clone(),
             stale_reported: HashSet::new(),
             fenced_this_run: HashSet::new(),
         };
         tokio::spawn(receiver_loop.run(incoming));
-        ReplicaReceiver { queue }
+        ReplicaReceiver { queue, intakes }
     }
 
     /// Answers one record or fence.
     pub async fn handle(&self, message: Message) -> Result<(), RemoteError> {
+        let stopping = || remote(FAILED_CODE, "the node is stopping");
         let (answer, answered) = oneshot::channel();
-        self.queue
-            .send(Incoming::Message { message, answer })
-            .await
-            .map_err(|_| remote(FAILED_CODE, "the node is stopping"))?;
-        answered
-            .await
-            .map_err(|_| remote(FAILED_CODE, "the node is stopping"))?
+        let incoming = match message {
+            Message::Record { epoch, record } => return self.intakes.record(epoch, record).await,
+            Message::Fence { vdisk, epoch } => Incoming::Fence {
+                vdisk,
+                epoch,
+                answer,
+            },
+            Message::Push { .. } | Message::Digest { .. } => {
+                return Err(remote(MALFORMED_CODE, "not a record or a fence"))
+            }
+        };
+        self.queue.send(incoming).await.map_err(|_| stopping())?;
+        answered.await.map_err(|_| stopping())?
     }
 
     /// Removes this node's data of `vdisk` (starting it again empty), which is not one of the
@@ -105,22 +113,10 @@ pub fn remote(code: u32, message: impl ToString) -> RemoteError {
     }
 }
 
-/// One owner's run of one shard: (vdisk, owner epoch, shard, stream).
-type StreamKey = (VdiskId, u64, u32, u64);
-
-#[derive(Default)]
-struct Stream {
-    /// The seq of the last record queued on the shard (0: none yet).
-    last: u64,
-    /// Records that arrived before their predecessor, by `prev_seq`.
-    waiting: BTreeMap<u64, (ReplicaRecord, Answer)>,
-}
-
 struct ReceiverLoop {
     engine: Arc<NodeEngine>,
     fences: Fences,
-    streams: HashMap<StreamKey, Stream>,
-    targets: HashMap<VdiskId, Arc<VdiskShared>>,
+    intakes: Intakes,
     /// (vdisk, owner epoch) whose stale copy the log has named already.
     stale_reported: HashSet<(VdiskId, u64)>,
     /// (vdisk, owner epoch) an owner fenced while this process ran: records of any other
@@ -131,28 +127,28 @@ struct ReceiverLoop {
 impl ReceiverLoop {
     async fn run(mut self, mut incoming: mpsc::Receiver<Incoming>) {
         while let Some(work) = incoming.recv().await {
-            let (message, answer) = match work {
-                Incoming::Message { message, answer } => (message, answer),
+            match work {
+                Incoming::Fence {
+                    vdisk,
+                    epoch,
+                    answer,
+                } => {
+                    let fenced = self.fence(vdisk, epoch, true).await;
+                    let _ = answer.send(fenced);
+                }
                 Incoming::Trim {
                     vdisk,
                     epoch,
                     answer,
                 } => {
                     let _ = answer.send(self.trim(vdisk, epoch).await);
-                    continue;
                 }
-            };
-            match message {
-                Message::Fence { vdisk, epoch } => {
-                    let fenced = self.fence(vdisk, epoch).await;
-                    if fenced.is_ok() {
-                        self.fenced_this_run.insert((vdisk, epoch));
-                    }
-                    let _ = answer.send(fenced);
-                }
-                Message::Record { epoch, record } => self.record(epoch, record, answer).await,
-                Message::Push { .. } | Message::Digest { .. } => {
-                    let _ = answer.send(Err(remote(MALFORMED_CODE, "not a record or a fence")));
+                Incoming::Refuse {
+                    vdisk,
+                    epoch,
+                    answer,
+                } => {
+                    let _ = answer.send(self.refuse(vdisk, epoch).await);
                 }
             }
         }
@@ -165,9 +161,12 @@ impl ReceiverLoop {
         if self.fences.highest(vdisk).await.map_err(fence_error)? >= epoch {
             return Ok(false);
         }
-        self.fence(vdisk, epoch).await.map_err(|e| e.message)?;
-        self.targets.remove(&vdisk);
-        self.streams.retain(|key, _| key.0 != vdisk);
+        self.fence(vdisk, epoch, false)
+            .await
+            .map_err(|e| e.message)?;
+        self.intakes
+            .broadcast(|done| IntakeWork::Forget { vdisk, done })
+            .await;
         // The copy started again empty has a new identity (its files go with the data).
         self.engine
             .trim_copy(vdisk)
@@ -175,146 +174,60 @@ impl ReceiverLoop {
             .map_err(|e| e.to_string())
     }
 
-    async fn fence(&mut self, vdisk: VdiskId, epoch: u64) -> Result<(), RemoteError> {
+    /// Admits `epoch` as `vdisk`'s fence (`by_owner`: an owner's fence, whose records may
+    /// follow) and tells every intake before returning.
+    async fn fence(
+        &mut self,
+        vdisk: VdiskId,
+        epoch: u64,
+        by_owner: bool,
+    ) -> Result<(), RemoteError> {
         let verdict = self
             .fences
             .admit(vdisk, epoch)
             .await
             .map_err(|e| remote(FAILED_CODE, format!("replica fence of vdisk {vdisk}: {e}")))?;
-        match verdict {
-            Verdict::Admit => {
-                // Streams of older owners can never go on.
-                self.streams
-                    .retain(|key, _| key.0 != vdisk || key.1 >= epoch);
-                Ok(())
-            }
-            Verdict::Fenced { highest } => Err(fenced(vdisk, epoch, highest)),
+        if let Verdict::Fenced { highest } = verdict {
+            return Err(fenced(vdisk, epoch, highest));
         }
+        if by_owner {
+            self.fenced_this_run.insert((vdisk, epoch));
+        }
+        let by_owner = self.fenced_this_run.contains(&(vdisk, epoch));
+        self.intakes
+            .broadcast(|done| IntakeWork::Fence {
+                vdisk,
+                epoch,
+                by_owner,
+                done,
+            })
+            .await;
+        Ok(())
     }
 
-    async fn record(&mut self, epoch: u64, record: ReplicaRecord, answer: Answer) {
-        if let Err(refused) = self.fence(record.vdisk, epoch).await {
-            let _ = answer.send(Err(refused));
-            return;
-        }
-        if !self.fenced_this_run.contains(&(record.vdisk, epoch)) {
+    /// The answer to a record of owner `epoch` that an intake did not admit.
+    async fn refuse(&mut self, vdisk: VdiskId, epoch: u64) -> Result<(), RemoteError> {
+        self.fence(vdisk, epoch, false).await?;
+        if !self.fenced_this_run.contains(&(vdisk, epoch)) {
             // The owner fences every copy before it sends a record at its epoch: this node
             // restarted since, and may have missed records while it was away.
             let reason = format!(
-                "vdisk {}: this copy restarted after the owner claimed the vdisk at epoch \
-                 {epoch} and may have missed records; the owner must resynchronize it",
-                record.vdisk
+                "vdisk {vdisk}: this copy restarted after the owner claimed the vdisk at epoch \
+                 {epoch} and may have missed records; the owner must resynchronize it"
             );
-            if self.stale_reported.insert((record.vdisk, epoch)) {
+            if self.stale_reported.insert((vdisk, epoch)) {
                 tracing::warn!(%reason, "refusing replicated records");
             }
-            let _ = answer.send(Err(remote(STALE_CODE, reason)));
-            return;
+            return Err(remote(STALE_CODE, reason));
         }
-        let key = (record.vdisk, epoch, record.shard, record.stream);
-        let stream = self.streams.entry(key).or_default();
-        if record.prev_seq != stream.last {
-            if record.seq <= stream.last {
-                let _ = answer.send(Err(remote(
-                    FAILED_CODE,
-                    format!(
-                        "record {} of stream {key:?} was already applied",
-                        record.seq
-                    ),
-                )));
-            } else if stream.waiting.len() >= MAX_WAITING_PER_STREAM {
-                let _ = answer.send(Err(remote(
-                    FAILED_CODE,
-                    format!(
-                        "stream {key:?} has {MAX_WAITING_PER_STREAM} records waiting for record {}",
-                        stream.last
-                    ),
-                )));
-            } else {
-                stream.waiting.insert(record.prev_seq, (record, answer));
-            }
-            return;
-        }
-        let mut next = Some((record, answer));
-        while let Some((record, answer)) = next.take() {
-            let seq = record.seq;
-            self.apply(record, answer).await;
-            let stream = self.streams.entry(key).or_default();
-            stream.last = seq;
-            next = stream.waiting.remove(&seq);
-        }
+        Err(remote(
+            FAILED_CODE,
+            format!(
+                "vdisk {vdisk}: a record of owner epoch {epoch} arrived before its owner's fence \
+                 was applied"
+            ),
+        ))
     }
-
-    /// Queues the record on the local copy's shard; answers when the shard is done with it.
-    async fn apply(&mut self, record: ReplicaRecord, answer: Answer) {
-        let vdisk = record.vdisk;
-        let (offset, length) = record.op.range();
-        let op = record.op.into_shard_op();
-        let queued = match self.target(vdisk).await {
-            Ok(shared) => match check_record_range(&shared, offset, length) {
-                Ok(()) => shared
-                    .enqueue_replica(op, offset)
-                    .await
-                    .map_err(|e| e.to_string()),
-                Err(reason) => Err(reason),
-            },
-            Err(e) => Err(e),
-        };
-        let reply = match queued {
-            Ok(reply) => reply,
-            Err(error) => {
-                self.targets.remove(&vdisk);
-                let _ = answer.send(Err(remote(FAILED_CODE, format!("vdisk {vdisk}: {error}"))));
-                return;
-            }
-        };
-        tokio::spawn(async move {
-            let result = match reply.await {
-                Ok(Ok(_)) => Ok(()),
-                Ok(Err(ShardError::Io(error))) => Err(remote(
-                    FAILED_CODE,
-                    format!("vdisk {vdisk} at {offset}: {error}"),
-                )),
-                Ok(Err(ShardError::Retired)) | Err(_) => Err(remote(
-                    FAILED_CODE,
-                    format!("vdisk {vdisk}: its shard changed under a replicated record"),
-                )),
-            };
-            let _ = answer.send(result);
-        });
-    }
-
-    async fn target(&mut self, vdisk: VdiskId) -> Result<Arc<VdiskShared>, String> {
-        if let Some(shared) = self.targets.get(&vdisk) {
-            return Ok(shared.clone());
-        }
-        let shared = self
-            .engine
-            .replica_target(vdisk)
-            .await
-            .map_err(|e| e.to_string())?;
-        self.targets.insert(vdisk, shared.clone());
-        Ok(shared)
-    }
-}
-
-/// A record lies inside the vdisk and inside one shard range (as every owner's oplog record
-/// does): anything else would reach a shard controller with a request it never takes from a
-/// client, so it is refused here.
-fn check_record_range(shared: &VdiskShared, offset: u64, length: u64) -> Result<(), String> {
-    let size = shared.size_bytes.load(std::sync::atomic::Ordering::Relaxed);
-    let end = offset.checked_add(length).filter(|end| *end <= size);
-    let Some(end) = end.filter(|_| length > 0) else {
-        return Err(format!(
-            "record [{offset}, +{length}) is empty or outside the vdisk's {size} bytes"
-        ));
-    };
-    if offset / SHARD_RANGE_BYTES != (end - 1) / SHARD_RANGE_BYTES {
-        return Err(format!(
-            "record [{offset}, +{length}) crosses a {SHARD_RANGE_BYTES}-byte shard range"
-        ));
-    }
-    Ok(())
 }
 
 fn fenced(vdisk: VdiskId, epoch: u64, highest: u64) -> RemoteError {

@@ -263,4 +263,15 @@ impl Listener for SimListener {
             .await
             .expect("listener's sender outlives it"))
     }
+
+    /// Simulated streams belong to no runtime: they move as they are.
+    type Portable = (SimReader, SimWriter);
+
+    fn detach(reader: SimReader, writer: SimWriter) -> io::Result<(SimReader, SimWriter)> {
+        Ok((reader, writer))
+    }
+
+    fn attach(portable: (SimReader, SimWriter)) -> io::Result<(SimReader, SimWriter)> {
+        Ok(portable)
+    }
 }

@@ -28,7 +28,7 @@ async fn server_reads_no_more_requests_than_its_slots() {
     // A client that ignores the negotiated limit of 2 and sends 5 requests at once.
     let client = env.node(CLIENT, &secret(SECRET), TransportLimits::default());
     let (mut reader, mut writer) = client.dial(server.local_addr()).await.unwrap();
-    let negotiated = client_handshake(&mut reader, &mut writer, client.config())
+    let negotiated = client_handshake(&mut reader, &mut writer, client.config(), 0)
         .await
         .unwrap();
     assert_eq!(negotiated.max_in_flight_requests, 2);
@@ -151,9 +151,9 @@ async fn hello_with_bad_magic_or_version_is_refused() {
     let hello = Hello::for_test(CLIENT);
     let mut bad_magic = hello.encode();
     bad_magic[0..4].copy_from_slice(b"HTTP");
-    let mut version_2 = hello.encode();
-    version_2[4..6].copy_from_slice(&2u16.to_le_bytes());
-    for (number, bytes) in [bad_magic, version_2].iter().enumerate() {
+    let mut version_3 = hello.encode();
+    version_3[4..6].copy_from_slice(&3u16.to_le_bytes());
+    for (number, bytes) in [bad_magic, version_3].iter().enumerate() {
         let (mut reader, mut writer) = client.dial(server.local_addr()).await.unwrap();
         writer.write_all(bytes).await.unwrap();
         let mut reply = Vec::new();

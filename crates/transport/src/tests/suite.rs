@@ -123,6 +123,7 @@ pub async fn forged_client_proof_is_refused<E: Env>(env: &E) {
     let forged = Hello {
         kind: HelloKind::ClientProof,
         mac: [0x5a; 32],
+        lane: 0,
         ..hello
     };
     writer.write_all(&forged.encode()).await.unwrap();
@@ -188,7 +189,7 @@ pub async fn bad_frames_close_the_connection<E: Env>(env: &E) {
     let cases = bad_frames();
     for (number, (what, bytes)) in cases.iter().enumerate() {
         let (mut reader, mut writer) = client.dial(server.local_addr()).await.unwrap();
-        client_handshake(&mut reader, &mut writer, client.config())
+        client_handshake(&mut reader, &mut writer, client.config(), 0)
             .await
             .unwrap();
         writer.write_all(bytes).await.unwrap();

@@ -3,9 +3,10 @@
 //! ```text
 //! offset size field
 //!      0    4 magic                    "ASHT" (0x54485341 as a little-endian u32)
-//!      4    2 version                  1
+//!      4    2 version                  2
 //!      6    1 kind                     1 client hello, 2 server hello, 3 client proof
-//!      7    1 reserved                 must be 0
+//!      7    1 lane                     client hello: 0 none, else the caller's lane + 1;
+//!                                      server hello, proof: must be 0
 //!      8    8 node_id                  the sender's node id
 //!     16    4 max_frame_payload_bytes  hellos: the sender's frame limit; proof: 0
 //!     20    4 max_in_flight_requests   hellos: the sender's in-flight limit; proof: 0
@@ -66,6 +67,9 @@ pub struct Hello {
     pub max_in_flight_requests: u32,
     pub nonce: Nonce,
     pub mac: Mac,
+    /// Client hello only: which of the caller's lanes (its reactor) the connection serves,
+    /// so the server can serve it on the matching one of its own. 0: none.
+    pub lane: u8,
 }
 
 impl Hello {
@@ -74,6 +78,7 @@ impl Hello {
         out[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
         out[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
         out[6] = self.kind as u8;
+        out[7] = self.lane;
         out[8..16].copy_from_slice(&self.node_id.0.to_le_bytes());
         out[16..20].copy_from_slice(&self.max_frame_payload_bytes.to_le_bytes());
         out[20..24].copy_from_slice(&self.max_in_flight_requests.to_le_bytes());
@@ -85,7 +90,8 @@ impl Hello {
     }
 
     /// Checks, in this order: magic (is this Ashlar at all), version (so a newer peer is told
-    /// apart from a corrupt one), checksum, kind, reserved byte, and the limits' ranges.
+    /// apart from a corrupt one), checksum, kind, the lane (0 but in a client hello), and
+    /// the limits' ranges.
     pub fn decode(bytes: &[u8; HELLO_BYTES]) -> Result<Hello, ProtocolError> {
         let u32_at = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"));
         let magic = u32_at(0);
@@ -102,7 +108,7 @@ impl Hello {
             return Err(ProtocolError::HelloChecksum { stored, computed });
         }
         let kind = HelloKind::from_u8(bytes[6])?;
-        if bytes[7] != 0 {
+        if bytes[7] != 0 && kind != HelloKind::ClientHello {
             return Err(ProtocolError::NonZeroReserved(u64::from(bytes[7])));
         }
         let hello = Hello {
@@ -114,6 +120,7 @@ impl Hello {
             max_in_flight_requests: u32_at(20),
             nonce: bytes[24..56].try_into().expect("32 bytes"),
             mac: bytes[56..88].try_into().expect("32 bytes"),
+            lane: bytes[7],
         };
         if kind != HelloKind::ClientProof {
             check_range(
@@ -150,6 +157,7 @@ impl Hello {
             max_in_flight_requests: 8,
             nonce: [1; NONCE_BYTES],
             mac: [0; MAC_BYTES],
+            lane: 0,
         }
     }
 }
@@ -180,6 +188,7 @@ mod tests {
             max_in_flight_requests: 64,
             nonce: [7; NONCE_BYTES],
             mac: [9; MAC_BYTES],
+            lane: 0,
         }
     }
 
@@ -194,7 +203,7 @@ mod tests {
         let hello = sample(HelloKind::ServerHello);
         let bytes = hello.encode();
         assert_eq!(&bytes[0..4], b"ASHT");
-        assert_eq!(&bytes[4..6], &[1, 0]);
+        assert_eq!(&bytes[4..6], &[2, 0]);
         assert_eq!(bytes[6], 2);
         assert_eq!(&bytes[8..16], &0xABu64.to_le_bytes());
         assert_eq!(&bytes[24..56], &[7; 32]);
@@ -213,10 +222,10 @@ mod tests {
             Err(ProtocolError::BadMagic { .. })
         ));
         let mut version = good;
-        version[4] = 2;
+        version[4] = 1;
         assert_eq!(
             Hello::decode(&version),
-            Err(ProtocolError::UnsupportedVersion { got: 2 })
+            Err(ProtocolError::UnsupportedVersion { got: 1 })
         );
         let mut flipped = good;
         flipped[30] ^= 1;
@@ -230,6 +239,15 @@ mod tests {
             Hello::decode(&resealed(kind)),
             Err(ProtocolError::UnknownHelloKind(4))
         );
+        let mut lane_in_a_server_hello = sample(HelloKind::ServerHello).encode();
+        lane_in_a_server_hello[7] = 3;
+        assert_eq!(
+            Hello::decode(&resealed(lane_in_a_server_hello)),
+            Err(ProtocolError::NonZeroReserved(3))
+        );
+        let mut lane = good;
+        lane[7] = 3;
+        assert_eq!(Hello::decode(&resealed(lane)).map(|h| h.lane), Ok(3));
         let mut zero_limit = good;
         zero_limit[20..24].copy_from_slice(&0u32.to_le_bytes());
         assert!(matches!(

@@ -1,11 +1,11 @@
-//! The wire format of `docs/node-protocol.md` (version 1): pure encode and decode, no I/O.
+//! The wire format of `docs/node-protocol.md` (version 2): pure encode and decode, no I/O.
 //! Every decoder takes untrusted bytes and returns a [`crate::ProtocolError`], never panics.
 
 pub mod frame;
 pub mod hello;
 
 /// The protocol version this code speaks. Bump it with any change to a message layout.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 
 #[cfg(test)]
 mod tests {
@@ -19,13 +19,13 @@ mod tests {
         bytes.iter().map(|byte| format!("{byte:02x}")).collect()
     }
 
-    /// The bytes of version 1, pinned (the CRCs were checked against an independent CRC32C
+    /// The bytes of version 2, pinned (the CRCs were checked against an independent CRC32C
     /// implementation). If this fails, the wire format changed: bump
     /// `PROTOCOL_VERSION`, document the new version in `docs/node-protocol.md`, then update
     /// the expected bytes.
     #[test]
-    fn version_1_bytes_are_pinned() {
-        assert_eq!(PROTOCOL_VERSION, 1);
+    fn version_2_bytes_are_pinned() {
+        assert_eq!(PROTOCOL_VERSION, 2);
         let mut frame = BytesMut::new();
         encode_frame(
             &Frame::new(
@@ -48,12 +48,12 @@ mod tests {
             ..Hello::for_test(7)
         };
         let expected = [
-            "4153485401000200",
+            "4153485402000200",
             "0700000000000000",
             "0010000010000000",
             &"11".repeat(32),
             &"22".repeat(32),
-            "844474af",
+            "412ab38b",
         ]
         .concat();
         assert_eq!(hex(&hello.encode()), expected);
