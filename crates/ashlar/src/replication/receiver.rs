@@ -182,26 +182,31 @@ impl ReceiverLoop {
         epoch: u64,
         by_owner: bool,
     ) -> Result<(), RemoteError> {
-        let verdict = self
-            .fences
-            .admit(vdisk, epoch)
-            .await
-            .map_err(|e| remote(FAILED_CODE, format!("replica fence of vdisk {vdisk}: {e}")))?;
+        let failed =
+            |e: std::io::Error| remote(FAILED_CODE, format!("replica fence of vdisk {vdisk}: {e}"));
+        let raised = epoch > self.fences.highest(vdisk).await.map_err(failed)?;
+        let verdict = self.fences.admit(vdisk, epoch).await.map_err(failed)?;
         if let Verdict::Fenced { highest } = verdict {
             return Err(fenced(vdisk, epoch, highest));
         }
         if by_owner {
             self.fenced_this_run.insert((vdisk, epoch));
         }
-        let by_owner = self.fenced_this_run.contains(&(vdisk, epoch));
-        self.intakes
-            .broadcast(|done| IntakeWork::Fence {
-                vdisk,
-                epoch,
-                by_owner,
-                done,
-            })
-            .await;
+        // An owner's fence always reaches every intake: its answer promises that the older
+        // owners' records taken before it are queued on their shards. A fence raised by a
+        // trim or a refused record must reach them too (they admit by the fence they know);
+        // one that changed nothing need not.
+        if by_owner || raised {
+            let by_owner = self.fenced_this_run.contains(&(vdisk, epoch));
+            self.intakes
+                .broadcast(|done| IntakeWork::Fence {
+                    vdisk,
+                    epoch,
+                    by_owner,
+                    done,
+                })
+                .await;
+        }
         Ok(())
     }
 
