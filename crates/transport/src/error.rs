@@ -11,7 +11,10 @@ use std::sync::Arc;
 pub enum ProtocolError {
     #[error("bad magic {got:#010x} (not an Ashlar node-to-node connection)")]
     BadMagic { got: u32 },
-    #[error("unsupported protocol version {got} (this node speaks 1)")]
+    #[error(
+        "unsupported protocol version {got} (this node speaks {}): every node of a cluster must run the same protocol version",
+        crate::wire::PROTOCOL_VERSION
+    )]
     UnsupportedVersion { got: u16 },
     #[error(
         "handshake message checksum mismatch: stored {stored:#010x}, computed {computed:#010x}"

@@ -227,6 +227,8 @@ mod tests {
             Hello::decode(&version),
             Err(ProtocolError::UnsupportedVersion { got: 1 })
         );
+        let message = ProtocolError::UnsupportedVersion { got: 1 }.to_string();
+        assert!(message.contains("version 1 (this node speaks 2)"), "{message}");
         let mut flipped = good;
         flipped[30] ^= 1;
         assert!(matches!(
