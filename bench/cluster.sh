@@ -11,12 +11,14 @@
 #   bench/cluster.sh [OUT_DIR]            (as root; OUT_DIR default bench/results/<date>-<host>)
 #
 # Knobs: ASHLAR_BIN (target/release/ashlar), SIZE (1G per vdisk), RUNTIME (8 s per job),
-# JOBS ("randwrite:1 randwrite:32 randread:32": fio rw and iodepth), RFS ("1 2 3"),
+# JOBS ("randwrite:1 randwrite:32 randread:32": fio rw and iodepth), RFS ("1 2 3"), SHARDS
+# (shards per vdisk; default: the nodes' --default-shards),
 # BASE_DIR (/var/tmp/ashlar-cluster-bench).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ASHLAR_BIN=${ASHLAR_BIN:-$HERE/../target/release/ashlar}
 SIZE=${SIZE:-1G}
+SHARDS=${SHARDS:-}
 RUNTIME=${RUNTIME:-8}
 JOBS=${JOBS:-"randwrite:1 randwrite:32 randread:32"}
 RFS=${RFS:-"1 2 3"}
@@ -30,7 +32,8 @@ PORT_PREFIX=2 # node n listens on ports ${PORT_PREFIX}${n}809 (NBD), ...810 (HTT
 start_cluster "$BASE_DIR" "$ETCD_PORT" "$PORT_PREFIX" 3000
 NODE_PIDS=("${NODE_PID[1]}" "${NODE_PID[2]}" "${NODE_PID[3]}")
 for rf in $RFS; do
-    "$ASHLAR_BIN" --server http://127.0.0.1:${PORT_PREFIX}1810 vdisk create "rf$rf" --size "$SIZE" --rf "$rf" >/dev/null
+    "$ASHLAR_BIN" --server http://127.0.0.1:${PORT_PREFIX}1810 vdisk create "rf$rf" --size "$SIZE" --rf "$rf" \
+        ${SHARDS:+--shards "$SHARDS"} >/dev/null
     # Fill it (so reads read data) and claim it on node 1.
     fio --name=fill --ioengine=nbd --uri="nbd://127.0.0.1:${PORT_PREFIX}1809/rf$rf" --rw=write --bs=1M \
         --iodepth=8 --output-format=json > /dev/null
