@@ -23,7 +23,8 @@ pub enum Verdict {
     Fenced { highest: u64 },
 }
 
-/// The fences of every vdisk, loaded from disk on first use. One owner: the receiver loop.
+/// The fences of every vdisk, loaded from disk on first use. One owner: the receiver's
+/// control loop (the intakes only follow what it tells them).
 pub struct Fences {
     dir: PathBuf,
     highest: HashMap<VdiskId, u64>,

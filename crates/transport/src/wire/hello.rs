@@ -228,7 +228,10 @@ mod tests {
             Err(ProtocolError::UnsupportedVersion { got: 1 })
         );
         let message = ProtocolError::UnsupportedVersion { got: 1 }.to_string();
-        assert!(message.contains("version 1 (this node speaks 2)"), "{message}");
+        assert!(
+            message.contains("version 1 (this node speaks 2)"),
+            "{message}"
+        );
         let mut flipped = good;
         flipped[30] ^= 1;
         assert!(matches!(
