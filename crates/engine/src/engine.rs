@@ -444,9 +444,7 @@ impl<M: MetaStore> Engine<M> {
                 fs: self.config.fs.clone(),
                 replication: replication.clone(),
             };
-            let reactor = self
-                .reactors
-                .get(ReactorId(vdisk.0 as usize + index as usize));
+            let reactor = self.reactors.get(self.shard_reactor(vdisk, index));
             let gate = gate_receiver.clone();
             let link = reactor
                 .run(move || async move { start_shard(spec, reactor_cache(), gate).await })
@@ -916,6 +914,15 @@ impl<M: MetaStore> Engine<M> {
     /// The reactors, for front-ends that place connections on them.
     pub fn reactors(&self) -> &ReactorPool {
         &self.reactors
+    }
+
+    /// The reactor shard `index` of `vdisk` runs on: consecutive shards on consecutive
+    /// reactors, and each vdisk's first shard on a different one, so one-shard vdisks
+    /// spread over the reactors.
+    pub fn shard_reactor(&self, vdisk: VdiskId, index: u32) -> ReactorId {
+        self.reactors
+            .get(ReactorId(vdisk.0 as usize + index as usize))
+            .id
     }
 
     /// Fails further I/O on every vdisk. Acknowledged writes are already durable; oplogs are

@@ -15,7 +15,6 @@ use super::stream_order::{Offered, StreamOrder};
 use super::wire::FAILED_CODE;
 use crate::registry::NodeEngine;
 use ashlar_core::VdiskId;
-use ashlar_engine::reactor::ReactorId;
 use ashlar_engine::replication::ReplicaRecord;
 use ashlar_engine::shard::ShardError;
 use ashlar_engine::vdisk::{VdiskShared, SHARD_RANGE_BYTES};
@@ -92,8 +91,7 @@ impl Intakes {
 
     /// Applies one record on the intake of its shard's reactor; answers when it is durable.
     pub async fn record(&self, epoch: u64, record: ReplicaRecord) -> Result<(), RemoteError> {
-        let reactor = ReactorId(record.vdisk.0 as usize + record.shard as usize);
-        let index = self.engine.reactors().get(reactor).id.0;
+        let index = self.engine.shard_reactor(record.vdisk, record.shard).0;
         let (answer, answered) = oneshot::channel();
         let work = IntakeWork::Record {
             epoch,
