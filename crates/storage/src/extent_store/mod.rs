@@ -56,7 +56,7 @@ pub struct ExtentStoreConfig {
 }
 
 /// Default of [`ExtentStoreConfig::max_writing_egroups`].
-pub const DEFAULT_MAX_WRITING_EGROUPS: usize = 2;
+pub const DEFAULT_MAX_WRITING_EGROUPS: usize = 16;
 
 /// Default of [`ExtentStoreConfig::writes_in_flight_per_egroup`].
 pub const DEFAULT_WRITES_IN_FLIGHT_PER_EGROUP: usize = 8;
