@@ -1,5 +1,10 @@
-//! An intrusive LRU list over a slab: O(1) touch, insert and evict with no allocation per
-//! operation once warm. Used by the read cache's two pools.
+//! A recency list over a slab with second-chance eviction (CLOCK): no allocation per
+//! operation once warm, and a hit only marks its entry referenced. Moving every hit to the
+//! front of the list touched both neighbours' slots, two more cache misses per hit on a list
+//! of a million entries (~10 % of a cached 4 KiB read's CPU in a profile). Eviction pays
+//! instead: an entry at the tail that was referenced since it got there goes back to the
+//! front with its mark cleared, and the first unmarked one goes. Each hit costs at most one
+//! such move, so eviction stays amortized O(1). Used by the read cache's two pools.
 
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -14,6 +19,8 @@ const NIL: usize = usize::MAX;
 struct Node<K, V> {
     key: K,
     value: V,
+    /// Hit since it was inserted or last given a second chance.
+    referenced: bool,
     prev: usize,
     next: usize,
 }
@@ -22,8 +29,8 @@ pub struct Lru<K, V> {
     map: FastMap<K>,
     nodes: Vec<Option<Node<K, V>>>,
     free: Vec<usize>,
-    head: usize, // most recently used
-    tail: usize, // least recently used
+    head: usize, // most recently inserted or given a second chance
+    tail: usize, // next to be considered for eviction
 }
 
 impl<K: Hash + Eq + Clone, V> Lru<K, V> {
@@ -41,20 +48,21 @@ impl<K: Hash + Eq + Clone, V> Lru<K, V> {
         self.map.len()
     }
 
-    /// Returns the value and marks it most recently used.
+    /// Returns the value and marks it referenced: eviction passes over it once.
     pub fn get(&mut self, key: &K) -> Option<&V> {
         let index = *self.map.get(key)?;
-        self.unlink(index);
-        self.push_front(index);
-        self.nodes[index].as_ref().map(|node| &node.value)
+        let node = self.link_mut(index);
+        node.referenced = true;
+        Some(&node.value)
     }
 
-    /// Inserts or replaces; the entry becomes most recently used.
+    /// Inserts or replaces; the entry goes to the front, unreferenced.
     pub fn insert(&mut self, key: K, value: V) -> Option<V> {
         let old = self.remove(&key);
         let node = Node {
             key: key.clone(),
             value,
+            referenced: false,
             prev: NIL,
             next: NIL,
         };
@@ -80,14 +88,22 @@ impl<K: Hash + Eq + Clone, V> Lru<K, V> {
         self.nodes[index].take().map(|node| node.value)
     }
 
-    /// Removes and returns the least recently used entry.
+    /// Removes and returns the entry at the tail that was not referenced since it got there;
+    /// referenced entries it passes go back to the front, unmarked.
     pub fn pop_lru(&mut self) -> Option<(K, V)> {
-        if self.tail == NIL {
-            return None;
+        while self.tail != NIL {
+            let index = self.tail;
+            let node = self.link_mut(index);
+            if node.referenced {
+                node.referenced = false;
+                self.unlink(index);
+                self.push_front(index);
+                continue;
+            }
+            let key = node.key.clone();
+            return self.remove(&key).map(|value| (key, value));
         }
-        let index = self.tail;
-        let key = self.nodes[index].as_ref()?.key.clone();
-        self.remove(&key).map(|value| (key, value))
+        None
     }
 
     fn unlink(&mut self, index: usize) {
@@ -139,7 +155,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn evicts_least_recently_used_first() {
+    fn evicts_in_insertion_order_giving_hit_entries_a_second_chance() {
         let mut lru = Lru::new();
         lru.insert(1, "a");
         lru.insert(2, "b");
@@ -149,6 +165,25 @@ mod tests {
         assert_eq!(lru.pop_lru(), Some((3, "c")));
         assert_eq!(lru.pop_lru(), Some((1, "a")));
         assert_eq!(lru.pop_lru(), None);
+        assert_eq!(lru.len(), 0);
+    }
+
+    #[test]
+    fn an_entry_hit_between_evictions_is_never_evicted() {
+        let mut lru = Lru::new();
+        for i in 0..64 {
+            lru.insert(i, i);
+        }
+        for round in 0..200 {
+            assert_eq!(lru.get(&0), Some(&0), "round {round}");
+            let (evicted, _) = lru.pop_lru().expect("entries left");
+            assert_ne!(evicted, 0);
+            lru.insert(1000 + round, round);
+        }
+        // Unreferenced, it goes once every entry inserted before its last second chance is gone.
+        let order: Vec<_> = std::iter::from_fn(|| lru.pop_lru().map(|(key, _)| key)).collect();
+        assert_eq!(order.len(), 64);
+        assert!(order.contains(&0));
         assert_eq!(lru.len(), 0);
     }
 
