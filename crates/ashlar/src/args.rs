@@ -173,8 +173,9 @@ pub struct NodeArgs {
     #[arg(long, default_value_t = 1024, value_name = "N")]
     pub max_open_egroups: usize,
     /// Extent groups a shard writes at once when it moves oplog data into the extent store
-    /// (1 to --max-open-egroups). More drains faster on disks with deep queues; fewer keeps
-    /// client writes from queueing behind a drain step's writes and syncs (their p99 latency).
+    /// (1 to --max-open-egroups; larger values are lowered to it). More drains faster, so client
+    /// writes wait less behind a drain step; fewer holds less memory (up to 4 MiB read per
+    /// extent group the step opens).
     #[arg(long, default_value_t = ashlar_storage::extent_store::DEFAULT_MAX_WRITING_EGROUPS, value_name = "N")]
     pub max_writing_egroups: usize,
     /// Disk writes one extent group keeps in flight while a write batch (a drain step, a
