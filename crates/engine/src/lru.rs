@@ -180,7 +180,7 @@ mod tests {
             assert_ne!(evicted, 0);
             lru.insert(1000 + round, round);
         }
-        // Unreferenced, it goes once every entry inserted before its last second chance is gone.
+        // Once no longer hit it is evicted like any other entry.
         let order: Vec<_> = std::iter::from_fn(|| lru.pop_lru().map(|(key, _)| key)).collect();
         assert_eq!(order.len(), 64);
         assert!(order.contains(&0));
