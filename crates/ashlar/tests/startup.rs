@@ -15,15 +15,44 @@ fn write_pattern(node: &Node, vdisk: &str, seed: u64) -> Vec<u8> {
     data
 }
 
+/// `meta.redb` gone, its mirror there: the node writes it anew from the mirror and serves
+/// every vdisk as before.
 #[test]
-fn losing_the_metadata_file_sets_data_aside_instead_of_deleting_it() {
+fn a_lost_metadata_file_is_restored_from_its_mirror() {
+    let mut node = Node::start();
+    node.create_vdisk("keepme", "64M");
+    let written = write_pattern(&node, "keepme", 5);
+    node.sigterm_and_wait();
+
+    std::fs::remove_file(node.data_dir.join("meta.redb")).expect("removing meta.redb");
+    node.restart();
+    let log = node.log();
+    assert!(
+        log.contains("the metadata store is missing; restoring it from its mirror"),
+        "the node did not say it restored the store; log:\n{log}"
+    );
+    assert!(
+        !log.contains("no vdisk in the catalog accounts for"),
+        "{log}"
+    );
+    let mut conn = NbdConn::connect(node.nbd_addr(), "keepme").expect("connect");
+    assert_eq!(conn.read_ok(0, written.len() as u32), written);
+    conn.disconnect();
+}
+
+/// Both copies of the metadata store gone: nothing names the vdisk any more, and its data is
+/// set aside, never deleted.
+#[test]
+fn losing_the_metadata_file_and_its_mirror_sets_data_aside_instead_of_deleting_it() {
     let mut node = Node::start();
     node.create_vdisk("keepme", "64M");
     let dir_name = node.vdisk_dir_name("keepme");
     let written = write_pattern(&node, "keepme", 7);
     node.sigterm_and_wait();
 
-    std::fs::remove_file(node.data_dir.join("meta.redb")).expect("removing meta.redb");
+    for file in ["meta.redb", "meta.mirror.redb"] {
+        std::fs::remove_file(node.data_dir.join(file)).expect("removing the store");
+    }
     node.restart();
 
     let log = node.log();
@@ -126,31 +155,28 @@ fn file_listing(dir: &std::path::Path) -> Vec<(std::path::PathBuf, u64)> {
     files
 }
 
-/// A byte changed inside a vdisk's record in `meta.redb` (its size, still valid JSON) is
-/// caught by the record's CRC: the node refuses to start with one line naming the file, and
-/// touches no data; with the file restored, every written byte reads back.
-#[test]
-fn a_damaged_metadata_record_stops_the_node_before_it_touches_any_data() {
-    let mut node = Node::start();
-    node.create_vdisk("keepme", "64M");
-    let written = write_pattern(&node, "keepme", 11);
-    node.sigterm_and_wait();
-
-    let meta = node.data_dir.join("meta.redb");
-    let intact = std::fs::read(&meta).unwrap();
+/// Changes the vdisk's size inside its record in the store file at `path` (every copy of the
+/// record: redb leaves older copies in pages it no longer uses), keeping valid JSON: only the
+/// record's CRC can tell. Returns the file as it was.
+fn damage_size_in_record(path: &std::path::Path) -> Vec<u8> {
+    let intact = std::fs::read(path).unwrap();
     let needle = br#""name":"keepme","size_bytes":6"#;
-    let at = intact
-        .windows(needle.len())
-        .position(|w| w == needle)
-        .expect("the vdisk's record in meta.redb");
     let mut damaged = intact.clone();
-    damaged[at + needle.len() - 1] = b'3'; // 64 MiB reads as 34 MiB: valid, and wrong
-    std::fs::write(&meta, &damaged).unwrap();
-    let disk = node.data_dir.join("disk0");
-    let before = file_listing(&disk);
+    let mut found = 0;
+    for at in 0..intact.len().saturating_sub(needle.len()) {
+        if &intact[at..at + needle.len()] == needle {
+            damaged[at + needle.len() - 1] = b'3'; // 64 MiB reads as 34 MiB: valid, and wrong
+            found += 1;
+        }
+    }
+    assert!(found > 0, "the vdisk's record in {}", path.display());
+    std::fs::write(path, &damaged).unwrap();
+    intact
+}
 
+fn start_node_once(node: &Node) -> common::CmdOut {
     let (nbd, http) = (common::free_port(), common::free_port());
-    let out = common::ashlar(&[
+    common::ashlar(&[
         "node",
         "--data-dir",
         node.data_dir.to_str().unwrap(),
@@ -160,12 +186,65 @@ fn a_damaged_metadata_record_stops_the_node_before_it_touches_any_data() {
         &format!("127.0.0.1:{http}"),
         "--iscsi-listen",
         &format!("127.0.0.1:{}", common::free_port()),
-    ]);
+    ])
+}
+
+/// A byte changed inside a vdisk's record in `meta.redb` is caught by the record's CRC; the
+/// node keeps the damaged file aside, restores the store from its mirror and serves the
+/// vdisk with every byte written.
+#[test]
+fn a_damaged_metadata_record_is_restored_from_the_mirror() {
+    let mut node = Node::start();
+    node.create_vdisk("keepme", "64M");
+    let written = write_pattern(&node, "keepme", 13);
+    node.sigterm_and_wait();
+
+    damage_size_in_record(&node.data_dir.join("meta.redb"));
+    node.restart();
+    let log = node.log();
+    assert!(
+        log.contains("the metadata store is damaged; restoring it from its mirror")
+            && log.contains("CRC")
+            && log.contains("keepme"),
+        "the log does not say what was damaged and what was done; log:\n{log}"
+    );
+    let kept: Vec<_> = std::fs::read_dir(&node.data_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("meta.redb.damaged-"))
+        .collect();
+    assert_eq!(kept.len(), 1, "the damaged file was not kept aside");
+    let mut conn = NbdConn::connect(node.nbd_addr(), "keepme").expect("connect");
+    assert_eq!(conn.read_ok(0, written.len() as u32), written);
+    conn.disconnect();
+}
+
+/// The same damage in `meta.redb` and in its mirror: the node refuses to start with one line
+/// naming the file, the damage and the key, and touches no data; with the files restored,
+/// every written byte reads back.
+#[test]
+fn a_metadata_record_damaged_in_both_copies_stops_the_node_before_it_touches_any_data() {
+    let mut node = Node::start();
+    node.create_vdisk("keepme", "64M");
+    let written = write_pattern(&node, "keepme", 11);
+    node.sigterm_and_wait();
+
+    let meta = node.data_dir.join("meta.redb");
+    let mirror = node.data_dir.join("meta.mirror.redb");
+    let intact = damage_size_in_record(&meta);
+    let intact_mirror = damage_size_in_record(&mirror);
+    let disk = node.data_dir.join("disk0");
+    let before = file_listing(&disk);
+
+    let out = start_node_once(&node);
     assert_ne!(out.code(), Some(0), "the node started on a damaged store");
     let said = format!("{}{}", out.stdout, out.stderr);
     assert!(
-        said.contains("meta.redb") && said.contains("CRC") && said.contains("keepme"),
-        "the error does not name the file, the damage and the key:\n{said}"
+        said.contains("meta.redb")
+            && said.contains("CRC")
+            && said.contains("keepme")
+            && said.contains("meta.mirror.redb cannot replace it"),
+        "the error does not name the file, the damage, the key and the mirror:\n{said}"
     );
     assert!(!said.contains("panicked"), "{said}");
     assert_eq!(
@@ -174,6 +253,7 @@ fn a_damaged_metadata_record_stops_the_node_before_it_touches_any_data() {
         "a failed start changed the data"
     );
 
+    std::fs::write(&mirror, &intact_mirror).unwrap();
     std::fs::write(&meta, &intact).unwrap();
     node.restart();
     let mut conn = NbdConn::connect(node.nbd_addr(), "keepme").expect("connect");

@@ -80,31 +80,93 @@ impl<'de> Deserialize<'de> for NodeId {
     }
 }
 
+/// Name of the second copy of the node id file, kept beside it.
+pub const NODE_ID_MIRROR_FILE: &str = "node-id.mirror";
+
 /// The node id of `data_dir`: read from its `node-id` file, or generated and stored durably
-/// (file synced, renamed into place, directory synced) when there is none yet. A file that
-/// exists but does not hold an id, or whose CRC does not match, is an error, never replaced:
-/// replacing it would silently turn this node into a new member. A file of version 1 (no
-/// CRC) is rewritten in version 2.
+/// (file synced, renamed into place, directory synced) when there is none yet. The same
+/// file is kept a second time as `node-id.mirror`. A `node-id` that is damaged or missing
+/// while the mirror holds a valid id is restored from the mirror (the damaged file kept as
+/// `node-id.damaged-<unix seconds>`). With no valid copy, a file that exists but does not
+/// hold an id is an error, never replaced: replacing it would silently turn this node into a
+/// new member. A file of version 1 (no CRC) is rewritten in version 2.
 pub fn load_or_create_node_id(data_dir: &Path) -> Result<NodeId, NodeIdError> {
     let path = data_dir.join(NODE_ID_FILE);
-    let text = std::fs::read(&path).map(|bytes| {
-        String::from_utf8(bytes).map_err(|_| NodeIdError::Corrupt {
-            path: path.clone(),
-            detail: "the file is not text".to_string(),
-        })
-    });
-    match text {
-        Ok(text) => match parse_node_id_file(&path, &text?)? {
-            (id, NodeIdFileVersion::Checked) => Ok(id),
-            (id, NodeIdFileVersion::Unchecked) => {
-                store_node_id_file(data_dir, id)?;
-                tracing::info!(path = %path.display(), %id, "node id file rewritten with a CRC (version 2)");
-                Ok(id)
+    let mirror = read_node_id_file(&data_dir.join(NODE_ID_MIRROR_FILE));
+    let id = match read_node_id_file(&path) {
+        Ok(Some((id, NodeIdFileVersion::Checked))) => id,
+        Ok(Some((id, NodeIdFileVersion::Unchecked))) => {
+            store_node_id_file(data_dir, NODE_ID_FILE, id)?;
+            tracing::info!(path = %path.display(), %id, "node id file rewritten with a CRC (version 2)");
+            id
+        }
+        Ok(None) => match mirror {
+            Ok(Some((id, _))) => {
+                tracing::error!(path = %path.display(), %id,
+                    "the node id file is missing; restoring it from its mirror");
+                store_node_id_file(data_dir, NODE_ID_FILE, id)?;
+                return Ok(id);
             }
+            Ok(None) => create_node_id_file(data_dir)?,
+            Err(error) => return Err(error),
         },
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => create_node_id_file(data_dir),
-        Err(source) => Err(NodeIdError::Io { path, source }),
+        Err(NodeIdError::Corrupt { detail, .. }) if matches!(mirror, Ok(Some(_))) => {
+            let Ok(Some((id, _))) = mirror else {
+                unreachable!("matched above")
+            };
+            restore_damaged(data_dir, id, &detail)?;
+            return Ok(id);
+        }
+        Err(error) => return Err(error),
+    };
+    if !matches!(mirror, Ok(Some((copy, NodeIdFileVersion::Checked))) if copy == id) {
+        if let Ok(Some((other, _))) = mirror {
+            tracing::warn!(path = %path.display(), %id, mirror_id = %other,
+                "the node id's mirror held another id; rewriting it from the node id file");
+        }
+        store_node_id_file(data_dir, NODE_ID_MIRROR_FILE, id)?;
     }
+    Ok(id)
+}
+
+/// The id in the file at `path`, `None` if there is no such file.
+fn read_node_id_file(path: &Path) -> Result<Option<(NodeId, NodeIdFileVersion)>, NodeIdError> {
+    match std::fs::read(path) {
+        Ok(bytes) => {
+            let text = String::from_utf8(bytes).map_err(|_| NodeIdError::Corrupt {
+                path: path.to_path_buf(),
+                detail: "the file is not text".to_string(),
+            })?;
+            parse_node_id_file(path, &text).map(Some)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(NodeIdError::Io {
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+/// Keeps the damaged `node-id` aside and writes it anew with `id` from the mirror.
+fn restore_damaged(data_dir: &Path, id: NodeId, damage: &str) -> Result<(), NodeIdError> {
+    let path = data_dir.join(NODE_ID_FILE);
+    let seconds = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let aside = (0..)
+        .map(|n| match n {
+            0 => data_dir.join(format!("{NODE_ID_FILE}.damaged-{seconds}")),
+            n => data_dir.join(format!("{NODE_ID_FILE}.damaged-{seconds}-{n}")),
+        })
+        .find(|candidate| !candidate.exists())
+        .expect("an unused name");
+    std::fs::rename(&path, &aside).map_err(|source| NodeIdError::Io {
+        path: path.clone(),
+        source,
+    })?;
+    tracing::error!(path = %path.display(), kept_as = %aside.display(), %damage, %id,
+        "the node id file is damaged; restoring it from its mirror");
+    store_node_id_file(data_dir, NODE_ID_FILE, id)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,18 +207,18 @@ fn parse_node_id_file(path: &Path, text: &str) -> Result<(NodeId, NodeIdFileVers
 fn create_node_id_file(data_dir: &Path) -> Result<NodeId, NodeIdError> {
     let path = data_dir.join(NODE_ID_FILE);
     let id = NodeId::random().map_err(|source| NodeIdError::Io { path, source })?;
-    store_node_id_file(data_dir, id)?;
+    store_node_id_file(data_dir, NODE_ID_FILE, id)?;
     Ok(id)
 }
 
-/// Writes the file (version 2) durably: synced, renamed into place, directory synced.
-fn store_node_id_file(data_dir: &Path, id: NodeId) -> Result<(), NodeIdError> {
-    let path = data_dir.join(NODE_ID_FILE);
+/// Writes the file `name` (version 2) durably: synced, renamed into place, directory synced.
+fn store_node_id_file(data_dir: &Path, name: &str, id: NodeId) -> Result<(), NodeIdError> {
+    let path = data_dir.join(name);
     let io = |path: &PathBuf| {
         let path = path.clone();
         move |source| NodeIdError::Io { path, source }
     };
-    let temporary = data_dir.join(format!("{NODE_ID_FILE}.tmp"));
+    let temporary = data_dir.join(format!("{name}.tmp"));
     let mut file = OpenOptions::new()
         .write(true)
         .create(true)
@@ -209,15 +271,29 @@ mod tests {
         );
     }
 
+    /// `bytes` with one bit flipped, for each bit.
+    fn each_bit_flipped(bytes: &[u8]) -> impl Iterator<Item = (usize, Vec<u8>)> + '_ {
+        (0..bytes.len() * 8).map(move |bit| {
+            let mut damaged = bytes.to_vec();
+            damaged[bit / 8] ^= 1 << (bit % 8);
+            (bit, damaged)
+        })
+    }
+
     #[test]
     fn any_flipped_bit_of_the_file_is_an_error_never_another_id() {
         let dir = tempfile::tempdir().unwrap();
         let id = load_or_create_node_id(dir.path()).unwrap();
+        let mirror = dir.path().join(NODE_ID_MIRROR_FILE);
+        assert_eq!(
+            std::fs::read(&mirror).unwrap(),
+            std::fs::read(dir.path().join(NODE_ID_FILE)).unwrap()
+        );
+        // Without the mirror, nothing can stand in for a damaged file.
+        std::fs::remove_file(&mirror).unwrap();
         let path = dir.path().join(NODE_ID_FILE);
         let intact = std::fs::read(&path).unwrap();
-        for bit in 0..intact.len() * 8 {
-            let mut damaged = intact.clone();
-            damaged[bit / 8] ^= 1 << (bit % 8);
+        for (bit, damaged) in each_bit_flipped(&intact) {
             std::fs::write(&path, &damaged).unwrap();
             match load_or_create_node_id(dir.path()) {
                 Err(NodeIdError::Corrupt { .. }) => {}
@@ -231,6 +307,68 @@ mod tests {
         }
         std::fs::write(&path, &intact).unwrap();
         assert_eq!(load_or_create_node_id(dir.path()).unwrap(), id);
+    }
+
+    fn damaged_copies_kept(dir: &Path) -> usize {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .filter(|e| {
+                let name = e.as_ref().unwrap().file_name();
+                name.to_string_lossy().starts_with("node-id.damaged-")
+            })
+            .count()
+    }
+
+    #[test]
+    fn a_damaged_or_lost_file_is_restored_from_its_mirror() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = load_or_create_node_id(dir.path()).unwrap();
+        let path = dir.path().join(NODE_ID_FILE);
+        let intact = std::fs::read(&path).unwrap();
+        for (bit, damaged) in each_bit_flipped(&intact) {
+            std::fs::write(&path, &damaged).unwrap();
+            assert_eq!(load_or_create_node_id(dir.path()).unwrap(), id, "bit {bit}");
+            assert_eq!(
+                std::fs::read(&path).unwrap(),
+                intact,
+                "bit {bit}: not restored"
+            );
+        }
+        assert_eq!(
+            damaged_copies_kept(dir.path()),
+            intact.len() * 8,
+            "each damaged file is kept"
+        );
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(load_or_create_node_id(dir.path()).unwrap(), id);
+        assert_eq!(std::fs::read(&path).unwrap(), intact);
+        // A lost or damaged mirror is written again from the file.
+        let mirror = dir.path().join(NODE_ID_MIRROR_FILE);
+        std::fs::write(&mirror, "damaged\n").unwrap();
+        assert_eq!(load_or_create_node_id(dir.path()).unwrap(), id);
+        assert_eq!(std::fs::read(&mirror).unwrap(), intact);
+    }
+
+    #[test]
+    fn both_copies_damaged_is_an_error_and_nothing_is_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        load_or_create_node_id(dir.path()).unwrap();
+        for name in [NODE_ID_FILE, NODE_ID_MIRROR_FILE] {
+            std::fs::write(dir.path().join(name), "not an id\n").unwrap();
+        }
+        let error = load_or_create_node_id(dir.path()).unwrap_err();
+        assert!(matches!(error, NodeIdError::Corrupt { .. }), "{error}");
+        for name in [NODE_ID_FILE, NODE_ID_MIRROR_FILE] {
+            assert_eq!(
+                std::fs::read_to_string(dir.path().join(name)).unwrap(),
+                "not an id\n"
+            );
+        }
+        // The file missing and its mirror damaged: an error too, not a new identity.
+        std::fs::remove_file(dir.path().join(NODE_ID_FILE)).unwrap();
+        let error = load_or_create_node_id(dir.path()).unwrap_err();
+        assert!(error.to_string().contains("node-id.mirror"), "{error}");
+        assert!(!dir.path().join(NODE_ID_FILE).exists());
     }
 
     #[test]

@@ -27,6 +27,7 @@ use crate::engine::{
 };
 use crate::error::MetaError;
 use crate::lease::LeaseTable;
+use crate::mirror::{self, Mirror};
 use crate::record;
 use crate::store::MetaStore;
 use crate::types::{KeyRange, KeyValue, LeaseId, Revision, Txn, TxnOp, TxnOpResult, TxnResponse};
@@ -90,6 +91,7 @@ impl EmbeddedMetaStore {
                 "watch_channel_capacity and max_txn_ops must be at least 1",
             ));
         }
+        mirror::restore_if_damaged(path)?;
         let db = without_panics(path, || {
             Database::create(path).map_err(|e| storage_error(path, e))
         })?;
@@ -98,6 +100,7 @@ impl EmbeddedMetaStore {
         let reserve = SpaceReserve::open(path);
         let (revision, epoch, dropped) = without_panics(path, || recover(&db, path))?;
         reserve.renew(path);
+        let mirror = Mirror::rebuild(&db, path);
         if dropped > 0 {
             tracing::info!(
                 path = %path.display(),
@@ -114,6 +117,7 @@ impl EmbeddedMetaStore {
             state: Mutex::new(State {
                 revision,
                 leases,
+                mirror,
                 hub: WatchHub::new(
                     revision,
                     options.watch_history_events,
@@ -156,7 +160,7 @@ impl EmbeddedMetaStore {
 /// Runs `call` (opening the file, checking it, or one operation on it), turning a panic into
 /// `MetaError::Corrupt`: redb trusts what it reads from its own pages, and some damage (a
 /// flipped byte in a page of the store-wide table) makes it panic rather than return an error.
-fn without_panics<T>(
+pub(crate) fn without_panics<T>(
     path: &Path,
     call: impl FnOnce() -> Result<T, MetaError>,
 ) -> Result<T, MetaError> {

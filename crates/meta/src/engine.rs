@@ -18,6 +18,7 @@ use tokio::sync::Notify;
 
 use crate::error::MetaError;
 use crate::lease::{Deadlines, LeaseTable};
+use crate::mirror::Mirror;
 use crate::record;
 use crate::types::{
     Compare, CompareTarget, EventKind, KeyRange, KeyValue, LeaseId, Revision, Txn, TxnOp,
@@ -40,6 +41,8 @@ pub(crate) const UNCHECKED_FORMAT_VERSION: i64 = 1;
 pub(crate) struct State {
     pub(crate) revision: Revision,
     pub(crate) leases: LeaseTable,
+    /// The store's second copy, updated after each commit (`mirror.rs`).
+    pub(crate) mirror: Mirror,
     pub(crate) hub: WatchHub,
 }
 
@@ -335,6 +338,7 @@ impl Inner {
         // Durability::Immediate (redb's default): commit returns after fsync.
         wtx.commit().map_err(|e| self.err(e))?;
         self.reserve.renew(&self.path);
+        st.mirror.apply(&self.db, &self.path, rev.0, &events);
 
         st.revision = rev;
         st.leases.apply(&events);

@@ -12,6 +12,7 @@ mod error;
 mod etcd;
 pub mod layout;
 mod lease;
+mod mirror;
 mod record;
 mod store;
 mod types;
