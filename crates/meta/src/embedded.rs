@@ -91,15 +91,19 @@ impl EmbeddedMetaStore {
                 "watch_channel_capacity and max_txn_ops must be at least 1",
             ));
         }
-        mirror::restore_if_damaged(path)?;
-        let db = without_panics(path, || {
-            Database::create(path).map_err(|e| storage_error(path, e))
-        })?;
-        sync_directory_entries(path).map_err(|e| storage_error(path, redb::StorageError::Io(e)))?;
-        // Before the first commit: the disk may already be full.
-        let reserve = SpaceReserve::open(path);
-        let (revision, epoch, dropped) = without_panics(path, || recover(&db, path))?;
-        reserve.renew(path);
+        mirror::restore_if_missing(path)?;
+        // Opening is also the check of the whole file (redb's open, then `recover` reads every
+        // record and writes once): whatever damage it meets, the mirror may stand in for.
+        let (db, reserve, (revision, epoch, dropped)) = match open_file(path) {
+            Err(error) => match mirror::damage(path, error) {
+                Ok(damage) => {
+                    mirror::restore_damaged(path, damage)?;
+                    open_file(path)?
+                }
+                Err(error) => return Err(error),
+            },
+            opened => opened?,
+        };
         let mirror = Mirror::rebuild(&db, path);
         if dropped > 0 {
             tracing::info!(
@@ -155,6 +159,36 @@ impl EmbeddedMetaStore {
             Err(_) => call(),
         }
     }
+}
+
+/// An open store file, its space reserve, and what `recover` found: (revision, lease epoch,
+/// keys dropped).
+type OpenedFile = (Database, SpaceReserve, (Revision, i64, usize));
+
+/// Opens (or creates) the store file and prepares it (`recover`).
+fn open_file(path: &Path) -> Result<OpenedFile, MetaError> {
+    let db = without_panics(path, || {
+        Database::create(path).map_err(|e| storage_error(path, e))
+    })?;
+    sync_directory_entries(path).map_err(|e| storage_error(path, redb::StorageError::Io(e)))?;
+    // Before the first commit: the disk may already be full.
+    let reserve = SpaceReserve::open(path);
+    match without_panics(path, || recover(&db, path)) {
+        Ok(recovered) => {
+            reserve.renew(path);
+            Ok((db, reserve, recovered))
+        }
+        Err(error) => {
+            close_quietly(db);
+            Err(error)
+        }
+    }
+}
+
+/// Closes a store file after a failure. redb writes on close, and after a panic inside it
+/// (damage it trusted) closing panics too: that must not take the process down.
+pub(crate) fn close_quietly(db: Database) {
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(db)));
 }
 
 /// Runs `call` (opening the file, checking it, or one operation on it), turning a panic into

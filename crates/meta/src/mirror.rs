@@ -3,10 +3,11 @@
 //!
 //! Why: the store names every vdisk. A damaged or lost `meta.redb` would otherwise stop the
 //! node (damage) or leave every vdisk's data unaccounted for (loss), though the data itself
-//! is intact. With the mirror, opening the store checks `meta.redb` first; if it is damaged or
-//! missing and the mirror checks out, the damaged file is kept aside as
-//! `meta.redb.damaged-<unix seconds>` and a new `meta.redb` is written from the mirror.
-//! Only when both copies are damaged does the open fail.
+//! is intact. With the mirror, a `meta.redb` that is missing, or that fails to open as
+//! damaged (redb's open, then `recover`, which reads every record and commits once), is
+//! written anew from the mirror if the mirror passes the same checks; the damaged file is kept
+//! aside as `meta.redb.damaged-<unix seconds>`. Only when both copies are damaged does the
+//! open fail.
 //!
 //! Order: the store commits first, the mirror second, so after a crash between the two the
 //! mirror is at most one transaction behind; at every open it is rewritten from the store.
@@ -18,6 +19,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use redb::{Database, ReadableDatabase, ReadableTable};
 
+use crate::embedded::close_quietly;
 use crate::engine::{
     storage_error, SpaceReserve, FORMAT_VERSION, KV, META, META_FORMAT, META_REVISION,
     UNCHECKED_FORMAT_VERSION,
@@ -105,11 +107,15 @@ fn snapshot(db: &Database, path: &Path, verify: bool) -> Result<Snapshot, MetaEr
 /// Opens an existing store file and checks all of it. Whatever is wrong with the file
 /// itself is `Corrupt`; `Storage` is left for the disk's own errors (permissions, I/O).
 fn read_checked(path: &Path) -> Result<Snapshot, MetaError> {
-    crate::embedded::without_panics(path, || {
-        let db = Database::open(path).map_err(|e| storage_error(path, e))?;
-        snapshot(&db, path, true)
+    let checked = crate::embedded::without_panics(path, || {
+        Database::open(path).map_err(|e| storage_error(path, e))
     })
-    .map_err(|error| damage_or_error(path, error))
+    .and_then(|db| {
+        let read = crate::embedded::without_panics(path, || snapshot(&db, path, true));
+        close_quietly(db);
+        read
+    });
+    checked.map_err(|error| damage_or_error(path, error))
 }
 
 fn damage_or_error(path: &Path, error: MetaError) -> MetaError {
@@ -168,61 +174,70 @@ fn sync_parent(path: &Path) -> std::io::Result<()> {
     }
 }
 
-/// Before the store at `path` is opened: if it is damaged or missing and its mirror checks
-/// out, keeps the damaged file aside and writes a new one from the mirror. Fails when the
-/// store is damaged and the mirror cannot stand in for it. Without a mirror (a store written
-/// by an older build, or a new one) nothing happens here.
-pub(crate) fn restore_if_damaged(path: &Path) -> Result<(), MetaError> {
-    let mirror = mirror_path(path);
-    if !mirror.exists() {
+/// What is wrong with the store file at `path`, if `error` (from opening it) says the file is
+/// damaged and its mirror exists to stand in for it; else `error` itself.
+pub(crate) fn damage(path: &Path, error: MetaError) -> Result<String, MetaError> {
+    match damage_or_error(path, error) {
+        MetaError::Corrupt { detail, .. } if mirror_path(path).exists() => Ok(detail),
+        other => Err(other),
+    }
+}
+
+/// Before the store at `path` is created anew because it is missing: if its mirror is there,
+/// the store is written from it instead (and the open fails if the mirror is damaged: a new,
+/// empty store would leave every vdisk unaccounted for).
+pub(crate) fn restore_if_missing(path: &Path) -> Result<(), MetaError> {
+    if path.exists() || !mirror_path(path).exists() {
         return Ok(());
     }
-    let damage = if path.exists() {
-        match read_checked(path) {
-            Ok(_) => return Ok(()),
-            Err(MetaError::Corrupt { detail, .. }) => detail,
-            // Busy or unreadable (permissions, I/O): not damage; say so as today.
-            Err(other) => return Err(other),
-        }
-    } else {
-        "the file is missing".to_string()
-    };
-    let snapshot = read_checked(&mirror).map_err(|mirror_error| {
-        let why = match mirror_error {
-            MetaError::Corrupt { detail, .. } => format!("it is damaged too: {detail}"),
-            other => other.to_string(),
-        };
-        corrupt(
-            path,
-            format!(
-                "{damage}; its mirror {} cannot replace it: {why}",
-                mirror.display()
-            ),
-        )
-    })?;
-    if path.exists() {
-        let seconds = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        let aside = (0..)
-            .map(|n| match n {
-                0 => PathBuf::from(format!("{}.damaged-{seconds}", path.display())),
-                n => PathBuf::from(format!("{}.damaged-{seconds}-{n}", path.display())),
-            })
-            .find(|candidate| !candidate.exists())
-            .expect("an unused name");
-        std::fs::rename(path, &aside)
-            .map_err(|e| storage_error(path, redb::StorageError::Io(e)))?;
-        tracing::error!(path = %path.display(), kept_as = %aside.display(), %damage,
-            "the metadata store is damaged; restoring it from its mirror");
-    } else {
-        tracing::error!(path = %path.display(),
-            "the metadata store is missing; restoring it from its mirror");
-    }
+    tracing::error!(path = %path.display(),
+        "the metadata store is missing; restoring it from its mirror");
+    restore(path, "the file is missing")
+}
+
+/// The store at `path` failed to open with `damage`: keeps it aside and writes it anew from
+/// its mirror, or fails if the mirror cannot stand in for it.
+pub(crate) fn restore_damaged(path: &Path, damage: String) -> Result<(), MetaError> {
+    let mirror = mirror_path(path);
+    // Checked before anything moves: with both copies damaged, nothing is touched.
+    read_checked(&mirror).map_err(|error| cannot_replace(path, &damage, error))?;
+    let seconds = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let aside = (0..)
+        .map(|n| match n {
+            0 => PathBuf::from(format!("{}.damaged-{seconds}", path.display())),
+            n => PathBuf::from(format!("{}.damaged-{seconds}-{n}", path.display())),
+        })
+        .find(|candidate| !candidate.exists())
+        .expect("an unused name");
+    std::fs::rename(path, &aside).map_err(|e| storage_error(path, redb::StorageError::Io(e)))?;
+    tracing::error!(path = %path.display(), kept_as = %aside.display(), %damage,
+        "the metadata store is damaged; restoring it from its mirror");
+    restore(path, &damage)
+}
+
+fn restore(path: &Path, damage: &str) -> Result<(), MetaError> {
+    let mirror = mirror_path(path);
+    let snapshot = read_checked(&mirror).map_err(|error| cannot_replace(path, damage, error))?;
     write_fresh(path, &snapshot)?;
     tracing::warn!(path = %path.display(), mirror = %mirror.display(), revision = snapshot.revision,
         records = snapshot.records.len(), "metadata store restored from its mirror");
     Ok(())
+}
+
+fn cannot_replace(path: &Path, damage: &str, mirror_error: MetaError) -> MetaError {
+    let why = match mirror_error {
+        MetaError::Corrupt { detail, .. } => format!("it is damaged too: {detail}"),
+        other => other.to_string(),
+    };
+    corrupt(
+        path,
+        format!(
+            "{damage}; its mirror {} cannot replace it: {why}",
+            mirror_path(path).display()
+        ),
+    )
 }
 
 /// The open mirror of a store, kept in step with its commits.
@@ -247,7 +262,7 @@ impl Mirror {
     }
 
     fn refresh(&mut self, db: &Database, store_path: &Path) {
-        self.open = None;
+        self.close();
         let result = crate::embedded::without_panics(&self.path, || {
             let snapshot = snapshot(db, store_path, false)?;
             write_fresh(&self.path, &snapshot)?;
@@ -264,8 +279,14 @@ impl Mirror {
         }
     }
 
+    fn close(&mut self) {
+        if let Some((db, _reserve)) = self.open.take() {
+            close_quietly(db);
+        }
+    }
+
     fn failed(&mut self, error: &MetaError) {
-        self.open = None;
+        self.close();
         if !std::mem::replace(&mut self.failing, true) {
             tracing::warn!(path = %self.path.display(), %error,
                 "cannot update the metadata store's mirror; will rewrite it at the next change");

@@ -138,7 +138,7 @@ async fn bytes_flipped_anywhere_never_panic_and_never_read_back_wrong() {
         }
         std::fs::remove_file(&path).unwrap();
     }
-    eprintln!("300 flips: {refused} refused at open, {errors} answered an error, {intact} read back intact");
+    eprintln!("{} flips: {refused} refused at open, {errors} answered an error, {intact} read back intact", refused + errors + intact);
 }
 
 /// A store of `keys` vdisk records in `dir` (and its mirror beside it), written through
@@ -190,11 +190,12 @@ async fn bytes_flipped_anywhere_with_an_intact_mirror_are_repaired_from_it() {
     assert_eq!(written.len(), keys);
     let original = std::fs::read(&path).unwrap();
     let mirror = std::fs::read(mirror_of(&path)).unwrap();
-    let mut restored = 0;
-    for (round, (at, damaged)) in flipped_copies(&original, 300, 0x2545_f491_4f6c_dd1d)
+    let (mut restored, mut rounds) = (0, 0);
+    for (round, (at, damaged)) in flipped_copies(&original, 1000, 0x2545_f491_4f6c_dd1d)
         .into_iter()
         .enumerate()
     {
+        rounds += 1;
         let round_dir = dir.path().join(format!("round-{round}"));
         std::fs::create_dir(&round_dir).unwrap();
         let path = round_dir.join("meta.redb");
@@ -216,7 +217,7 @@ async fn bytes_flipped_anywhere_with_an_intact_mirror_are_repaired_from_it() {
         drop(store);
         std::fs::remove_dir_all(&round_dir).unwrap();
     }
-    eprintln!("300 flips: {restored} restored from the mirror, the rest read intact");
+    eprintln!("{rounds} flips: {restored} restored from the mirror, the rest read intact");
     assert!(
         restored > 0,
         "no flip made the store fall back to its mirror"
