@@ -138,17 +138,26 @@ fn damage_or_error(path: &Path, error: MetaError) -> MetaError {
 }
 
 /// Writes `snapshot` as a new store file at `target`: into `target.tmp`, committed (redb
-/// syncs it), renamed over `target`, directory synced.
+/// syncs it), renamed over `target`, directory synced. A failed attempt removes its
+/// temporary file (on a full disk it would otherwise keep the space it got).
 fn write_fresh(target: &Path, snapshot: &Snapshot) -> Result<(), MetaError> {
     let tmp = PathBuf::from(format!("{}.tmp", target.display()));
+    let written = write_to(target, &tmp, snapshot);
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
+fn write_to(target: &Path, tmp: &Path, snapshot: &Snapshot) -> Result<(), MetaError> {
     let err = |e: redb::Error| storage_error(target, e);
     let io_err = |e: std::io::Error| storage_error(target, redb::StorageError::Io(e));
-    match std::fs::remove_file(&tmp) {
+    match std::fs::remove_file(tmp) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io_err(e)),
         _ => {}
     }
     {
-        let db = Database::create(&tmp).map_err(|e| err(e.into()))?;
+        let db = Database::create(tmp).map_err(|e| err(e.into()))?;
         let wtx = db.begin_write().map_err(|e| err(e.into()))?;
         {
             let mut meta = wtx.open_table(META).map_err(|e| err(e.into()))?;
@@ -163,7 +172,7 @@ fn write_fresh(target: &Path, snapshot: &Snapshot) -> Result<(), MetaError> {
         }
         wtx.commit().map_err(|e| err(e.into()))?;
     }
-    std::fs::rename(&tmp, target).map_err(io_err)?;
+    std::fs::rename(tmp, target).map_err(io_err)?;
     sync_parent(target).map_err(io_err)
 }
 
