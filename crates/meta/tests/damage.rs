@@ -290,4 +290,15 @@ async fn damage_to_both_copies_refuses_to_open_and_says_why_for_each() {
         Ok(_) => panic!("opened with both copies damaged"),
     }
     assert!(kept_aside(dir.path()).is_empty(), "a file was moved");
+    // The store missing and its mirror damaged: an error too, never a new empty store that
+    // would leave every vdisk unaccounted for.
+    std::fs::remove_file(&path).unwrap();
+    match EmbeddedMetaStore::open(&path) {
+        Err(MetaError::Corrupt { detail, .. }) => {
+            assert!(detail.contains("the file is missing"), "{detail}")
+        }
+        Err(other) => panic!("unexpected error {other}"),
+        Ok(_) => panic!("opened a new store with a damaged mirror"),
+    }
+    assert!(!path.exists(), "an empty store was created");
 }
