@@ -313,6 +313,8 @@ fn reactor_main(
     }
     local.block_on(&runtime, async move {
         tokio::task::spawn_local(run_completions(route_rx));
+        // Disk operations started in one turn go to the kernel together.
+        tokio::task::spawn_local(ashlar_storage::fs::uring::run_submitter());
         if !poll_window.is_zero() {
             tokio::task::spawn_local(poll_while_active(activity, poll_window));
         }

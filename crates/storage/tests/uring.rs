@@ -754,3 +754,96 @@ fn ramfs_refuses_o_direct_and_falls_back() {
         assert_eq!(read_vec(&file, 3, 22).await, b"unaligned is fine here");
     });
 }
+
+/// The calling thread's ring counters `(submit_calls, entries_submitted)`.
+fn submissions() -> (u64, u64) {
+    let stats = thread_stats().unwrap();
+    (stats.submit_calls, stats.entries_submitted)
+}
+
+/// Writes 32 blocks from one task in one turn; returns how many `io_uring_enter` calls and
+/// entries that took, after checking every block reads back.
+async fn write_a_turns_worth(file: &UringFile) -> (u64, u64) {
+    file.write_at(&pattern(4096, 1), 0).await.unwrap();
+    let before = submissions();
+    let writes = (0..32u64).map(|i| async move {
+        file.write_at(&pattern(4096, 200 + i), i * 4096)
+            .await
+            .unwrap()
+    });
+    join_all(writes.collect()).await;
+    let after = submissions();
+    for i in 0..32u64 {
+        assert_eq!(read_vec(file, i * 4096, 4096).await, pattern(4096, 200 + i));
+    }
+    (after.0 - before.0, after.1 - before.1)
+}
+
+#[test]
+fn a_submitter_sends_the_operations_of_a_turn_in_one_system_call() {
+    let dir = direct_dir();
+    let path = dir.path().join("f");
+    on_fresh_thread(move || async move {
+        let file = open_direct(&direct_fs(), &path).await;
+        tokio::task::spawn_local(ashlar_storage::fs::uring::run_submitter());
+        tokio::task::yield_now().await;
+        // A second submitter on the same thread ends at once.
+        ashlar_storage::fs::uring::run_submitter().await;
+        let (calls, entries) = write_a_turns_worth(&file).await;
+        assert_eq!(entries, 32);
+        assert!(calls <= 2, "{calls} submissions for one turn's 32 writes");
+    });
+    let path = dir.path().join("g");
+    on_fresh_thread(move || async move {
+        // Without a submitter each operation goes as it starts.
+        let file = open_direct(&direct_fs(), &path).await;
+        let (calls, entries) = write_a_turns_worth(&file).await;
+        assert_eq!((calls, entries), (32, 32));
+    });
+}
+
+#[test]
+fn a_durable_write_is_submitted_at_once_and_a_queued_one_when_the_submitter_runs_or_ends() {
+    let dir = direct_dir();
+    let path = dir.path().join("f");
+    on_fresh_thread(move || async move {
+        let file = open_direct(&direct_fs(), &path).await;
+        let submitter = tokio::task::spawn_local(ashlar_storage::fs::uring::run_submitter());
+        file.write_at(&pattern(4096, 1), 0).await.unwrap();
+
+        let durable_data = pattern(4096, 2);
+        let mut durable = pin!(file.write_durable_at(&durable_data, 4096));
+        let before = submissions();
+        let _ = poll_once(durable.as_mut());
+        assert_eq!(
+            submissions(),
+            (before.0 + 1, before.1 + 1),
+            "a commit waits for nobody"
+        );
+        durable.await.unwrap();
+
+        let queued_data = pattern(4096, 3);
+        let mut queued = pin!(file.write_at(&queued_data, 8192));
+        let before = submissions();
+        let _ = poll_once(queued.as_mut());
+        assert_eq!(submissions(), before, "queued for the submitter");
+        // The submitter goes away before it ran: ending, it submits what is queued.
+        submitter.abort();
+        assert!(submitter.await.unwrap_err().is_cancelled());
+        assert_eq!(submissions(), (before.0 + 1, before.1 + 1));
+        queued.await.unwrap();
+        // With no submitter, operations go at once again.
+        let before = submissions();
+        let plain_data = pattern(4096, 4);
+        let mut plain = pin!(file.write_at(&plain_data, 12288));
+        let _ = poll_once(plain.as_mut());
+        assert_eq!(submissions(), (before.0 + 1, before.1 + 1));
+        plain.await.unwrap();
+        for (i, seed) in [1, 2, 3, 4].into_iter().enumerate() {
+            assert_eq!(
+                read_vec(&file, i as u64 * 4096, 4096).await,
+                pattern(4096, seed)
+            );
+        }
+    });
+}

@@ -2,6 +2,7 @@
 //! `max_op_bytes`, continuing short transfers.
 
 use super::op::{acquire, Op, OwnedGrant};
+use super::ring::Urgency;
 use super::UringConfig;
 use crate::fs::std_fs::blocking;
 use crate::fs::{DiskFile, IoMode, DIRECT_IO_ALIGNMENT_BYTES};
@@ -34,6 +35,15 @@ impl UringFile {
 }
 
 const ALIGN: u64 = DIRECT_IO_ALIGNMENT_BYTES;
+
+/// A write with `RWF_DSYNC` is a commit a client waits on: it goes to the kernel at once.
+fn urgency_of(rw_flags: i32) -> Urgency {
+    if rw_flags & libc::RWF_DSYNC != 0 {
+        Urgency::Now
+    } else {
+        Urgency::Batched
+    }
+}
 
 fn align_down(x: u64) -> u64 {
     x / ALIGN * ALIGN
@@ -68,6 +78,7 @@ impl UringFile {
     async fn run(
         &self,
         mut grant: OwnedGrant,
+        urgency: Urgency,
         build: impl Fn(&mut OwnedGrant) -> io_uring::squeue::Entry,
     ) -> io::Result<(u32, OwnedGrant)> {
         let mut retries = 0;
@@ -75,7 +86,7 @@ impl UringFile {
             let entry = build(&mut grant);
             // SAFETY: `build` points the entry only into `grant`'s buffer, and the entry's fd
             // is `self.file`'s, both handed to the ring with the entry.
-            let op = unsafe { Op::start(entry, grant, self.file.clone())? };
+            let op = unsafe { Op::start(entry, grant, self.file.clone(), urgency)? };
             let (result, back) = op.await?;
             grant = back;
             if result >= 0 {
@@ -104,7 +115,7 @@ impl UringFile {
                 have
             };
             let (n, back) = self
-                .run(grant, |g| {
+                .run(grant, Urgency::Batched, |g| {
                     opcode::Read::new(self.raw_fd(), g.ptr_at(at), (len - at) as u32)
                         .offset(pos + at as u64)
                         .build()
@@ -127,7 +138,7 @@ impl UringFile {
         let mut done = 0usize;
         while done < data.len() {
             let (n, back) = self
-                .run(grant, |g| {
+                .run(grant, urgency_of(rw_flags), |g| {
                     opcode::Write::new(self.raw_fd(), g.ptr_at(done), (data.len() - done) as u32)
                         .offset(pos + done as u64)
                         .rw_flags(rw_flags)
@@ -170,7 +181,7 @@ impl UringFile {
     async fn fallocate(&self, mode: i32, offset: u64, length: u64) -> io::Result<()> {
         checked_end(offset, length)?;
         let grant = acquire(&self.config, 0).await?;
-        self.run(grant, |_| {
+        self.run(grant, Urgency::Batched, |_| {
             opcode::Fallocate::new(self.raw_fd(), length)
                 .offset(offset)
                 .mode(mode)
@@ -256,7 +267,7 @@ impl DiskFile for UringFile {
 
     async fn sync_data(&self) -> io::Result<()> {
         let grant = acquire(&self.config, 0).await?;
-        self.run(grant, |_| {
+        self.run(grant, Urgency::Batched, |_| {
             opcode::Fsync::new(self.raw_fd())
                 .flags(types::FsyncFlags::DATASYNC)
                 .build()

@@ -3,7 +3,7 @@
 //! They are `!Send`: they refer to the ring of the thread that created them.
 
 use super::pool::{AlignedBuf, Grant};
-use super::ring::{with_existing_ring, with_ring, Waiter};
+use super::ring::{with_existing_ring, with_ring, Urgency, Waiter};
 use super::UringConfig;
 use io_uring::squeue;
 use std::fs::File;
@@ -145,10 +145,11 @@ impl Op {
         entry: squeue::Entry,
         mut grant: OwnedGrant,
         file: Arc<File>,
+        urgency: Urgency,
     ) -> io::Result<Op> {
         let grant = grant.grant.take().expect("grant not yet used");
         // SAFETY: passed on from our caller.
-        let index = with_existing_ring(|ring| unsafe { ring.submit(entry, grant, file) })
+        let index = with_existing_ring(|ring| unsafe { ring.submit(entry, grant, file, urgency) })
             .ok_or_else(ring_gone)??;
         Ok(Op {
             index,

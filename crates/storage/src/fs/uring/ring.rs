@@ -31,6 +31,73 @@ use tokio::io::Interest;
 
 thread_local! {
     static RING: RefCell<Option<Ring>> = const { RefCell::new(None) };
+    static SUBMITTER: RefCell<Submitter> = const {
+        RefCell::new(Submitter { running: false, waker: None })
+    };
+}
+
+/// Submissions queued at once before one is made without waiting for the submitter: bounds
+/// the delay a long turn of the thread adds to the first of them.
+const DEFERRED_SUBMISSIONS_LIMIT: usize = 64;
+
+/// When an operation goes to the kernel while a submitter runs on the thread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Urgency {
+    /// With the others its thread starts in the same turn.
+    Batched,
+    /// At once (with whatever is queued before it): someone waits on just this one.
+    Now,
+}
+
+/// The thread's submitter task ([`run_submitter`]), if one runs.
+struct Submitter {
+    running: bool,
+    /// Set while the task waits; taken (and woken) when an operation is queued.
+    waker: Option<Waker>,
+}
+
+/// Hands this thread's queued operations to the kernel, one `io_uring_enter` for every batch,
+/// for as long as it runs (see [`super::run_submitter`]).
+pub(super) async fn run_submitter() {
+    /// Ends the deferral when the task is dropped, and submits what is queued.
+    struct Running;
+    impl Drop for Running {
+        fn drop(&mut self) {
+            let _ = SUBMITTER.try_with(|submitter| {
+                let mut submitter = submitter.borrow_mut();
+                submitter.running = false;
+                submitter.waker = None;
+            });
+            with_existing_ring(Ring::flush);
+        }
+    }
+    let already =
+        SUBMITTER.with(|submitter| std::mem::replace(&mut submitter.borrow_mut().running, true));
+    if already {
+        // One per thread: the first keeps submitting.
+        return;
+    }
+    let _running = Running;
+    std::future::poll_fn(|cx| {
+        SUBMITTER.with(|submitter| submitter.borrow_mut().waker = Some(cx.waker().clone()));
+        let unsubmitted = with_existing_ring(|ring| {
+            ring.flush();
+            ring.state.unsubmitted
+        });
+        if unsubmitted == Some(true) {
+            // The kernel took only part: try again on the next turn.
+            cx.waker().wake_by_ref();
+        }
+        std::task::Poll::<()>::Pending
+    })
+    .await
+}
+
+/// Whether a submitter runs on this thread.
+fn submitter_running() -> bool {
+    SUBMITTER
+        .try_with(|submitter| submitter.borrow().running)
+        .unwrap_or(false)
 }
 
 /// Runs `f` on this thread's ring, creating the ring with `config` on first use, then wakes
@@ -87,6 +154,8 @@ pub(super) fn thread_stats() -> Option<super::UringThreadStats> {
         waiting_for_admission: ring.state.waiters.len(),
         bounce_bytes_allocated: ring.state.pool.allocated_bytes(),
         bounce_bytes_limit: ring.state.pool.limit_bytes(),
+        submit_calls: ring.state.submit_calls,
+        entries_submitted: ring.state.entries_submitted,
     })
 }
 
@@ -158,6 +227,9 @@ struct State {
     in_kernel: usize,
     /// Submissions the kernel has not taken yet (it refused for now); retried on every poll.
     unsubmitted: bool,
+    /// `io_uring_enter` calls that submitted something, and the entries they submitted.
+    submit_calls: u64,
+    entries_submitted: u64,
     submit_error_logged: bool,
 }
 
@@ -193,6 +265,8 @@ impl Ring {
                 to_wake: Vec::new(),
                 in_kernel: 0,
                 unsubmitted: false,
+                submit_calls: 0,
+                entries_submitted: 0,
                 submit_error_logged: false,
             },
             notifier: None,
@@ -217,7 +291,10 @@ impl Ring {
         }
         loop {
             match self.uring.submit() {
-                Ok(_) => {}
+                Ok(taken) => {
+                    self.state.submit_calls += 1;
+                    self.state.entries_submitted += taken as u64;
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
                     let transient = matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EBUSY));
@@ -427,6 +504,7 @@ impl Ring {
         entry: squeue::Entry,
         grant: Grant,
         file: Arc<File>,
+        urgency: Urgency,
     ) -> io::Result<usize> {
         let held = Held { grant, _file: file };
         let index = self.state.occupy(Slot::Waiting { waker: None, held });
@@ -457,8 +535,31 @@ impl Ring {
             return Err(io::Error::other("io_uring submission queue full"));
         }
         self.state.in_kernel += 1;
-        self.flush();
+        if urgency == Urgency::Now || !self.defer_flush() {
+            self.flush();
+        }
         Ok(index)
+    }
+
+    /// With a submitter running on this thread and fewer than [`DEFERRED_SUBMISSIONS_LIMIT`]
+    /// entries queued, leaves the queued entries to it (waking it) and returns true: the
+    /// operations that the thread's tasks start before it runs go in one `io_uring_enter`, and
+    /// the block layer gets them as one plugged batch (one doorbell to the device, not one
+    /// per write).
+    fn defer_flush(&mut self) -> bool {
+        if self.uring.submission().len() >= DEFERRED_SUBMISSIONS_LIMIT {
+            return false;
+        }
+        SUBMITTER
+            .try_with(|submitter| {
+                let mut submitter = submitter.borrow_mut();
+                if !submitter.running {
+                    return false;
+                }
+                self.state.to_wake.extend(submitter.waker.take());
+                true
+            })
+            .unwrap_or(false)
     }
 
     /// The result (a byte count or `-errno`) and grant of the operation in slot `index` once
@@ -468,7 +569,9 @@ impl Ring {
         index: usize,
         cx: &mut Context<'_>,
     ) -> Poll<io::Result<(i32, Grant)>> {
-        self.flush();
+        if !submitter_running() {
+            self.flush();
+        }
         self.reap();
         if let Slot::Waiting { waker, .. } = &mut self.state.slots[index] {
             match waker {
