@@ -243,12 +243,35 @@ async fn node_info(State(state): State<ApiState>) -> Json<Value> {
         },
         // Files opened through the page cache because their filesystem refused O_DIRECT.
         "buffered_fallback_opens": ashlar_storage::fs::uring::buffered_fallback_opens(),
+        // Per reactor: `io_uring_enter` calls that submitted disk operations, and how many
+        // they submitted (a drain step's writes go in batches).
+        "disk_io_submissions": disk_io_submissions(&state.engine).await,
         // Data startup found that no vdisk accounts for, moved aside rather than deleted.
         "quarantined": state.engine.quarantined().iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
         // Requests this node sent to etcd, by kind (none on a single node): client I/O
         // never adds to them.
         "etcd_requests": etcd_requests(&state.meta),
     }))
+}
+
+/// Each reactor's io_uring submission counters (`null` for a reactor that has done no disk
+/// I/O through io_uring, or that has stopped).
+async fn disk_io_submissions(engine: &NodeEngine) -> Value {
+    let mut reactors = Vec::new();
+    for reactor in engine.reactors().handles() {
+        let stats = reactor
+            .run(|| async { ashlar_storage::fs::uring::thread_stats() })
+            .await
+            .ok()
+            .flatten();
+        reactors.push(stats.map_or(Value::Null, |stats| {
+            json!({
+                "submit_calls": stats.submit_calls,
+                "entries_submitted": stats.entries_submitted,
+            })
+        }));
+    }
+    Value::Array(reactors)
 }
 
 /// The cluster's nodes, up and down. A single node owns every vdisk it serves; in a cluster

@@ -400,6 +400,7 @@ fn drains_share_a_budget_smaller_than_their_steps() {
         "two:256M",
     ]);
     let info = node.http_json("/api/v1/node");
+    let submitted_before = disk_io_submissions(&info);
     assert_eq!(info["drain_batch_bytes"], 2 << 20, "{info}");
     assert_eq!(info["drain_memory_bytes"], 3 << 20, "{info}");
     assert_eq!(info["writes_in_flight_per_egroup"], 2, "{info}");
@@ -447,6 +448,25 @@ fn drains_share_a_budget_smaller_than_their_steps() {
         }
         conn.disconnect();
     }
+    // The drain steps' writes went to the kernel in batches: more than one operation per
+    // `io_uring_enter` on average (each one alone would make the two counts equal).
+    let (calls, entries) = disk_io_submissions(&node.http_json("/api/v1/node"));
+    let (calls, entries) = (calls - submitted_before.0, entries - submitted_before.1);
+    assert!(
+        entries > calls + calls / 4,
+        "{entries} disk operations in {calls} submissions"
+    );
+}
+
+/// The node's io_uring submission counters summed over its reactors: (calls, entries).
+fn disk_io_submissions(info: &serde_json::Value) -> (u64, u64) {
+    let reactors = info["disk_io_submissions"].as_array().expect("per reactor");
+    reactors.iter().fold((0, 0), |(calls, entries), reactor| {
+        (
+            calls + reactor["submit_calls"].as_u64().unwrap_or(0),
+            entries + reactor["entries_submitted"].as_u64().unwrap_or(0),
+        )
+    })
 }
 
 /// The disk I/O limits reach the node's io_uring configuration, and it serves with them.
