@@ -255,14 +255,17 @@ async fn node_info(State(state): State<ApiState>) -> Json<Value> {
 }
 
 /// Each reactor's io_uring submission counters (`null` for a reactor that has done no disk
-/// I/O through io_uring, or that has stopped).
+/// I/O through io_uring, has stopped, or does not answer within a second: the page never
+/// waits on a stuck reactor).
 async fn disk_io_submissions(engine: &NodeEngine) -> Value {
+    const REACTOR_ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
     let mut reactors = Vec::new();
     for reactor in engine.reactors().handles() {
-        let stats = reactor
-            .run(|| async { ashlar_storage::fs::uring::thread_stats() })
+        let asked = reactor.run(|| async { ashlar_storage::fs::uring::thread_stats() });
+        let stats = tokio::time::timeout(REACTOR_ANSWER_TIMEOUT, asked)
             .await
             .ok()
+            .and_then(Result::ok)
             .flatten();
         reactors.push(stats.map_or(Value::Null, |stats| {
             json!({
