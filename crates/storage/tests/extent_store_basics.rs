@@ -120,6 +120,30 @@ fn a_batch_applies_overlapping_operations_in_order() {
             store.read(offset as u64, &mut piece).await.unwrap();
             assert!(piece == model[offset..offset + length], "read at {offset}");
         }
+        // `read_bytes` (whole blocks of one extent read into their own buffer, anything else
+        // through `read`) sees them too: data, zeroed blocks, never-written blocks, a range
+        // across extents and an unaligned one.
+        let mib = 1 << 20;
+        for (offset, length) in [
+            (0, 4096),
+            (4096, 12_288),
+            (0, mib),
+            (mib, mib),
+            (2 * mib, 128 << 10),
+            (mib - 8192, 16_384),
+            (start_b / 4096 * 4096, 8192),
+            (size - 4096, 4096),
+            (999, 5000),
+        ] {
+            let got = store
+                .read_bytes(offset as u64, length as u64)
+                .await
+                .unwrap();
+            assert!(
+                got[..] == model[offset..offset + length],
+                "read_bytes at {offset}"
+            );
+        }
     });
 }
 

@@ -56,13 +56,22 @@ fn reseal(bytes: &mut [u8], block_at: usize) {
     bytes[block_at + 4092..block_at + 4096].copy_from_slice(&crc.to_le_bytes());
 }
 
+/// Reads through both of the store's read paths, which must agree: `read` into the caller's
+/// buffer and `read_bytes` into a buffer of its own (the one the data path uses).
 async fn read(
     store: &ExtentStore<StdFs>,
     offset: u64,
     length: usize,
 ) -> Result<Vec<u8>, ExtentError> {
     let mut buf = vec![0u8; length];
-    store.read(offset, &mut buf).await.map(|()| buf)
+    let copied = store.read(offset, &mut buf).await.map(|()| buf);
+    let owned = store.read_bytes(offset, length as u64).await;
+    match (&copied, &owned) {
+        (Ok(a), Ok(b)) => assert!(a[..] == b[..], "read and read_bytes differ at {offset}"),
+        (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string()),
+        _ => panic!("read and read_bytes disagree at {offset}: {copied:?} against {owned:?}"),
+    }
+    copied
 }
 
 /// Three egroups with data in every extent of egroup 0.

@@ -124,22 +124,29 @@ fn buffered_round_trip_on_tmpfs() {
     });
 }
 
+/// A Direct-mode file of `len` pattern bytes cut 1234 bytes short, so it ends mid-block, on a
+/// ring with 16 KiB operations (larger reads take several): the file, its bytes before the
+/// cut, and its size.
+async fn file_ending_mid_block(path: &Path, len: usize, seed: u64) -> (UringFile, Vec<u8>, usize) {
+    let fs = fs_with(UringConfig {
+        max_op_bytes: 16384,
+        bounce_pool_bytes: 64 << 10,
+        ..Default::default()
+    });
+    let file = open_direct(&fs, path).await;
+    let data = pattern(len, seed);
+    file.write_at(&data, 0).await.unwrap();
+    let size = data.len() - 1234;
+    file.set_len(size as u64).await.unwrap();
+    (file, data, size)
+}
+
 #[test]
 fn unaligned_reads_in_direct_mode() {
     let dir = direct_dir();
     let path = dir.path().join("f");
     on_fresh_thread(move || async move {
-        let fs = fs_with(UringConfig {
-            max_op_bytes: 16384,
-            bounce_pool_bytes: 64 << 10,
-            ..Default::default()
-        });
-        let file = open_direct(&fs, &path).await;
-        let data = pattern(64 << 10, 3);
-        file.write_at(&data, 0).await.unwrap();
-        // The file ends mid-block.
-        let size = data.len() - 1234;
-        file.set_len(size as u64).await.unwrap();
+        let (file, data, size) = file_ending_mid_block(&path, 64 << 10, 3).await;
         let cases = [
             (0, 1),
             (1, 1),
@@ -380,6 +387,50 @@ impl Wake for CountingWaker {
     fn wake(self: Arc<Self>) {
         self.0.fetch_add(1, Ordering::SeqCst);
     }
+}
+
+/// `read_new` hands over a buffer the kernel filled: the same bytes as `read_at`, zeros past
+/// the end of the file, in pieces of `max_op_bytes`, and unaligned ranges through the bounce
+/// path.
+#[test]
+fn read_new_returns_what_read_at_reads() {
+    let dir = direct_dir();
+    let path = dir.path().join("f");
+    on_fresh_thread(move || async move {
+        let (file, data, size) = file_ending_mid_block(&path, 256 << 10, 11).await;
+        let cases = [
+            (0, 4096),
+            (0, 128 << 10),
+            (8192, 64 << 10),
+            (size - size % 4096 - 8192, 16384),
+            (size - size % 4096, 4096),
+            (size + 4096, 8192),
+            (5000, 40_000),
+            (3, 1),
+            (0, 0),
+        ];
+        for (offset, len) in cases {
+            let back = file.read_new(offset as u64, len).await.unwrap();
+            assert_eq!(back.len(), len);
+            assert_eq!(back.as_slice().as_ptr() as usize % 4096, 0);
+            for (i, byte) in back.as_slice().iter().enumerate() {
+                let at = offset + i;
+                let want = if at < size { data[at] } else { 0 };
+                assert_eq!(*byte, want, "read_new of {len} at {offset}: byte {at}");
+            }
+        }
+        // A read dropped in flight keeps its buffer alive in the ring until the kernel is
+        // done; the data stays right for everyone else.
+        for round in 0..8u64 {
+            {
+                let mut read = pin!(file.read_new(round * 4096, 128 << 10));
+                assert!(poll_once(read.as_mut()).is_pending());
+            }
+            let back = file.read_new(4096, 4096).await.unwrap();
+            assert_eq!(back.as_slice(), &data[4096..8192]);
+        }
+        wait_for_abandoned_operations().await;
+    });
 }
 
 /// Polls `future` once with a waker that does nothing.

@@ -140,9 +140,8 @@ async fn read_whole_blocks(
     length: u64,
 ) -> Result<Bytes, ReadFailure> {
     debug_assert!(is_block_aligned(offset, length));
-    let mut whole = vec![0u8; length as usize];
-    match storage.store.read(offset, &mut whole).await {
-        Ok(()) => Ok(Bytes::from(whole)),
+    match storage.store.read_bytes(offset, length).await {
+        Ok(whole) => Ok(whole),
         Err(error) if error.is_corruption() => {
             Err(ReadFailure::Corrupt(store_error(vdisk, offset, error)))
         }

@@ -9,7 +9,7 @@ use super::format::{
 };
 use super::table::{decode_table, encode_table, BlockState, Entry, Table};
 use super::{io_error, ExtentError};
-use crate::fs::{DiskFile, Filesystem};
+use crate::fs::{DiskBuf, DiskFile, Filesystem};
 use ashlar_core::VdiskId;
 use std::cell::{Cell, RefCell};
 use std::path::{Path, PathBuf};
@@ -235,6 +235,38 @@ impl<D: DiskFile> Egroup<D> {
                 .await
                 .map_err(|e| io_error(&self.path, Some(at), e))?;
         }
+        self.check_blocks(first, &entries, out)
+    }
+
+    /// Blocks `[first, first + count)` as `read_blocks` reads them, in a buffer of their own
+    /// that the disk read fills directly (see `DiskFile::read_new`).
+    pub(crate) async fn read_blocks_new(
+        &self,
+        first: usize,
+        count: usize,
+    ) -> Result<DiskBuf, ExtentError> {
+        let entries = self.entries(first, count)?;
+        let mut buf = if entries.iter().any(|e| e.state != BlockState::Hole) {
+            let at = data_offset(first);
+            self.file
+                .read_new(at, count * BLOCK_LEN)
+                .await
+                .map_err(|e| io_error(&self.path, Some(at), e))?
+        } else {
+            DiskBuf::zeroed(count * BLOCK_LEN)
+        };
+        self.check_blocks(first, &entries, buf.as_mut_slice())?;
+        Ok(buf)
+    }
+
+    /// Checks blocks read from `first` on against their entries: a written block's CRC must
+    /// match one of its slots; holes become zeros; poisoned and lost blocks are errors.
+    fn check_blocks(
+        &self,
+        first: usize,
+        entries: &[Entry],
+        out: &mut [u8],
+    ) -> Result<(), ExtentError> {
         for (i, (entry, block)) in entries.iter().zip(out.chunks_mut(BLOCK_LEN)).enumerate() {
             let index = first + i;
             // Built only on failure: the success path of a read allocates nothing per block.

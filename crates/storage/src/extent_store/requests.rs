@@ -4,12 +4,15 @@
 
 use super::apply::apply_plan;
 use super::batch::{plan, Op, WriteBatch};
+use super::egroup::Egroup;
 use super::format::{BLOCK, BLOCK_LEN, EGROUP_SPAN_BYTES};
+use super::store::Slot;
 use super::table::BlockState;
 use super::{ExtentError, ExtentStore};
-use crate::fs::Filesystem;
+use crate::fs::{DiskBuf, DiskFile, Filesystem};
 use crate::join::{try_join_all, try_run_windowed, AfterError};
 use ashlar_core::{EXTENT_SIZE_BYTES, MAX_VDISK_SIZE_BYTES};
+use bytes::Bytes;
 
 /// The end of the range; ranges beyond the largest vdisk (1 PiB) are refused, which keeps
 /// every offset computation far from overflow.
@@ -67,29 +70,49 @@ impl<F: Filesystem> ExtentStore<F> {
             vec![0u8; (end - first) * BLOCK_LEN]
         };
         let target: &mut [u8] = if aligned { &mut *out } else { &mut scratch };
-        match open.read_blocks(first, target).await {
-            Err(ExtentError::Corrupt { .. }) => {
-                // A write of the block may have been in flight: look again with writers held
-                // off before calling it corruption.
-                let _guard = slot.lock.lock().await;
-                if let Err(error) = open.read_blocks(first, target).await {
-                    if matches!(error, ExtentError::Corrupt { .. }) {
-                        // Real damage (no writer runs): what the egroup knows of its data on
-                        // disk is wrong there. Read the extents again before the next write,
-                        // which then treats the damaged blocks as matching neither slot (a
-                        // rewrite, e.g. a repair from another copy, must not be skipped as
-                        // "already holds this").
-                        open.forget_normalization(first, end);
-                    }
-                    return Err(error);
-                }
-            }
-            other => other?,
-        }
+        read_verified(&slot, open, (first, end), async || {
+            open.read_blocks(first, target).await
+        })
+        .await?;
         if !aligned {
             out.copy_from_slice(&scratch[skip..skip + out.len()]);
         }
         Ok(())
+    }
+
+    /// Reads `length` bytes at vdisk `offset` as `read` does, into a buffer of their own: a
+    /// range of whole blocks within one extent is read straight into it (the kernel's read
+    /// lands in the returned memory, see `DiskFile::read_new`); others through `read`.
+    pub async fn read_bytes(&self, offset: u64, length: u64) -> Result<Bytes, ExtentError> {
+        let end = range_end(offset, length)?;
+        let one_extent = length > 0 && offset / EXTENT_SIZE_BYTES == (end - 1) / EXTENT_SIZE_BYTES;
+        if !(one_extent && offset.is_multiple_of(BLOCK) && length.is_multiple_of(BLOCK)) {
+            let mut buf = vec![0u8; length as usize];
+            self.read(offset, &mut buf).await?;
+            return Ok(Bytes::from(buf));
+        }
+        self.ensure_listing().await?;
+        let result = self.read_whole_blocks(offset, length as usize).await;
+        self.trim();
+        result.map(DiskBuf::into_bytes)
+    }
+
+    /// The blocks of `[offset, offset + length)`, whole blocks within one extent.
+    async fn read_whole_blocks(&self, offset: u64, length: usize) -> Result<DiskBuf, ExtentError> {
+        let egroup = offset / EGROUP_SPAN_BYTES;
+        if self.find(egroup).is_none() {
+            return Ok(DiskBuf::zeroed(length));
+        }
+        let slot = self.pin(egroup);
+        let Some(open) = self.load(&slot, egroup, false).await? else {
+            return Ok(DiskBuf::zeroed(length));
+        };
+        let first = ((offset % EGROUP_SPAN_BYTES) / BLOCK) as usize;
+        let count = length / BLOCK_LEN;
+        read_verified(&slot, open, (first, first + count), async || {
+            open.read_blocks_new(first, count).await
+        })
+        .await
     }
 
     /// Writes `data` at vdisk `offset` (any alignment); durable when it returns `Ok`.
@@ -206,5 +229,30 @@ impl<F: Filesystem> ExtentStore<F> {
         push(end - at, false);
         self.trim();
         Ok(runs)
+    }
+}
+
+/// Runs `read` of blocks `[first, end)` of `open`. A write of a block may have been in flight:
+/// a checksum mismatch is looked at again with writers held off before it counts as corruption.
+async fn read_verified<D: DiskFile, T>(
+    slot: &Slot<D>,
+    open: &Egroup<D>,
+    (first, end): (usize, usize),
+    mut read: impl AsyncFnMut() -> Result<T, ExtentError>,
+) -> Result<T, ExtentError> {
+    match read().await {
+        Err(ExtentError::Corrupt { .. }) => {
+            let _guard = slot.lock.lock().await;
+            let again = read().await;
+            if matches!(again, Err(ExtentError::Corrupt { .. })) {
+                // Real damage (no writer runs): what the egroup knows of its data on disk is
+                // wrong there. Read the extents again before the next write, which then treats
+                // the damaged blocks as matching neither slot (a rewrite, e.g. a repair from
+                // another copy, must not be skipped as "already holds this").
+                open.forget_normalization(first, end);
+            }
+            again
+        }
+        other => other,
     }
 }

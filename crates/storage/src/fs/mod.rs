@@ -20,6 +20,7 @@
 //! All types here are single-threaded: one reactor thread owns each open file. (The simulated
 //! disk is `Send + Sync` so that controllers on several reactors can share one.)
 
+pub mod disk_buf;
 pub mod node_fs;
 pub mod sim;
 pub mod std_fs;
@@ -28,6 +29,7 @@ pub mod uring;
 use std::io;
 use std::path::{Path, PathBuf};
 
+pub use disk_buf::DiskBuf;
 pub use node_fs::{NodeFile, NodeFs};
 pub use sim::{SimFile, SimFs};
 pub use std_fs::{StdFs, StdFsFile};
@@ -56,6 +58,14 @@ pub enum IoMode {
 pub trait DiskFile {
     /// Fills `buf` from `offset`. Bytes past the end of the file read as zeros.
     async fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+    /// Reads `len` bytes at `offset` into a new buffer and hands it over, as `read_at` would
+    /// fill it. Where it can (io_uring in Direct mode, an aligned range), the kernel reads
+    /// straight into that buffer: no bounce buffer, no copy, no zeroing first.
+    async fn read_new(&self, offset: u64, len: usize) -> io::Result<DiskBuf> {
+        let mut buf = DiskBuf::zeroed(len);
+        self.read_at(buf.as_mut_slice(), offset).await?;
+        Ok(buf)
+    }
     /// Writes `buf` at `offset` (not durable until `sync_data`).
     async fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;
     /// Writes `buf` at `offset` and returns once these bytes (and the file size, if the write

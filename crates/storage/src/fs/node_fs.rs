@@ -4,7 +4,7 @@
 //! whole cost of the choice.
 
 use super::{
-    DirEntry, DiskFile, Filesystem, IoMode, SimFile, SimFs, StdFs, StdFsFile, UringConfig,
+    DirEntry, DiskBuf, DiskFile, Filesystem, IoMode, SimFile, SimFs, StdFs, StdFsFile, UringConfig,
     UringFile, UringFs,
 };
 use std::io;
@@ -73,6 +73,9 @@ macro_rules! each_fs {
 impl DiskFile for NodeFile {
     async fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         each_file!(self, f => f.read_at(buf, offset).await)
+    }
+    async fn read_new(&self, offset: u64, len: usize) -> io::Result<DiskBuf> {
+        each_file!(self, f => f.read_new(offset, len).await)
     }
     async fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         each_file!(self, f => f.write_at(buf, offset).await)

@@ -5,7 +5,7 @@ use super::op::{acquire, Op, OwnedGrant};
 use super::ring::Urgency;
 use super::UringConfig;
 use crate::fs::std_fs::blocking;
-use crate::fs::{DiskFile, IoMode, DIRECT_IO_ALIGNMENT_BYTES};
+use crate::fs::{DiskBuf, DiskFile, IoMode, DIRECT_IO_ALIGNMENT_BYTES};
 use io_uring::{opcode, types};
 use std::fs::File;
 use std::io;
@@ -104,7 +104,21 @@ impl UringFile {
     /// Reads `len` bytes at `pos` (aligned in Direct mode) into a bounce buffer; returns it
     /// with the number of bytes read (fewer only at the end of the file).
     async fn read_piece(&self, pos: u64, len: usize) -> io::Result<(OwnedGrant, usize)> {
-        let mut grant = acquire(&self.config, len).await?;
+        let grant = acquire(&self.config, len).await?;
+        self.read_into(grant, OwnedGrant::ptr_at, pos, len).await
+    }
+
+    /// Reads `len` bytes at `pos` into the grant's memory that `ptr_at` points the kernel to
+    /// (its bounce buffer or its read target), in operations of at most `max_op_bytes`,
+    /// continuing short reads; returns the grant with the number of bytes read (fewer only at
+    /// the end of the file).
+    async fn read_into(
+        &self,
+        mut grant: OwnedGrant,
+        ptr_at: fn(&mut OwnedGrant, usize) -> *mut u8,
+        pos: u64,
+        len: usize,
+    ) -> io::Result<(OwnedGrant, usize)> {
         let mut have = 0usize;
         while have < len {
             // In Direct mode a short read can end unaligned (at the end of the file): go on
@@ -114,9 +128,10 @@ impl UringFile {
             } else {
                 have
             };
+            let piece = (len - at).min(self.config.max_op_bytes);
             let (n, back) = self
                 .run(grant, Urgency::Batched, |g| {
-                    opcode::Read::new(self.raw_fd(), g.ptr_at(at), (len - at) as u32)
+                    opcode::Read::new(self.raw_fd(), ptr_at(g, at), piece as u32)
                         .offset(pos + at as u64)
                         .build()
                 })
@@ -255,6 +270,29 @@ impl DiskFile for UringFile {
             pos += piece;
         }
         Ok(())
+    }
+
+    async fn read_new(&self, offset: u64, len: usize) -> io::Result<DiskBuf> {
+        checked_end(offset, len as u64)?;
+        let aligned = offset.is_multiple_of(ALIGN) && (len as u64).is_multiple_of(ALIGN);
+        if !self.direct() || !aligned || len == 0 {
+            let mut buf = DiskBuf::zeroed(len);
+            self.read_at(buf.as_mut_slice(), offset).await?;
+            return Ok(buf);
+        }
+        let mut grant = acquire(&self.config, 0).await?;
+        // SAFETY: nothing reads the buffer before every byte of it is written, below: by the
+        // kernel's reads, then zeros past the end of the file.
+        grant.set_target(unsafe { DiskBuf::uninit(len) });
+        let (mut grant, have) = self
+            .read_into(grant, OwnedGrant::target_ptr_at, offset, len)
+            .await?;
+        let mut buf = grant
+            .take_target()
+            .expect("a read target comes back with its grant");
+        // SAFETY: `[have, len)` lies within the buffer; writing zeros there initialises it.
+        unsafe { std::ptr::write_bytes(buf.as_mut_ptr_at(have), 0, len - have) };
+        Ok(buf)
     }
 
     async fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {

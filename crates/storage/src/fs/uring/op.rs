@@ -5,6 +5,7 @@
 use super::pool::{AlignedBuf, Grant};
 use super::ring::{with_existing_ring, with_ring, Urgency, Waiter};
 use super::UringConfig;
+use crate::fs::DiskBuf;
 use io_uring::squeue;
 use std::fs::File;
 use std::future::Future;
@@ -50,6 +51,27 @@ impl OwnedGrant {
             Some(buf) => buf.as_mut_slice(),
             None => &mut [],
         }
+    }
+
+    /// Hands the grant `target` to read into (see [`Grant::target`]).
+    pub(super) fn set_target(&mut self, target: DiskBuf) {
+        let grant = self.grant.as_mut().expect("grant not yet used");
+        assert!(grant.target.is_none(), "grant already has a read target");
+        grant.target = Some(target);
+    }
+
+    /// Takes back the read target.
+    pub(super) fn take_target(&mut self) -> Option<DiskBuf> {
+        self.grant.as_mut().and_then(|g| g.target.take())
+    }
+
+    /// Address of byte `at` of the read target, for the kernel.
+    pub(super) fn target_ptr_at(&mut self, at: usize) -> *mut u8 {
+        self.grant
+            .as_mut()
+            .and_then(|g| g.target.as_mut())
+            .expect("grant has a read target")
+            .as_mut_ptr_at(at)
     }
 
     /// Address of byte `at` of the bounce buffer, for the kernel.
@@ -139,8 +161,8 @@ impl Op {
     /// Submits `entry`, moving `grant` and `file` into the ring until its completion.
     ///
     /// # Safety
-    /// Every pointer in `entry` must point into `grant`'s bounce buffer (or to memory that
-    /// otherwise outlives the operation), and its fd must be `file`'s.
+    /// Every pointer in `entry` must point into `grant`'s bounce buffer or read target (or to
+    /// memory that otherwise outlives the operation), and its fd must be `file`'s.
     pub(super) unsafe fn start(
         entry: squeue::Entry,
         mut grant: OwnedGrant,

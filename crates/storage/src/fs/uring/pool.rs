@@ -3,6 +3,7 @@
 //! total size never exceeds `bounce_pool_bytes`. Callers that cannot be served wait in FIFO
 //! order (the waiting itself lives in `ring.rs`; this file is plain bookkeeping).
 
+use crate::fs::DiskBuf;
 use std::alloc::{self, Layout};
 use std::ptr::NonNull;
 
@@ -67,6 +68,10 @@ impl Drop for AlignedBuf {
 /// back to [`Pool::release`]; a `Grant` that is simply dropped leaks its in-flight slot.
 pub(super) struct Grant {
     pub(super) buf: Option<AlignedBuf>,
+    /// The caller's own buffer a read fills directly (instead of `buf`). It travels with the
+    /// grant so that the ring keeps it alive until the kernel is done, whatever the caller
+    /// drops; it is not the pool's memory (the caller accounts for it).
+    pub(super) target: Option<DiskBuf>,
 }
 
 /// Bounce-buffer sizes are powers of two from 4 KiB up: few classes, so freed buffers are
@@ -120,7 +125,7 @@ impl Pool {
             Some(self.take_buffer(bytes)?)
         };
         self.in_flight += 1;
-        Some(Grant { buf })
+        Some(Grant { buf, target: None })
     }
 
     fn take_buffer(&mut self, bytes: usize) -> Option<AlignedBuf> {
@@ -151,6 +156,7 @@ impl Pool {
     /// Takes back a grant: its slot, and its buffer for reuse.
     pub(super) fn release(&mut self, grant: Grant) {
         self.in_flight -= 1;
+        // A read target still here was abandoned by its caller: it is simply freed.
         if let Some(buf) = grant.buf {
             self.free[class_of(buf.len())].push(buf);
         }

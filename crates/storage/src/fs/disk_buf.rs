@@ -1,0 +1,152 @@
+//! [`DiskBuf`]: a buffer a read fills and then hands over whole, so data read from the disk
+//! reaches a client's reply without being copied on the way (see [`super::DiskFile::read_new`]).
+
+use bytes::Bytes;
+use std::alloc::{self, Layout};
+use std::ptr::NonNull;
+
+/// Alignment of every `DiskBuf`: what O_DIRECT needs of a buffer's address.
+pub const DISK_BUF_ALIGN_BYTES: usize = super::DIRECT_IO_ALIGNMENT_BYTES as usize;
+
+/// A 4 KiB-aligned heap buffer of initialised bytes that owns its memory. Its address never
+/// changes while it lives (moving the value moves only the pointer), so the kernel may be
+/// handed it for a read; [`DiskBuf::into_bytes`] turns it into `Bytes` without a copy.
+pub struct DiskBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: a `DiskBuf` owns its allocation outright (no aliasing pointer survives a move), like
+// a `Vec<u8>`.
+unsafe impl Send for DiskBuf {}
+// SAFETY: shared access only reads the bytes.
+unsafe impl Sync for DiskBuf {}
+
+impl DiskBuf {
+    /// `len` zero bytes (`len` may be 0).
+    pub fn zeroed(len: usize) -> DiskBuf {
+        // SAFETY: `alloc_zeroed` initialises every byte.
+        unsafe { DiskBuf::allocate(len, true) }
+    }
+
+    /// `len` bytes the caller must write in full, through [`DiskBuf::as_mut_ptr`], before
+    /// anything reads them (through a slice or `into_bytes`).
+    ///
+    /// # Safety
+    /// Reading a byte not yet written is undefined behaviour.
+    pub(crate) unsafe fn uninit(len: usize) -> DiskBuf {
+        // SAFETY: passed on to our caller.
+        unsafe { DiskBuf::allocate(len, false) }
+    }
+
+    /// # Safety
+    /// Without `zeroed`, as in [`DiskBuf::uninit`].
+    unsafe fn allocate(len: usize, zeroed: bool) -> DiskBuf {
+        if len == 0 {
+            // No allocation, but an aligned address all the same.
+            let dangling = std::ptr::without_provenance_mut(DISK_BUF_ALIGN_BYTES);
+            return DiskBuf {
+                ptr: NonNull::new(dangling).expect("non-zero address"),
+                len: 0,
+            };
+        }
+        let layout = Self::layout(len);
+        // SAFETY: the layout has a non-zero size (`len > 0`).
+        let raw = unsafe {
+            if zeroed {
+                alloc::alloc_zeroed(layout)
+            } else {
+                alloc::alloc(layout)
+            }
+        };
+        let Some(ptr) = NonNull::new(raw) else {
+            alloc::handle_alloc_error(layout)
+        };
+        DiskBuf { ptr, len }
+    }
+
+    fn layout(len: usize) -> Layout {
+        Layout::from_size_align(len, DISK_BUF_ALIGN_BYTES).expect("disk buffer size overflows")
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Address of byte `at` (at most `len`), for the kernel to write into.
+    pub(crate) fn as_mut_ptr_at(&mut self, at: usize) -> *mut u8 {
+        assert!(at <= self.len);
+        // SAFETY: `at` is within the allocation, or one past its end (checked above).
+        unsafe { self.ptr.as_ptr().add(at) }
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` points to `len` bytes this value owns, initialised (zeroed at
+        // allocation, or written in full before any read, per `uninit`'s contract).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, with the exclusive borrow making this the only access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// The bytes as `Bytes`, sharing this allocation (freed when the last clone or slice of
+    /// the `Bytes` goes).
+    pub fn into_bytes(self) -> Bytes {
+        Bytes::from_owner(self)
+    }
+}
+
+impl AsRef<[u8]> for DiskBuf {
+    fn as_ref(&self) -> &[u8] {
+        self.as_slice()
+    }
+}
+
+impl Drop for DiskBuf {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            // SAFETY: allocated in `allocate` with exactly this layout, and freed only here.
+            unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
+        }
+    }
+}
+
+impl std::fmt::Debug for DiskBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiskBuf").field("len", &self.len).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aligned_zeroed_and_shared_as_bytes_without_a_copy() {
+        let mut buf = DiskBuf::zeroed(3 * DISK_BUF_ALIGN_BYTES);
+        assert_eq!(buf.as_slice().as_ptr() as usize % DISK_BUF_ALIGN_BYTES, 0);
+        assert!(buf.as_slice().iter().all(|&b| b == 0));
+        buf.as_mut_slice()[5] = 7;
+        let address = buf.as_slice().as_ptr();
+        let bytes = buf.into_bytes();
+        assert_eq!(bytes.as_ptr(), address);
+        assert_eq!(bytes.len(), 3 * DISK_BUF_ALIGN_BYTES);
+        assert_eq!(bytes[5], 7);
+        let block = bytes.slice(DISK_BUF_ALIGN_BYTES..2 * DISK_BUF_ALIGN_BYTES);
+        drop(bytes);
+        assert!(block.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn empty_buffers_allocate_nothing() {
+        let buf = DiskBuf::zeroed(0);
+        assert!(buf.is_empty());
+        assert!(buf.into_bytes().is_empty());
+    }
+}
