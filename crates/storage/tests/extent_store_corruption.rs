@@ -7,7 +7,7 @@ mod extent_store_support;
 use ashlar_core::VdiskId;
 use ashlar_storage::disk::{Disk, Tier};
 use ashlar_storage::extent_store::{
-    ExtentError, ExtentStore, ExtentStoreConfig, EGROUP_SPAN_BYTES,
+    ExtentError, ExtentStore, ExtentStoreConfig, EGROUP_SPAN_BYTES, READ_NEW_MIN_BYTES,
 };
 use ashlar_storage::fs::StdFs;
 use extent_store_support::{pattern, run_local};
@@ -57,21 +57,28 @@ fn reseal(bytes: &mut [u8], block_at: usize) {
 }
 
 /// Reads through both of the store's read paths, which must agree: `read` into the caller's
-/// buffer and `read_bytes` into a buffer of its own (the one the data path uses).
+/// buffer and `read_bytes` (the data path's). The range is also read whole, widened to the
+/// `READ_NEW_MIN_BYTES`-aligned span around it, where `read_bytes` has the disk read land in
+/// a buffer of its own: the same damage must give the same error there.
 async fn read(
     store: &ExtentStore<StdFs>,
     offset: u64,
     length: usize,
 ) -> Result<Vec<u8>, ExtentError> {
-    let mut buf = vec![0u8; length];
-    let copied = store.read(offset, &mut buf).await.map(|()| buf);
-    let owned = store.read_bytes(offset, length as u64).await;
-    match (&copied, &owned) {
-        (Ok(a), Ok(b)) => assert!(a[..] == b[..], "read and read_bytes differ at {offset}"),
-        (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string()),
-        _ => panic!("read and read_bytes disagree at {offset}: {copied:?} against {owned:?}"),
+    let wide_start = offset / READ_NEW_MIN_BYTES * READ_NEW_MIN_BYTES;
+    let wide_end = (offset + length as u64).div_ceil(READ_NEW_MIN_BYTES) * READ_NEW_MIN_BYTES;
+    for (at, len) in [(wide_start, wide_end - wide_start), (offset, length as u64)] {
+        let mut buf = vec![0u8; len as usize];
+        let copied = store.read(at, &mut buf).await.map(|()| buf);
+        let owned = store.read_bytes(at, len).await;
+        match (&copied, &owned) {
+            (Ok(a), Ok(b)) => assert!(a[..] == b[..], "read and read_bytes differ at {at}"),
+            (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string()),
+            _ => panic!("read and read_bytes disagree at {at}: {copied:?} against {owned:?}"),
+        }
     }
-    copied
+    let mut buf = vec![0u8; length];
+    store.read(offset, &mut buf).await.map(|()| buf)
 }
 
 /// Three egroups with data in every extent of egroup 0.

@@ -28,6 +28,7 @@ mod table;
 
 pub use batch::WriteBatch;
 pub use format::{EGROUP_SPAN_BYTES, EXTENTS_PER_EGROUP};
+pub use requests::READ_NEW_MIN_BYTES;
 pub use store::ExtentStore;
 
 use crate::disk::Disk;
