@@ -80,9 +80,15 @@ impl BlockCache {
             self.counters
                 .single_touch_hits
                 .fetch_add(1, Ordering::Relaxed);
-            self.multi_touch.insert(*key, block.clone());
+            // A block cached from a large read is a slice of that read's buffer. Its
+            // neighbours leave the single-touch pool together, but a promoted block may stay
+            // for long: it gets a buffer of its own, so the pool never keeps a whole read's
+            // buffer alive for one block (the cache's memory is then its size, not up to 256
+            // times that).
+            let own = Bytes::copy_from_slice(&block);
+            self.multi_touch.insert(*key, own.clone());
             self.enforce_limits();
-            return Some(block);
+            return Some(own);
         }
         self.counters.misses.fetch_add(1, Ordering::Relaxed);
         None
@@ -196,6 +202,45 @@ mod tests {
         for b in 2..6 {
             assert_eq!(cache.get(&key(b)).unwrap()[0], b as u8);
         }
+    }
+
+    /// An owner that records when the buffer it owns is freed.
+    struct Tracked(Vec<u8>, Arc<std::sync::atomic::AtomicBool>);
+
+    impl AsRef<[u8]> for Tracked {
+        fn as_ref(&self) -> &[u8] {
+            &self.0
+        }
+    }
+
+    impl Drop for Tracked {
+        fn drop(&mut self) {
+            self.1.store(true, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn a_promoted_block_does_not_keep_its_reads_buffer_alive() {
+        let mut cache = BlockCache::new(8 * 4096, 4096);
+        let freed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let read = Bytes::from_owner(Tracked(vec![7u8; 4 * 4096], freed.clone()));
+        for b in 0..4 {
+            cache.insert(
+                key(b),
+                read.slice(b as usize * 4096..(b as usize + 1) * 4096),
+            );
+        }
+        drop(read);
+        assert!(cache.get(&key(1)).is_some()); // promoted
+        for b in 100..110 {
+            cache.insert(key(b), block(b as u8)); // the read's other blocks leave
+        }
+        assert!(cache.get(&key(0)).is_none());
+        assert!(
+            freed.load(Ordering::SeqCst),
+            "the read's buffer is freed once only the promoted block is left"
+        );
+        assert_eq!(cache.get(&key(1)).unwrap()[..], [7u8; 4096][..]);
     }
 
     #[test]
