@@ -16,10 +16,10 @@ use bytes::Bytes;
 
 /// Smallest read `read_bytes` has the kernel make into a buffer of its own. The buffer is
 /// 4 KiB-aligned, and the allocator pays for an aligned block with up to 4 KiB of fragments
-/// beside it: for 4 KiB reads that stay in the read cache, that was ~70 % more memory than
-/// the cache's size (RSS 308 MiB against 179 MiB for a full 256 MiB cache), to save a 4 KiB
-/// copy that no benchmark could see. From 64 KiB up it is at most ~6 %, and the copy saved
-/// grows with the read.
+/// beside it: for 4 KiB reads that stay in the read cache, that about doubled the memory the
+/// cached blocks cost (RSS 308 MiB against 179 MiB with 128 MiB cached; `limits.rs` catches
+/// it), to save a 4 KiB copy that no benchmark could see. From 64 KiB up it is at most ~6 %,
+/// and the copy saved grows with the read.
 pub const READ_NEW_MIN_BYTES: u64 = 64 << 10;
 
 /// The end of the range; ranges beyond the largest vdisk (1 PiB) are refused, which keeps

@@ -29,7 +29,7 @@ impl DiskBuf {
         unsafe { DiskBuf::allocate(len, true) }
     }
 
-    /// `len` bytes the caller must write in full, through [`DiskBuf::as_mut_ptr`], before
+    /// `len` bytes the caller must write in full, through [`DiskBuf::as_mut_ptr_at`], before
     /// anything reads them (through a slice or `into_bytes`).
     ///
     /// # Safety
