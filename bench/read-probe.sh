@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# read-probe.sh — one node, one vdisk filled with 1 MiB writes, the page cache dropped, then
+# one fio nbd read job, and what the node and the disk did meanwhile: a diagnostic behind the
+# read-path notes in bench/results/*/NOTES.md (bench/run.sh gives the ratios against raw fio).
+#
+#   bench/read-probe.sh [RUNTIME_S]        (as root: it drops the page cache)
+#
+# Prints fio's IOPS, the node's CPU ticks over the job, and from /sys/block/DEV/stat the disk
+# reads, sectors read and the average number of requests in flight (time_in_queue / time).
+# Knobs (environment): ASHLAR_BIN (target/release/ashlar), DATA_DIR (/var/tmp/ashlar-read-probe),
+# VDISK_SIZE (4G), RW (read), BS (1M), QD (8), NODE_ARGS (extra `ashlar node` flags),
+# PERF=1 (perf record -g of the node for 5 s into $DATA_DIR.perf), NBD_PORT (10941),
+# HTTP_PORT (10942).
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+RUNTIME_S=${1:-10}
+ASHLAR_BIN=${ASHLAR_BIN:-$HERE/../target/release/ashlar}
+DATA_DIR=${DATA_DIR:-/var/tmp/ashlar-read-probe}
+VDISK_SIZE=${VDISK_SIZE:-4G}
+NBD_PORT=${NBD_PORT:-10941}
+HTTP_PORT=${HTTP_PORT:-10942}
+
+[ "$(id -u)" = 0 ] || { echo "run as root (the page cache is dropped before the job)" >&2; exit 1; }
+[ -x "$ASHLAR_BIN" ] || { echo "no binary at $ASHLAR_BIN (cargo build --release -p ashlar)" >&2; exit 1; }
+rm -rf "$DATA_DIR"
+mkdir -p "$DATA_DIR"
+disk=$(basename "$(df --output=source "$DATA_DIR" | tail -1)")
+stat_file=/sys/block/$disk/stat
+[ -r "$stat_file" ] || stat_file=/sys/class/block/$disk/stat
+
+# shellcheck disable=SC2086 # NODE_ARGS is a list of flags
+"$ASHLAR_BIN" node --data-dir "$DATA_DIR" --nbd-listen 127.0.0.1:$NBD_PORT \
+    --http-listen 127.0.0.1:$HTTP_PORT --reactors 2 --cache-size 256M \
+    --ensure-vdisk "probe:$VDISK_SIZE" ${NODE_ARGS:-} > "$DATA_DIR.log" 2>&1 &
+NODE_PID=$!
+trap 'kill $NODE_PID 2>/dev/null || true' EXIT
+for _ in $(seq 100); do
+    curl -sf "http://127.0.0.1:$HTTP_PORT/healthz" >/dev/null 2>&1 && break
+    sleep 0.2
+done
+URI=nbd://127.0.0.1:$NBD_PORT/probe
+fio --name=fill --ioengine=nbd --uri="$URI" --rw=write --bs=1M --iodepth=8 >/dev/null
+# Until the oplog has drained into the extent store (cold reads come from there).
+for _ in $(seq 120); do
+    live=$(curl -s "http://127.0.0.1:$HTTP_PORT/stats/vdisks" | jq '[.vdisks[].oplog_live_bytes] | add')
+    [ "$live" = 0 ] && break
+    sleep 0.5
+done
+sync
+echo 3 > /proc/sys/vm/drop_caches
+sleep 2
+
+disk0=$(cat "$stat_file")
+ticks0=$(awk '{print $14 + $15}' "/proc/$NODE_PID/stat")
+perf_pid=""
+if [ "${PERF:-0}" = 1 ]; then
+    (sleep 2; perf record -F 1999 -g -p "$NODE_PID" -o "$DATA_DIR.perf" -- sleep 5 >/dev/null 2>&1) &
+    perf_pid=$!
+fi
+fio --name=probe --ioengine=nbd --uri="$URI" --rw="${RW:-read}" --bs="${BS:-1M}" \
+    --iodepth="${QD:-8}" --runtime="$RUNTIME_S" --time_based --output-format=json \
+    2>/dev/null | sed -n '/^{/,$p' > "$DATA_DIR.fio.json"
+[ -z "$perf_pid" ] || wait "$perf_pid"
+ticks1=$(awk '{print $14 + $15}' "/proc/$NODE_PID/stat")
+disk1=$(cat "$stat_file")
+echo "IOPS $(jq '.jobs[0].read.iops | floor' "$DATA_DIR.fio.json")  node CPU ticks $((ticks1 - ticks0))"
+# /sys/block/DEV/stat: field 1 reads, 3 sectors read, 11 time_in_queue (ms).
+echo "$disk0 $disk1" | awk -v rt="$RUNTIME_S" '{ n = NF / 2;
+    printf "disk reads %d, MiB read %.0f, average requests in flight %.1f\n",
+        $(n+1) - $1, ($(n+3) - $3) * 512 / 1048576, ($(n+11) - $11) / (rt * 1000) }'
