@@ -9,7 +9,8 @@
 # reads, sectors read and the average number of requests in flight (time_in_queue / time).
 # Knobs (environment): ASHLAR_BIN (target/release/ashlar), DATA_DIR (/var/tmp/ashlar-read-probe),
 # VDISK_SIZE (4G), RW (read), BS (1M), QD (8), NODE_ARGS (extra `ashlar node` flags),
-# PERF=1 (perf record -g of the node for 5 s into $DATA_DIR.perf), NBD_PORT (10941),
+# PERF=1 (perf record of the node for 5 s into $DATA_DIR.perf; PERF_CALLGRAPH=dwarf for call
+# chains through libc), NBD_PORT (10941),
 # HTTP_PORT (10942).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -54,7 +55,7 @@ disk0=$(cat "$stat_file")
 ticks0=$(awk '{print $14 + $15}' "/proc/$NODE_PID/stat")
 perf_pid=""
 if [ "${PERF:-0}" = 1 ]; then
-    (sleep 2; perf record -F 1999 -g -p "$NODE_PID" -o "$DATA_DIR.perf" -- sleep 5 >/dev/null 2>&1) &
+    (sleep 2; perf record -F 1999 --call-graph "${PERF_CALLGRAPH:-fp}" -p "$NODE_PID" -o "$DATA_DIR.perf" -- sleep 5 >/dev/null 2>&1) &
     perf_pid=$!
 fi
 fio --name=probe --ioengine=nbd --uri="$URI" --rw="${RW:-read}" --bs="${BS:-1M}" \
