@@ -36,6 +36,9 @@
 #   PAGECACHE_MODES="on"    --direct-io of the node for each pagecache measurement; "on off"
 #                           adds a buffered control run (node restarted on the same data)
 #   ASHLAR_BIN (default: target/release/ashlar), ASHLAR_DIRECT_IO=on, ASHLAR_REACTORS=2
+#   ASHLAR_SHARDS           the vdisk's shards (--default-shards; unset: the node's default, 1).
+#                           One shard puts a single client's cold reads on one reactor
+#                           (20261127-214500-vm/NOTES.md); 2 spreads them over both.
 #   DROP_CACHES=1           0: do not drop the page cache (the rows are then not "cold")
 #   COLD_SETTLE=2           seconds to wait after dropping the page cache
 #   DRAIN_WAIT=120          at most this many seconds waiting for the node's oplog to drain
@@ -58,6 +61,7 @@ PAGECACHE_MODES=${PAGECACHE_MODES:-on}
 ASHLAR_BIN=${ASHLAR_BIN:-$HERE/../target/release/ashlar}
 ASHLAR_DIRECT_IO=${ASHLAR_DIRECT_IO:-on}
 ASHLAR_REACTORS=${ASHLAR_REACTORS:-2}
+ASHLAR_SHARDS=${ASHLAR_SHARDS:-}
 DROP_CACHES=${DROP_CACHES:-1}
 COLD_SETTLE=${COLD_SETTLE:-2}
 DRAIN_WAIT=${DRAIN_WAIT:-120}
@@ -126,6 +130,7 @@ start_node() { # DIRECT_IO(on|off)
     RUST_LOG=warn "$ASHLAR_BIN" node --data-dir "$NODE_DIR" --nbd-listen 127.0.0.1:$COLD_NBD_PORT \
         --http-listen 127.0.0.1:$COLD_HTTP_PORT --reactors "$ASHLAR_REACTORS" \
         --cache-size "$UNCACHED_CACHE" --direct-io "$1" --ensure-vdisk "bench:$UNCACHED_SIZE" \
+        ${ASHLAR_SHARDS:+--default-shards "$ASHLAR_SHARDS"} \
         >> "$RESULTS_DIR/logs/ashlar-cold.server.log" 2>&1 &
     NODE_PID=$! NODE_MODE=$1
     if ! wait_port 127.0.0.1 "$COLD_NBD_PORT" 60; then
@@ -154,7 +159,7 @@ node_up() {
     else
         note ashlar-cold "pre-fill failed (reads may hit holes): $(tail -2 "$RESULTS_DIR/logs/ashlar-cold.fill.err" | tr '\n' ' ')"
     fi
-    note ashlar-cold "ashlar $("$ASHLAR_BIN" --version | awk '{print $2}'), $ASHLAR_REACTORS reactors, default shards, cache $UNCACHED_CACHE, vdisk $UNCACHED_SIZE, $(curl -s -m 5 "$API/api/v1/node" | jq -r '"disk I/O \(.disk_io), direct_io \(.direct_io), buffered fallback opens \(.buffered_fallback_opens)"' 2>/dev/null), data on $(df -hT "$DATA_DIR" | awk 'NR==2{print $2}') under $NODE_DIR; page cache dropped before every job; writes durable at acknowledgement"
+    note ashlar-cold "ashlar $("$ASHLAR_BIN" --version | awk '{print $2}'), $ASHLAR_REACTORS reactors, ${ASHLAR_SHARDS:-default} shards, cache $UNCACHED_CACHE, vdisk $UNCACHED_SIZE, $(curl -s -m 5 "$API/api/v1/node" | jq -r '"disk I/O \(.disk_io), direct_io \(.direct_io), buffered fallback opens \(.buffered_fallback_opens)"' 2>/dev/null), data on $(df -hT "$DATA_DIR" | awk 'NR==2{print $2}') under $NODE_DIR; page cache dropped before every job; writes durable at acknowledgement"
 }
 
 cache_note() { # LABEL
