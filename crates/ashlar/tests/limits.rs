@@ -512,6 +512,11 @@ fn cached_bytes(node: &Node) -> u64 {
 
 /// One fio pass over the first 256 MiB of the NBD export `uri`, QD 16, without verification.
 fn fio_unverified(uri: &str, name: &str, rw: &str, block_size: &str) {
+    fio_pass(uri, name, rw, block_size, "256M");
+}
+
+/// One fio pass over the first `size` of the NBD export `uri`, QD 16, without verification.
+fn fio_pass(uri: &str, name: &str, rw: &str, block_size: &str, size: &str) {
     let output = run_bounded(
         "fio",
         &[
@@ -521,7 +526,7 @@ fn fio_unverified(uri: &str, name: &str, rw: &str, block_size: &str) {
             &format!("--rw={rw}"),
             &format!("--bs={block_size}"),
             "--iodepth=16",
-            "--size=256M",
+            &format!("--size={size}"),
         ],
         120,
     );
@@ -532,21 +537,64 @@ fn fio_unverified(uri: &str, name: &str, rw: &str, block_size: &str) {
     );
 }
 
+/// The harness's node (64 MiB of read cache over 2 reactors, 2 shards, one per reactor) with
+/// vdisk `limits` of 256 MiB written by fio and not read back, so the cache starts empty, and
+/// its oplog drained, so reads come from the extent store (the oplog's data is never cached).
+fn node_with_written_vdisk() -> (Node, String) {
+    let node = Node::start_with(&["--ensure-vdisk", "limits:256M"]);
+    let uri = node.uri(VDISK);
+    fio_unverified(&uri, "fill", "write", "1M");
+    let drained = wait_until(Duration::from_secs(60), || {
+        node.vdisk_stats(VDISK)["oplog_live_bytes"].as_u64() == Some(0)
+    });
+    assert!(drained, "oplog never drained: {}", node.vdisk_stats(VDISK));
+    (node, uri)
+}
+
+/// One counter of GET /stats/cache, summed over the reactors.
+fn cache_total(node: &Node, counter: &str) -> u64 {
+    node.http_json("/stats/cache")["total"][counter]
+        .as_u64()
+        .unwrap_or_else(|| panic!("/stats/cache has no total {counter}"))
+}
+
+/// A scan with reads too large for the cache lookup (a backup, `qemu-img convert`) reads hot
+/// blocks from disk too and fills the cache with them: the hot blocks must stay in the
+/// multi-touch pool, not go back to the single-touch pool for the scan to evict.
+#[test]
+fn a_scan_with_large_reads_keeps_the_hot_blocks_cached() {
+    // 64 MiB of read cache over 2 reactors: a multi-touch share of 16 MiB each.
+    let (node, uri) = node_with_written_vdisk();
+    // 8 MiB read twice in 4 KiB reads: cached, then promoted.
+    fio_pass(&uri, "hot-1", "read", "4k", "8M");
+    fio_pass(&uri, "hot-2", "read", "4k", "8M");
+    let hot = cache_total(&node, "multi_touch_bytes");
+    assert!(
+        hot >= 8 * MIB,
+        "the hot 8 MiB are not all promoted: {hot} bytes"
+    );
+    // 256 MiB in 1 MiB reads, four times the cache.
+    fio_pass(&uri, "scan", "read", "1M", "256M");
+    let after_scan = cache_total(&node, "multi_touch_bytes");
+    assert!(
+        after_scan >= 8 * MIB,
+        "the scan took the hot blocks out of the multi-touch pool: {after_scan} bytes left"
+    );
+    let misses = cache_total(&node, "misses");
+    fio_pass(&uri, "hot-3", "read", "4k", "8M");
+    assert_eq!(
+        cache_total(&node, "misses"),
+        misses,
+        "re-reading the hot 8 MiB after the scan missed the cache"
+    );
+}
+
 /// A read cache filled by fio's cold 4 KiB random reads costs the node about what it holds,
 /// not more: each cached block is a 4 KiB slice of its read's buffer, and the allocator's
 /// overhead for those buffers stays small (4 KiB-aligned 4 KiB buffers once doubled it).
 #[test]
 fn a_full_read_cache_costs_about_its_size_in_memory() {
-    // The harness's node: 64 MiB of read cache over 2 reactors, 2 shards (one per reactor).
-    let node = Node::start_with(&["--ensure-vdisk", "limits:256M"]);
-    let uri = node.uri(VDISK);
-    // Written, not read back: the cache starts empty.
-    fio_unverified(&uri, "fill", "write", "1M");
-    // Cold reads come from the extent store (the oplog's data is never cached).
-    let drained = wait_until(Duration::from_secs(60), || {
-        node.vdisk_stats(VDISK)["oplog_live_bytes"].as_u64() == Some(0)
-    });
-    assert!(drained, "oplog never drained: {}", node.vdisk_stats(VDISK));
+    let (node, uri) = node_with_written_vdisk();
     let before = rss_bytes(node.pid());
     let cached_before = cached_bytes(&node);
     // Not verified (data is checked everywhere else): this is about memory.

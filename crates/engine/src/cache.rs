@@ -94,13 +94,17 @@ impl BlockCache {
         None
     }
 
-    /// Caches a block just read from the extent store.
+    /// Caches a block just read from the extent store. A block the multi-touch pool already
+    /// holds stays there as it is: the read brought the same bytes (a write drops the block
+    /// from the cache, and a read that overlapped a write caches nothing), and a fill is not a
+    /// hit. Reads that do not look in the cache first (over 128 KiB, or not all cached) used to
+    /// move such blocks back to the single-touch pool, so a scan with large reads (a backup,
+    /// `qemu-img convert`) demoted the hot blocks and then evicted them.
     pub fn insert(&mut self, key: CacheKey, block: Bytes) {
         debug_assert_eq!(block.len() as u64, self.block_bytes);
-        if self.capacity_bytes < self.block_bytes {
+        if self.capacity_bytes < self.block_bytes || self.multi_touch.contains(&key) {
             return;
         }
-        self.multi_touch.remove(&key);
         self.single_touch.insert(key, block);
         self.enforce_limits();
     }
@@ -172,6 +176,25 @@ mod tests {
             7 * 4096
         );
         assert_eq!(counters.multi_touch_bytes.load(Ordering::Relaxed), 4096);
+    }
+
+    #[test]
+    fn a_scan_of_large_reads_leaves_hot_blocks_hot() {
+        let mut cache = BlockCache::new(8 * 4096, 4096);
+        for b in 0..2 {
+            cache.insert(key(b), block(b as u8));
+            assert!(cache.get(&key(b)).is_some()); // promoted to multi-touch
+        }
+        // A scan whose reads skip the lookup fills every block it reads, the hot ones too.
+        for b in 0..100 {
+            cache.insert(key(b), block(b as u8));
+        }
+        let counters = cache.counters();
+        assert_eq!(counters.multi_touch_bytes.load(Ordering::Relaxed), 2 * 4096);
+        for b in 0..2 {
+            assert_eq!(cache.get(&key(b)).unwrap()[0], b as u8);
+        }
+        assert_eq!(counters.multi_touch_hits.load(Ordering::Relaxed), 2);
     }
 
     #[test]

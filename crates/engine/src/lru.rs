@@ -48,6 +48,11 @@ impl<K: Hash + Eq + Clone, V> Lru<K, V> {
         self.map.len()
     }
 
+    /// Whether `key` is present; its recency and mark are left as they are.
+    pub fn contains(&self, key: &K) -> bool {
+        self.map.contains_key(key)
+    }
+
     /// Returns the value and marks it referenced: eviction passes over it once.
     pub fn get(&mut self, key: &K) -> Option<&V> {
         let index = *self.map.get(key)?;
