@@ -31,26 +31,9 @@ HTTP_PORT=${HTTP_PORT:-10924}
 LOG=$DATA_DIR.log
 FIO_JSON=$DATA_DIR.fio.json
 
-[ "$(id -u)" = 0 ] || { echo "run as root (the page cache is dropped before the job)" >&2; exit 1; }
-[ -x "$ASHLAR_BIN" ] || { echo "no binary at $ASHLAR_BIN (cargo build --release -p ashlar)" >&2; exit 1; }
-rm -rf "$DATA_DIR"
-mkdir -p "$DATA_DIR"
-# The block device under the data directory, for its request counters.
-disk=$(basename "$(df --output=source "$DATA_DIR" | tail -1)")
-stat_file=/sys/block/$disk/stat
-[ -r "$stat_file" ] || stat_file=/sys/class/block/$disk/stat
-
-# shellcheck disable=SC2086 # NODE_ARGS is a list of flags
-RUST_LOG=warn,ashlar_engine=debug "$ASHLAR_BIN" node --data-dir "$DATA_DIR" \
-    --nbd-listen 127.0.0.1:$NBD_PORT --http-listen 127.0.0.1:$HTTP_PORT --reactors 2 \
-    --cache-size 256M --ensure-vdisk "probe:$VDISK_SIZE" ${NODE_ARGS:-} > "$LOG" 2>&1 &
-NODE_PID=$!
-trap 'kill $NODE_PID 2>/dev/null || true' EXIT
-for _ in $(seq 100); do
-    curl -sf "http://127.0.0.1:$HTTP_PORT/healthz" >/dev/null 2>&1 && break
-    sleep 0.2
-done
-URI=nbd://127.0.0.1:$NBD_PORT/probe
+source "$HERE/probe-lib.sh"
+probe_prepare
+probe_start_node "$LOG" warn,ashlar_engine=debug
 if [ "${FILL:-1}" = 1 ]; then
     fio --name=fill --ioengine=nbd --uri="$URI" --rw=write --bs=1M --iodepth=8 >/dev/null
 fi

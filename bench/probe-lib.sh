@@ -1,0 +1,31 @@
+# probe-lib.sh — what durable-probe.sh and read-probe.sh share: sourced, not run.
+# Both start one node (2 reactors, 256 MiB cache, vdisk `probe`) on a fresh DATA_DIR and
+# read the request counters of the block device under it.
+
+# Checks root and the binary, recreates DATA_DIR, and sets `disk` and `stat_file` (the
+# device's /sys stat file, for its request counters).
+probe_prepare() {
+    [ "$(id -u)" = 0 ] || { echo "run as root (the page cache is dropped before the job)" >&2; exit 1; }
+    [ -x "$ASHLAR_BIN" ] || { echo "no binary at $ASHLAR_BIN (cargo build --release -p ashlar)" >&2; exit 1; }
+    rm -rf "$DATA_DIR"
+    mkdir -p "$DATA_DIR"
+    disk=$(basename "$(df --output=source "$DATA_DIR" | tail -1)")
+    stat_file=/sys/block/$disk/stat
+    [ -r "$stat_file" ] || stat_file=/sys/class/block/$disk/stat
+}
+
+# probe_start_node LOG RUST_LOG: starts the node (plus NODE_ARGS) with its output in LOG,
+# stops it when the script exits, waits until it answers, and sets NODE_PID and URI.
+probe_start_node() {
+    # shellcheck disable=SC2086 # NODE_ARGS is a list of flags
+    RUST_LOG=$2 "$ASHLAR_BIN" node --data-dir "$DATA_DIR" \
+        --nbd-listen 127.0.0.1:$NBD_PORT --http-listen 127.0.0.1:$HTTP_PORT --reactors 2 \
+        --cache-size 256M --ensure-vdisk "probe:$VDISK_SIZE" ${NODE_ARGS:-} > "$1" 2>&1 &
+    NODE_PID=$!
+    trap 'kill $NODE_PID 2>/dev/null || true' EXIT
+    for _ in $(seq 100); do
+        curl -sf "http://127.0.0.1:$HTTP_PORT/healthz" >/dev/null 2>&1 && break
+        sleep 0.2
+    done
+    URI=nbd://127.0.0.1:$NBD_PORT/probe
+}
