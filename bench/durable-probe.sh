@@ -52,12 +52,7 @@ fio --name=durable --ioengine=nbd --uri="$URI" --rw=randwrite --bs=4k --iodepth=
     | sed -n '/^{/,$p' > "$FIO_JSON" &
 fio_pid=$!
 sleep $((RUNTIME_S / 2))
-thread_ticks() { for t in /proc/$NODE_PID/task/*; do echo "$(cat "$t/comm") $(awk '{print $14 + $15}' "$t/stat")"; done; }
-threads0=$(thread_ticks)
-sleep 3
-echo "busiest node threads over 3 s (% of a CPU): $(paste <(echo "$threads0") <(thread_ticks) \
-    | awk -v hz="$(getconf CLK_TCK)" '$4 > $2 {printf "%s %.0f\n", $1, ($4 - $2) * 100 / hz / 3}' \
-    | sort -k2 -nr | head -6 | tr '\n' ' ')"
+probe_busiest_threads 3
 wait $fio_pid
 ticks1=$(cpu_ticks)
 disk1=$(cat "$stat_file")

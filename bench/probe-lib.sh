@@ -29,3 +29,20 @@ probe_start_node() {
     done
     URI=nbd://127.0.0.1:$NBD_PORT/probe
 }
+
+# probe_busiest_threads SECONDS: prints the node's busiest threads over the next SECONDS, in
+# % of a CPU (utime + stime from /proc/PID/task).
+probe_busiest_threads() {
+    local before
+    before=$(probe_thread_ticks)
+    sleep "$1"
+    echo "busiest node threads over $1 s (% of a CPU): $(paste <(echo "$before") <(probe_thread_ticks) \
+        | awk -v hz="$(getconf CLK_TCK)" -v s="$1" '$4 > $2 {printf "%s %.0f\n", $1, ($4 - $2) * 100 / hz / s}' \
+        | sort -k2 -nr | head -6 | tr '\n' ' ')"
+}
+
+probe_thread_ticks() {
+    for t in /proc/$NODE_PID/task/*; do
+        echo "$(cat "$t/comm") $(awk '{print $14 + $15}' "$t/stat")"
+    done
+}

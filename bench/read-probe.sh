@@ -5,7 +5,8 @@
 #
 #   bench/read-probe.sh [RUNTIME_S]        (as root: it drops the page cache)
 #
-# Prints fio's IOPS, the node's CPU ticks over the job, and from /sys/block/DEV/stat the disk
+# Prints fio's IOPS, the node's CPU ticks over the job, its busiest threads over 2 s halfway
+# through (which reactor is the ceiling), and from /sys/block/DEV/stat the disk
 # reads, sectors read and the average number of requests in flight (time_in_queue / time).
 # Knobs (environment): ASHLAR_BIN (target/release/ashlar), DATA_DIR (/var/tmp/ashlar-read-probe),
 # VDISK_SIZE (4G), RW (read), BS (1M), QD (8), NODE_ARGS (extra `ashlar node` flags),
@@ -44,7 +45,11 @@ if [ "${PERF:-0}" = 1 ]; then
 fi
 fio --name=probe --ioengine=nbd --uri="$URI" --rw="${RW:-read}" --bs="${BS:-1M}" \
     --iodepth="${QD:-8}" --runtime="$RUNTIME_S" --time_based --output-format=json \
-    2>/dev/null | sed -n '/^{/,$p' > "$DATA_DIR.fio.json"
+    2>/dev/null | sed -n '/^{/,$p' > "$DATA_DIR.fio.json" &
+fio_pid=$!
+sleep $((RUNTIME_S / 2))
+probe_busiest_threads 2
+wait $fio_pid
 [ -z "$perf_pid" ] || wait "$perf_pid"
 ticks1=$(awk '{print $14 + $15}' "/proc/$NODE_PID/stat")
 disk1=$(cat "$stat_file")
