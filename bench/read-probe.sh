@@ -5,13 +5,14 @@
 #
 #   bench/read-probe.sh [RUNTIME_S]        (as root: it drops the page cache)
 #
-# Prints fio's IOPS, the node's CPU ticks over the job, its busiest threads over 2 s halfway
+# Prints fio's IOPS, the node's CPU ticks over the job and its RSS after it, its busiest threads over 2 s halfway
 # through (which reactor is the ceiling), and from /sys/block/DEV/stat the disk
 # reads, sectors read and the average number of requests in flight (time_in_queue / time).
 # Knobs (environment): ASHLAR_BIN (target/release/ashlar), DATA_DIR (/var/tmp/ashlar-read-probe),
 # VDISK_SIZE (4G), RW (read), BS (1M), QD (8), NODE_ARGS (extra `ashlar node` flags),
 # PERF=1 (perf record of the node for 5 s into $DATA_DIR.perf; PERF_CALLGRAPH=dwarf for call
-# chains through libc), NBD_PORT (10941),
+# chains through libc), RESTART=1 (restart the node after the fill, before the job),
+# NBD_PORT (10941),
 # HTTP_PORT (10942).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -32,6 +33,12 @@ for _ in $(seq 120); do
     [ "$live" = 0 ] && break
     sleep 0.5
 done
+if [ "${RESTART:-0}" = 1 ]; then
+    # A node restarted on written data: nothing freed yet for its read buffers to reuse.
+    kill "$NODE_PID"
+    wait "$NODE_PID" || true
+    probe_start_node "$DATA_DIR.log" "${RUST_LOG:-info}"
+fi
 sync
 echo 3 > /proc/sys/vm/drop_caches
 sleep 2
@@ -53,7 +60,7 @@ wait $fio_pid
 [ -z "$perf_pid" ] || wait "$perf_pid"
 ticks1=$(awk '{print $14 + $15}' "/proc/$NODE_PID/stat")
 disk1=$(cat "$stat_file")
-echo "IOPS $(jq '.jobs[0].read.iops | floor' "$DATA_DIR.fio.json")  node CPU ticks $((ticks1 - ticks0))"
+echo "IOPS $(jq '.jobs[0].read.iops | floor' "$DATA_DIR.fio.json")  node CPU ticks $((ticks1 - ticks0))  node RSS $(awk '/VmRSS/ {print int($2 / 1024)}' "/proc/$NODE_PID/status") MiB"
 # /sys/block/DEV/stat: field 1 reads, 3 sectors read, 11 time_in_queue (ms).
 echo "$disk0 $disk1" | awk -v rt="$RUNTIME_S" '{ n = NF / 2;
     printf "disk reads %d, MiB read %.0f, average requests in flight %.1f\n",

@@ -194,6 +194,12 @@ pub struct NodeArgs {
     /// for one to finish; one operation moves at most 1 MiB.
     #[arg(long, default_value = "16M", value_name = "SIZE")]
     pub io_bounce_pool: String,
+    /// Bytes of freed large read buffers (64 KiB and up, the kernel's targets for large cold
+    /// reads) the whole node keeps for the next reads (K/M/G suffixes; 0 to 16G, 0 keeps
+    /// none). Reused buffers need no fresh pages from the kernel: with none kept, sequential
+    /// 1 MiB reads spend most of a core zeroing new pages.
+    #[arg(long, default_value = "64M", value_name = "SIZE")]
+    pub io_read_buffers: String,
     /// Disk operations each reactor has in flight at once (1 to 32768); more wait for one to
     /// finish. Its io_uring has room for at least this many.
     #[arg(long, default_value_t = ashlar_storage::fs::uring::DEFAULT_MAX_IN_FLIGHT_OPS, value_name = "N")]

@@ -241,6 +241,9 @@ async fn node_info(State(state): State<ApiState>) -> Json<Value> {
             }),
             _ => Value::Null,
         },
+        // Freed large read buffers kept for reuse, and their limit (`--io-read-buffers`).
+        "read_buffers_kept_bytes": ashlar_storage::fs::large_buffers::free_bytes(),
+        "read_buffers_kept_limit_bytes": ashlar_storage::fs::large_buffers::free_limit_bytes(),
         // Files opened through the page cache because their filesystem refused O_DIRECT.
         "buffered_fallback_opens": ashlar_storage::fs::uring::buffered_fallback_opens(),
         // Per reactor: `io_uring_enter` calls that submitted disk operations, and how many

@@ -218,6 +218,15 @@ fn engine_config(args: &NodeArgs) -> Result<EngineConfig> {
     })
 }
 
+/// `--io-read-buffers`: bytes of freed large read buffers the node keeps.
+fn read_buffers_kept_limit(args: &NodeArgs) -> Result<usize> {
+    let kept = parse_size(&args.io_read_buffers).map_err(|e| anyhow!("--io-read-buffers: {e}"))?;
+    if kept > 16 << 30 {
+        bail!("--io-read-buffers must be between 0 and 16G");
+    }
+    Ok(kept as usize)
+}
+
 /// Each reactor's disk I/O limits: `--direct-io`, `--io-bounce-pool`, `--io-max-in-flight`.
 fn uring_config(args: &NodeArgs) -> Result<UringConfig> {
     let bounce = parse_size(&args.io_bounce_pool).map_err(|e| anyhow!("--io-bounce-pool: {e}"))?;
@@ -302,6 +311,7 @@ fn api_auth(args: &NodeArgs, token_file: Option<&Path>) -> Result<ApiAuth> {
 async fn serve(args: NodeArgs, api_token_file: Option<PathBuf>) -> Result<()> {
     // Flags first: a node refused for a bad flag leaves nothing behind.
     let config = engine_config(&args)?;
+    ashlar_storage::fs::large_buffers::set_free_limit_bytes(read_buffers_kept_limit(&args)?);
     let limits = nbd_limits(&args)?;
     if args.max_connections == 0 {
         bail!("--max-connections must be at least 1");
@@ -507,6 +517,7 @@ fn print_banner(
         max_connections = args.max_connections, disk_io = config.fs.name(),
         direct_io = %args.direct_io,
         io_bounce_pool = %args.io_bounce_pool,
+        io_read_buffers = %args.io_read_buffers,
         io_max_in_flight = args.io_max_in_flight,
         startup_ms = startup.as_millis() as u64, "node ready");
     println!(

@@ -351,14 +351,12 @@ impl Node {
             .arg(format!("127.0.0.1:{}", self.iscsi_port))
             .arg("--node-listen")
             .arg(format!("127.0.0.1:{}", self.node_port))
-            .args([
-                "--reactors",
-                "2",
-                "--cache-size",
-                "64M",
-                "--oplog-size",
-                "64M",
-            ])
+            .args(["--reactors", "2", "--oplog-size", "64M"])
+            .args(if self.extra_args.iter().any(|a| a == "--cache-size") {
+                &[][..]
+            } else {
+                &["--cache-size", "64M"][..]
+            })
             // Two shards unless a test says otherwise, so the suite exercises requests that
             // cross reactors (the product default is one shard).
             .args(if self.extra_args.iter().any(|a| a == "--default-shards") {

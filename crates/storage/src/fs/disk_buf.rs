@@ -1,6 +1,8 @@
 //! [`DiskBuf`]: a buffer a read fills and then hands over whole, so data read from the disk
 //! reaches a client's reply without being copied on the way (see [`super::DiskFile::read_new`]).
+//! Large ones are recycled through [`super::large_buffers`].
 
+use super::large_buffers::{self, LARGE_BUFFER_MIN_BYTES};
 use bytes::Bytes;
 use std::alloc::{self, Layout};
 use std::ptr::NonNull;
@@ -49,6 +51,14 @@ impl DiskBuf {
                 ptr: NonNull::new(dangling).expect("non-zero address"),
                 len: 0,
             };
+        }
+        if len >= LARGE_BUFFER_MIN_BYTES {
+            let ptr = large_buffers::take(len);
+            if zeroed {
+                // SAFETY: `take` gives at least `len` writable bytes.
+                unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, len) };
+            }
+            return DiskBuf { ptr, len };
         }
         let layout = Self::layout(len);
         // SAFETY: the layout has a non-zero size (`len > 0`).
@@ -110,7 +120,11 @@ impl AsRef<[u8]> for DiskBuf {
 
 impl Drop for DiskBuf {
     fn drop(&mut self) {
-        if self.len > 0 {
+        if self.len >= LARGE_BUFFER_MIN_BYTES {
+            // SAFETY: `allocate` took it from `large_buffers` for this `len`; we are its
+            // last user.
+            unsafe { large_buffers::give_back(self.ptr, self.len) }
+        } else if self.len > 0 {
             // SAFETY: allocated in `allocate` with exactly this layout, and freed only here.
             unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
         }
@@ -141,6 +155,19 @@ mod tests {
         let block = bytes.slice(DISK_BUF_ALIGN_BYTES..2 * DISK_BUF_ALIGN_BYTES);
         drop(bytes);
         assert!(block.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn large_buffers_are_aligned_and_zeroed_when_asked_even_when_reused() {
+        let len = 640 << 10; // class 1 MiB
+        for _ in 0..2 {
+            let mut buf = DiskBuf::zeroed(len);
+            assert_eq!(buf.as_slice().as_ptr() as usize % DISK_BUF_ALIGN_BYTES, 0);
+            assert!(buf.as_slice().iter().all(|&b| b == 0));
+            buf.as_mut_slice().fill(0xa5);
+            let bytes = buf.into_bytes();
+            assert_eq!(bytes.len(), len);
+        }
     }
 
     #[test]

@@ -21,6 +21,7 @@
 //! disk is `Send + Sync` so that controllers on several reactors can share one.)
 
 pub mod disk_buf;
+pub mod large_buffers;
 pub mod node_fs;
 pub mod sim;
 pub mod std_fs;
