@@ -1196,19 +1196,22 @@ impl<R: TargetRegistry> FullFeature<R> {
             self.reject(&bhs, reject::PROTOCOL_ERROR, false).await;
             return Ok(Flow::Continue);
         }
-        if !write || command.expected == 0 {
+        let expected = command.expected as usize;
+        // Runs now: no data, or all of it came with the command (a write then runs on the
+        // PDU's own bytes, without copying them into a transfer buffer).
+        if !write || expected == 0 || immediate_data.len() == expected {
             if command.read && answer_now(&session, &command, !immediate) {
                 return Ok(Flow::Continue);
             }
             let itt = command.itt;
-            let handle = spawn_command(session.clone(), command.clone(), Bytes::new(), None);
+            // Empty unless a write's: immediate data with anything else was refused above.
+            let handle = spawn_command(session.clone(), command.clone(), immediate_data, None);
             session
                 .tasks
                 .borrow_mut()
                 .insert(itt, task(TaskState::Running(Some(handle))));
             return Ok(Flow::Continue);
         }
-        let expected = command.expected as usize;
         let mut buffer = BytesMut::with_capacity(expected.min(session.params.first_burst as usize));
         buffer.extend_from_slice(&immediate_data);
         let pending = Box::new(PendingWrite {
@@ -1226,9 +1229,7 @@ impl<R: TargetRegistry> FullFeature<R> {
             .borrow_mut()
             .insert(itt, task(TaskState::AwaitingData(pending)));
         let unsolicited_follows = flags & 0x80 == 0;
-        if immediate_data.len() == expected {
-            self.start_write(itt);
-        } else if !unsolicited_follows {
+        if !unsolicited_follows {
             self.solicit(itt);
         }
         Ok(Flow::Continue)
