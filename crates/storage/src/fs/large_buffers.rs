@@ -6,10 +6,13 @@
 //! Why not the allocator: a read buffer must be 4 KiB-aligned, and glibc serves an aligned
 //! 1 MiB request from a chunk larger than the 1 MiB one that was just freed, so freed read
 //! buffers were never reused; the heap grew and every read faulted in fresh pages. A node
-//! restarted on written data and read sequentially with 1 MiB reads spent 75 % of its reactor
-//! zeroing those pages (`clear_page_erms`), read 400 MiB/s instead of 1.2-1.4 GiB/s, and its
-//! RSS grew by ~280 MiB per second of reading. Pages of a reused buffer are already faulted in,
-//! and a mapping of its own gives all of its memory back when it is unmapped.
+//! restarted on written data and read sequentially with 1 MiB reads spent 74-76 % of its
+//! samples zeroing those pages (`clear_page_erms`), read 447-753 MiB/s (1.0-1.24 GiB/s with
+//! the buffers kept) and its RSS grew without bound (4.0 GiB after 8 s). Pages of a reused
+//! buffer are already faulted in, and a mapping of its own gives all of its memory back when
+//! it is unmapped. The price, on the test VM: right after a fill, when glibc's heap still
+//! held reusable memory, the same read is 15-30 % slower with these buffers than with the
+//! heap's (bench/results/20261128-010000-vm, cause not found).
 //!
 //! The free list is shared by every thread (a buffer filled on one reactor is often dropped
 //! on another, after its reply is sent), behind one mutex taken once per large buffer
@@ -29,7 +32,7 @@ static FREE_LIMIT_BYTES: AtomicUsize = AtomicUsize::new(DEFAULT_FREE_LIMIT_BYTES
 static FREE: Mutex<FreeList> = Mutex::new(FreeList::new());
 
 /// Sets how many bytes of dropped large buffers the process keeps for reuse (0: none).
-/// Buffers kept beyond a lowered limit are released as they are next handed out or dropped.
+/// Buffers kept beyond a lowered limit are released at once.
 pub fn set_free_limit_bytes(bytes: usize) {
     FREE_LIMIT_BYTES.store(bytes, Ordering::Relaxed);
     FREE.lock()
