@@ -13,7 +13,7 @@ use super::format::{bad_chunks, CHUNK_BYTES, CRC_BYTES};
 use super::index::{DataLoc, TargetKind};
 use super::state::ReadGuard;
 use super::{DrainItem, Inner, OplogError, SegmentId};
-use crate::fs::{DiskFile, Filesystem};
+use crate::fs::{DiskFile, Filesystem, DIRECT_IO_ALIGNMENT_BYTES};
 use crate::join::join_all;
 use bytes::Bytes;
 
@@ -175,12 +175,17 @@ impl<F: Filesystem> Inner<F> {
         // Held across the read: the file is not reused while it runs.
         let guard = ReadGuard::new(handle, self.wakers.clone());
         let (file, path) = (&guard.handle.file, &guard.handle.path);
-        let mut buf = vec![0u8; (read.end - read.start) as usize];
-        file.read_at(&mut buf, read.start)
+        // Whole aligned blocks, so the kernel reads straight into a recycled buffer of the
+        // node's (`read_new`). A fresh zeroed `Vec` per read, filled by a copy out of a bounce
+        // buffer, had the kernel fault in and zero new pages for every drain read: 16 % of
+        // the node's time under 4 KiB random writes at QD1.
+        let (start, end) = aligned_span(read.start, read.end);
+        let buf = file
+            .read_new(start, (end - start) as usize)
             .await
-            .map_err(|e| io_error(path, e))?;
-        let buf = Bytes::from(buf);
-        let at = |offset: u64| (offset - read.start) as usize;
+            .map_err(|e| io_error(path, e))?
+            .into_bytes();
+        let at = |offset: u64| (offset - start) as usize;
         let mut out = Vec::with_capacity(read.wants.len());
         for want in read.wants {
             let item = &items[want.item];
@@ -205,17 +210,18 @@ impl<F: Filesystem> Inner<F> {
 }
 
 /// Groups wants into reads: per segment, in file order, neighbours merged while the gap
-/// between them is at most `max_gap_bytes` and the read at most `max_read_bytes` (a single
-/// want larger than that is read alone).
+/// between them is at most `max_gap_bytes` and the read, widened to whole blocks, at most
+/// `max_read_bytes` (a single want larger than that is read alone).
 fn plan_reads(mut wants: Vec<(SegmentId, Want)>, limits: DrainReadLimits) -> Vec<Read> {
     wants.sort_by_key(|(segment, want)| (*segment, want.span().0));
     let mut reads: Vec<Read> = Vec::new();
     for (segment, want) in wants {
         let (start, end) = want.span();
         if let Some(read) = reads.last_mut() {
+            let (aligned_start, aligned_end) = aligned_span(read.start, end.max(read.end));
             let joins = read.segment == segment
                 && start <= read.end.saturating_add(limits.max_gap_bytes)
-                && end.max(read.end) - read.start <= limits.max_read_bytes;
+                && aligned_end - aligned_start <= limits.max_read_bytes;
             if joins {
                 read.end = read.end.max(end);
                 read.wants.push(want);
@@ -230,6 +236,12 @@ fn plan_reads(mut wants: Vec<(SegmentId, Want)>, limits: DrainReadLimits) -> Vec
         });
     }
     reads
+}
+
+/// `[start, end)` widened to whole direct-I/O blocks: what a read of that range reads.
+fn aligned_span(start: u64, end: u64) -> (u64, u64) {
+    let align = DIRECT_IO_ALIGNMENT_BYTES;
+    (start / align * align, end.div_ceil(align) * align)
 }
 
 #[cfg(test)]
@@ -294,6 +306,9 @@ mod tests {
         let reads = plan_reads(wants, limits(16384, 1 << 20));
         let sizes: Vec<usize> = reads.iter().map(|r| r.wants.len()).collect();
         assert_eq!(sizes, vec![2, 2], "a read stops at max_read_bytes");
-        assert!(reads.iter().all(|r| r.end - r.start <= 16384));
+        assert!(reads.iter().all(|r| {
+            let (start, end) = aligned_span(r.start, r.end);
+            end - start <= 16384
+        }));
     }
 }
