@@ -40,7 +40,7 @@ impl LogWrite {
     pub fn data(request: ShardRequest, offset: u64, data: Bytes, max_record_bytes: u64) -> Self {
         assert!(max_record_bytes > 0, "the log takes records of some size");
         let length = data.len() as u64;
-        let mut pieces = VecDeque::new();
+        let mut pieces = VecDeque::with_capacity(length.div_ceil(max_record_bytes) as usize);
         let mut done = 0u64;
         while done < length {
             let part = (length - done).min(max_record_bytes);
@@ -237,15 +237,21 @@ impl LogWrites {
 
     /// Writes whose every record has an outcome.
     pub fn take_finished(&mut self, oplog: &Oplog<NodeFs>) -> Vec<Finished> {
+        // In place: records become durable in sequence, so finished writes are mostly at the
+        // front, where removing is cheap. Rebuilding the queue on every call reallocated it
+        // (and regrew it on the next appends): a tenth of the node's time went to malloc under
+        // durable writes at QD32.
         let mut finished = Vec::new();
-        let mut still = VecDeque::with_capacity(self.committing.len());
-        for write in self.committing.drain(..) {
-            match write.outcome(oplog) {
-                Some(result) => finished.push((write, result)),
-                None => still.push_back(write),
+        let mut index = 0;
+        while index < self.committing.len() {
+            match self.committing[index].outcome(oplog) {
+                Some(result) => {
+                    let write = self.committing.remove(index).expect("index is in range");
+                    finished.push((write, result));
+                }
+                None => index += 1,
             }
         }
-        self.committing = still;
         finished
     }
 
