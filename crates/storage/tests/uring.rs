@@ -2,7 +2,8 @@
 //! the project's machines), the page cache on /dev/shm, cancellation, backpressure and errors.
 
 use ashlar_storage::fs::uring::{reap_completions, thread_stats, UringConfig, UringFile};
-use ashlar_storage::fs::{remove_tree, DirEntry, DiskFile, Filesystem, IoMode, UringFs};
+use ashlar_storage::fs::{remove_tree, DirEntry, DiskBuf, DiskFile, Filesystem, IoMode, UringFs};
+use bytes::Bytes;
 use std::future::Future;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -430,6 +431,69 @@ fn read_new_returns_what_read_at_reads() {
             assert_eq!(back.as_slice(), &data[4096..8192]);
         }
         wait_for_abandoned_operations().await;
+    });
+}
+
+/// `write_from` writes aligned data from the caller's own memory (no bounce buffer is ever
+/// allocated for it), anything else through the bounce path, and data whose write was
+/// dropped in flight stays alive until the kernel is done with it.
+#[test]
+fn write_from_sends_aligned_data_without_a_bounce_buffer() {
+    let dir = direct_dir();
+    let path = dir.path().join("f");
+    on_fresh_thread(move || async move {
+        let fs = direct_fs();
+        let file = open_direct(&fs, &path).await;
+        let aligned = |len: usize, seed: u64| {
+            let mut buf = DiskBuf::zeroed(len);
+            buf.as_mut_slice().copy_from_slice(&pattern(len, seed));
+            buf.into_bytes()
+        };
+        let first = aligned(128 << 10, 1);
+        file.write_from(first.clone(), 0, false).await.unwrap();
+        let second = aligned(3 << 20, 2);
+        file.write_from(second.clone(), 1 << 20, true)
+            .await
+            .unwrap();
+        assert_eq!(
+            thread_stats().unwrap().bounce_bytes_allocated,
+            0,
+            "aligned data needs no bounce buffer"
+        );
+        assert_eq!(read_vec(&file, 0, 128 << 10).await, first);
+        assert_eq!(read_vec(&file, 1 << 20, 3 << 20).await, second);
+        // Unaligned in memory: copied through a bounce buffer, written all the same.
+        let backing = Bytes::from(pattern(8192 + 1, 3));
+        let unaligned = backing.slice(1..);
+        file.write_from(unaligned.clone(), 4096, true)
+            .await
+            .unwrap();
+        assert!(thread_stats().unwrap().bounce_bytes_allocated > 0);
+        assert_eq!(read_vec(&file, 4096, 8192).await, unaligned);
+        // Dropped in flight: the ring keeps the data until the kernel is done with it, so
+        // every block reads back as the new data or as it was (zeros), never as freed memory.
+        let region = 8u64 << 20;
+        file.set_len(region + (2 << 20)).await.unwrap();
+        for round in 0..8u64 {
+            let data = aligned(256 << 10, 10 + round);
+            {
+                let at = region + round * (256 << 10);
+                let mut write = pin!(file.write_from(data.clone(), at, false));
+                let _ = poll_once(write.as_mut());
+            }
+            drop(data);
+        }
+        wait_for_abandoned_operations().await;
+        for round in 0..8u64 {
+            let back = read_vec(&file, region + round * (256 << 10), 256 << 10).await;
+            let want = pattern(256 << 10, 10 + round);
+            for (block, (got, new)) in back.chunks(4096).zip(want.chunks(4096)).enumerate() {
+                assert!(
+                    got == new || got.iter().all(|b| *b == 0),
+                    "round {round}, block {block}: neither the new data nor zeros"
+                );
+            }
+        }
     });
 }
 

@@ -69,6 +69,16 @@ pub trait DiskFile {
     }
     /// Writes `buf` at `offset` (not durable until `sync_data`).
     async fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;
+    /// Writes `data` at `offset` as `write_durable_at` (`durable`) or `write_at` would. Where
+    /// it can (io_uring in Direct mode, `data` and `offset` aligned), the kernel writes from
+    /// `data` itself, held until the kernel is done with it: no bounce buffer, no copy.
+    async fn write_from(&self, data: bytes::Bytes, offset: u64, durable: bool) -> io::Result<()> {
+        if durable {
+            self.write_durable_at(&data, offset).await
+        } else {
+            self.write_at(&data, offset).await
+        }
+    }
     /// Writes `buf` at `offset` and returns once these bytes (and the file size, if the write
     /// extended it) are durable, without flushing the file's other dirty data: `RWF_DSYNC`.
     async fn write_durable_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;

@@ -83,6 +83,9 @@ impl DiskFile for NodeFile {
     async fn write_durable_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         each_file!(self, f => f.write_durable_at(buf, offset).await)
     }
+    async fn write_from(&self, data: bytes::Bytes, offset: u64, durable: bool) -> io::Result<()> {
+        each_file!(self, f => f.write_from(data, offset, durable).await)
+    }
     async fn sync_data(&self) -> io::Result<()> {
         each_file!(self, f => f.sync_data().await)
     }

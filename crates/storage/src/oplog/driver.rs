@@ -15,7 +15,6 @@
 //! Batches finish in any order but are resolved from the front of the window only (see
 //! `State::resolve_finished`): a later batch never becomes visible before an earlier one.
 
-use super::buf::AlignedBuf;
 use super::error::{Failure, OplogError};
 use super::files;
 use super::format::{
@@ -26,7 +25,7 @@ use super::state::{
     Handle, IndexUpdate, Inflight, OpenBatch, Recovery, Segment, SegmentKind, Spare, State, Supply,
 };
 use super::{Append, Backpressure, DrainItem, Inner, OplogEvent, SegmentId, Seq, TryAppendError};
-use crate::fs::{DiskFile, Filesystem};
+use crate::fs::{DiskBuf, DiskFile, Filesystem};
 use std::future::Future;
 use std::io;
 use std::path::PathBuf;
@@ -380,7 +379,7 @@ impl<F: Filesystem> Inner<F> {
         // The pending batch is empty again: appends refused for lack of room may retry.
         state.owe_ready();
         self.start(async move {
-            let result = handle.file.write_durable_at(buf.as_slice(), pos).await;
+            let result = handle.file.write_from(buf.into_bytes(), pos, true).await;
             Done::Batch {
                 number,
                 path: handle.path.clone(),
@@ -662,7 +661,7 @@ fn build_batch(
     header: &BatchHeader,
     segment: SegmentId,
     pos: u64,
-) -> (AlignedBuf, Vec<IndexUpdate>) {
+) -> (DiskBuf, Vec<IndexUpdate>) {
     let table: Vec<TableEntry> = open
         .records
         .iter()
@@ -675,7 +674,11 @@ fn build_batch(
     let mut head =
         Vec::with_capacity(super::format::batch_header_bytes(table.len() as u64) as usize);
     header.encode(&table, &mut head);
-    let mut buf = AlignedBuf::zeroed(u64::from(header.bytes));
+    // A `DiskBuf` the ring writes from directly: no bounce buffer, no second copy of the batch.
+    let mut buf = DiskBuf::zeroed(
+        usize::try_from(u64::from(header.bytes).div_ceil(BLOCK_BYTES) * BLOCK_BYTES)
+            .expect("a batch fits in memory"),
+    );
     let out = buf.as_mut_slice();
     out[..head.len()].copy_from_slice(&head);
     let mut at = head.len();

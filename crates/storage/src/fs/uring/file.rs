@@ -6,6 +6,7 @@ use super::ring::Urgency;
 use super::UringConfig;
 use crate::fs::std_fs::blocking;
 use crate::fs::{DiskBuf, DiskFile, IoMode, DIRECT_IO_ALIGNMENT_BYTES};
+use bytes::Bytes;
 use io_uring::{opcode, types};
 use std::fs::File;
 use std::io;
@@ -43,6 +44,10 @@ fn urgency_of(rw_flags: i32) -> Urgency {
     } else {
         Urgency::Batched
     }
+}
+
+fn bounce_ptr_at(grant: &mut OwnedGrant, at: usize) -> *const u8 {
+    grant.ptr_at(at)
 }
 
 fn align_down(x: u64) -> u64 {
@@ -84,7 +89,8 @@ impl UringFile {
         let mut retries = 0;
         loop {
             let entry = build(&mut grant);
-            // SAFETY: `build` points the entry only into `grant`'s buffer, and the entry's fd
+            // SAFETY: `build` points the entry only into `grant`'s memory (its bounce buffer,
+            // read target or write source), and the entry's fd
             // is `self.file`'s, both handed to the ring with the entry.
             let op = unsafe { Op::start(entry, grant, self.file.clone(), urgency)? };
             let (result, back) = op.await?;
@@ -150,11 +156,26 @@ impl UringFile {
     async fn write_piece(&self, data: &[u8], pos: u64, rw_flags: i32) -> io::Result<()> {
         let mut grant = acquire(&self.config, data.len()).await?;
         grant.buf_mut()[..data.len()].copy_from_slice(data);
+        self.write_from_grant(grant, bounce_ptr_at, pos, data.len(), rw_flags)
+            .await
+    }
+
+    /// Writes `len` bytes from the grant's memory (`ptr_at`) at `pos`, resuming after short
+    /// writes.
+    async fn write_from_grant(
+        &self,
+        mut grant: OwnedGrant,
+        ptr_at: fn(&mut OwnedGrant, usize) -> *const u8,
+        pos: u64,
+        len: usize,
+        rw_flags: i32,
+    ) -> io::Result<()> {
         let mut done = 0usize;
-        while done < data.len() {
+        while done < len {
+            let piece = (len - done).min(self.config.max_op_bytes);
             let (n, back) = self
                 .run(grant, urgency_of(rw_flags), |g| {
-                    opcode::Write::new(self.raw_fd(), g.ptr_at(done), (data.len() - done) as u32)
+                    opcode::Write::new(self.raw_fd(), ptr_at(g, done), piece as u32)
                         .offset(pos + done as u64)
                         .rw_flags(rw_flags)
                         .build()
@@ -301,6 +322,22 @@ impl DiskFile for UringFile {
 
     async fn write_durable_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         self.write_with_flags(buf, offset, libc::RWF_DSYNC).await
+    }
+
+    async fn write_from(&self, data: Bytes, offset: u64, durable: bool) -> io::Result<()> {
+        let rw_flags = if durable { libc::RWF_DSYNC } else { 0 };
+        let len = data.len();
+        let aligned = offset.is_multiple_of(ALIGN)
+            && (len as u64).is_multiple_of(ALIGN)
+            && (data.as_ptr() as u64).is_multiple_of(ALIGN);
+        if !self.direct() || !aligned || len == 0 {
+            return self.write_with_flags(&data, offset, rw_flags).await;
+        }
+        checked_end(offset, len as u64)?;
+        let mut grant = acquire(&self.config, 0).await?;
+        grant.set_source(data);
+        self.write_from_grant(grant, OwnedGrant::source_ptr_at, offset, len, rw_flags)
+            .await
     }
 
     async fn sync_data(&self) -> io::Result<()> {

@@ -74,6 +74,25 @@ impl OwnedGrant {
             .as_mut_ptr_at(at)
     }
 
+    /// Hands the grant the data a write sends (see [`Grant::source`]).
+    pub(super) fn set_source(&mut self, source: bytes::Bytes) {
+        let grant = self.grant.as_mut().expect("grant not yet used");
+        assert!(grant.source.is_none(), "grant already has a write source");
+        grant.source = Some(source);
+    }
+
+    /// Address of byte `at` of the write source, for the kernel, which only reads there.
+    pub(super) fn source_ptr_at(&mut self, at: usize) -> *const u8 {
+        let source = self
+            .grant
+            .as_ref()
+            .and_then(|g| g.source.as_ref())
+            .expect("grant has a write source");
+        assert!(at <= source.len());
+        // SAFETY: `at` is within the bytes (checked above).
+        unsafe { source.as_ptr().add(at) }
+    }
+
     /// Address of byte `at` of the bounce buffer, for the kernel.
     pub(super) fn ptr_at(&mut self, at: usize) -> *mut u8 {
         let buf = self

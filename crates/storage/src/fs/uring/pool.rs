@@ -72,6 +72,9 @@ pub(super) struct Grant {
     /// grant so that the ring keeps it alive until the kernel is done, whatever the caller
     /// drops; it is not the pool's memory (the caller accounts for it).
     pub(super) target: Option<DiskBuf>,
+    /// The caller's data a write sends directly (instead of `buf`), kept alive with the
+    /// grant like `target`.
+    pub(super) source: Option<bytes::Bytes>,
 }
 
 /// Bounce-buffer sizes are powers of two from 4 KiB up: few classes, so freed buffers are
@@ -125,7 +128,11 @@ impl Pool {
             Some(self.take_buffer(bytes)?)
         };
         self.in_flight += 1;
-        Some(Grant { buf, target: None })
+        Some(Grant {
+            buf,
+            target: None,
+            source: None,
+        })
     }
 
     fn take_buffer(&mut self, bytes: usize) -> Option<AlignedBuf> {
