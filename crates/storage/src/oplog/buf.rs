@@ -25,10 +25,6 @@ impl AlignedBuf {
         AlignedBuf { ptr, layout }
     }
 
-    pub fn len(&self) -> usize {
-        self.layout.size()
-    }
-
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: `ptr` points to `layout.size()` initialised (zeroed) bytes owned by `self`.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
@@ -54,7 +50,7 @@ mod tests {
     #[test]
     fn aligned_and_rounded_up() {
         let mut buf = AlignedBuf::zeroed(5000);
-        assert_eq!(buf.len(), 8192);
+        assert_eq!(buf.as_slice().len(), 8192);
         assert_eq!(buf.as_slice().as_ptr() as usize % 4096, 0);
         assert!(buf.as_slice().iter().all(|&b| b == 0));
         buf.as_mut_slice()[8191] = 1;

@@ -9,7 +9,7 @@ use super::format::{
 };
 use super::state::{FileHandle, Handle};
 use super::OplogConfig;
-use crate::fs::{DiskFile, Filesystem};
+use crate::fs::{DiskBuf, DiskFile, Filesystem};
 use std::io;
 use std::path::{Path, PathBuf};
 
@@ -81,11 +81,19 @@ async fn prepare_file<F: Filesystem>(
         Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {}
         other => other?,
     }
-    let zeros = AlignedBuf::zeroed(ZERO_FILL_BYTES.min(config.segment_bytes));
+    // Written from the buffer itself (`write_from`): copying 1 MiB of zeros into a bounce
+    // buffer per write was most of a segment's preparation, 8 % of the node's time while the
+    // log grows under 4 KiB writes at QD1.
+    let fill_bytes = ZERO_FILL_BYTES
+        .min(config.segment_bytes)
+        .div_ceil(BLOCK_BYTES)
+        * BLOCK_BYTES;
+    let zeros = DiskBuf::zeroed(fill_bytes as usize).into_bytes();
     let mut at = SEGMENT_HEADER_BYTES;
     while at < config.segment_bytes {
         let n = (config.segment_bytes - at).min(zeros.len() as u64);
-        file.write_at(&zeros.as_slice()[..n as usize], at).await?;
+        file.write_from(zeros.slice(..n as usize), at, false)
+            .await?;
         at += n;
     }
     let mut slots = AlignedBuf::zeroed(SEGMENT_HEADER_BYTES);
