@@ -11,6 +11,9 @@
 # Prints one line per job: job iops p50_us cpu_s iops_per_cpu_s. Reads are cached (the read
 # pass leaves the vdisk in the node's cache); writes are durable when acknowledged. Alternate
 # the binaries several times and compare medians: this machine is shared and noisy.
+#
+# PROBE, if set, is a command run 2 s into each job with `{pid}` replaced by the node's pid,
+# e.g. PROBE='perf record -F 2999 -g -p {pid} -o /tmp/ab.perf -- sleep 4' for a profile.
 set -euo pipefail
 BIN=${1:?usage: nbd-ab.sh BIN [NODE_ARGS...]}
 shift
@@ -40,7 +43,13 @@ for job in $JOBS; do
     before=$(cpu_ticks)
     fio --name="$rw$qd" --ioengine=nbd --uri="$URI" --rw="$rw" --bs=4k --iodepth="$qd" \
         --size=1G --time_based --runtime="$RUNTIME" --randrepeat=0 --output-format=json \
-        > "$DIR.fio.json"
+        > "$DIR.fio.json" &
+    fio_pid=$!
+    if [ -n "${PROBE:-}" ]; then
+        sleep 2
+        ${PROBE//\{pid\}/$NODE} > "$DIR.probe.log" 2>&1 || echo "probe failed: $DIR.probe.log" >&2
+    fi
+    wait "$fio_pid"
     after=$(cpu_ticks)
     python3 - "$job" "$before" "$after" "$TICKS" "$DIR.fio.json" <<'PY'
 import json, sys

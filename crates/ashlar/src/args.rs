@@ -194,9 +194,9 @@ pub struct NodeArgs {
     /// for one to finish; one operation moves at most 1 MiB.
     #[arg(long, default_value = "16M", value_name = "SIZE")]
     pub io_bounce_pool: String,
-    /// Bytes of freed large read buffers (64 KiB and up, the kernel's targets for large cold
-    /// reads) the whole node keeps for the next reads (K/M/G suffixes; 0 to 16G, 0 keeps
-    /// none). Reused buffers need no fresh pages from the kernel: with none kept, sequential
+    /// Bytes of freed large disk buffers (64 KiB and up: the kernel's targets for large cold
+    /// reads and the drain's reads of the oplog, and the oplog batches it writes from) the
+    /// whole node keeps for reuse (K/M/G suffixes; 0 to 16G, 0 keeps none). Reused buffers need no fresh pages from the kernel: with none kept, sequential
     /// 1 MiB reads spend most of a core zeroing new pages.
     #[arg(long, default_value = "64M", value_name = "SIZE")]
     pub io_read_buffers: String,

@@ -90,8 +90,8 @@ impl UringFile {
         loop {
             let entry = build(&mut grant);
             // SAFETY: `build` points the entry only into `grant`'s memory (its bounce buffer,
-            // read target or write source), and the entry's fd
-            // is `self.file`'s, both handed to the ring with the entry.
+            // read target or write source), and the entry's fd is `self.file`'s, both handed
+            // to the ring with the entry.
             let op = unsafe { Op::start(entry, grant, self.file.clone(), urgency)? };
             let (result, back) = op.await?;
             grant = back;
