@@ -348,7 +348,7 @@ fn limit_flags_are_explained_and_checked() {
         "--io-max-in-flight <N>",
         "[default: 256]",
         "--io-read-buffers <SIZE>",
-        "the whole node keeps for the next reads",
+        "whole node keeps for reuse",
         "[default: 64M]",
         "--drain-batch <SIZE>",
         "[default: 128M]",
