@@ -269,8 +269,14 @@ impl ReactorPool {
         for stop in self.stop.drain(..) {
             let _ = stop.send(());
         }
+        let current = std::thread::current().id();
         for thread in self.threads.drain(..) {
-            let _ = thread.join();
+            // The pool's last owner can be a task on one of its own reactors (a node that
+            // fails to start drops everything from a task); that thread cannot wait for
+            // itself, and it ends on its own once its loop sees the stop signal.
+            if thread.thread().id() != current {
+                let _ = thread.join();
+            }
         }
     }
 }
@@ -395,5 +401,24 @@ mod tests {
             );
         }
         pool.stop();
+    }
+
+    #[test]
+    fn a_pool_dropped_by_one_of_its_own_reactors_stops_without_a_panic() {
+        let pool = ReactorPool::start(2, Duration::ZERO, &[]).unwrap();
+        let handle = pool.handles()[0].clone();
+        let owner = std::sync::Arc::new(std::sync::Mutex::new(Some(pool)));
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let dropped = runtime.block_on(handle.run(move || async move {
+            drop(owner.lock().unwrap().take());
+            true
+        }));
+        // A panic in the drop (joining its own thread) would lose the reply.
+        assert!(
+            matches!(dropped, Ok(true)),
+            "the reply was lost: {dropped:?}"
+        );
     }
 }

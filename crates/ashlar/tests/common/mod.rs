@@ -32,10 +32,36 @@ pub const GIB: u64 = 1024 * MIB;
 /// How long a node may take to answer GET /healthz after it was started.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// A free TCP port on 127.0.0.1 (bind to port 0, read the port, close).
+/// A free TCP port on 127.0.0.1, chosen at random below the kernel's ephemeral range.
+///
+/// Not a port the kernel hands out (bind to port 0): a port from the ephemeral range can
+/// become the source port of some outgoing connection while a test's node is down, and the
+/// restarted node then cannot listen on it again (seen in CI: "Address already in use" on
+/// each of three restarts).
 pub fn free_port() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("binding 127.0.0.1:0");
-    listener.local_addr().unwrap().port()
+    let ephemeral_first = ephemeral_port_range_start();
+    let first: u16 = 10_000;
+    assert!(
+        ephemeral_first > first + 1_000,
+        "the ephemeral port range starts at {ephemeral_first}: too low to pick test ports below it"
+    );
+    for _ in 0..1_000 {
+        let mut random = [0u8; 2];
+        getrandom::fill(&mut random).expect("reading random bytes");
+        let port = first + u16::from_le_bytes(random) % (ephemeral_first - first);
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port between {first} and {ephemeral_first} after 1,000 tries");
+}
+
+/// The first port of `net.ipv4.ip_local_port_range` (32768 when it cannot be read).
+fn ephemeral_port_range_start() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
 }
 
 /// Panics with an actionable message when `tool` is not on PATH: tests never skip silently.
