@@ -146,7 +146,8 @@ pub struct NodeArgs {
     /// stop by themselves. 0 turns it off.
     #[arg(long, default_value_t = ashlar_engine::config::DEFAULT_POLL_WINDOW.as_micros() as u64, value_name = "MICROSECONDS")]
     pub poll_window_us: u64,
-    /// Read cache of the whole node, split across reactors (K/M/G suffixes).
+    /// Read cache of the whole node, split across reactors (K/M/G suffixes). Blocks read
+    /// from disk by reads of up to 256 KiB fill it; longer reads (scans) pass it by.
     #[arg(long, default_value = "1G", value_name = "SIZE")]
     pub cache_size: String,
     /// Oplog capacity of each vdisk, split across its shards (at least 16M per shard).

@@ -567,10 +567,10 @@ fn cache_total(node: &Node, counter: &str) -> u64 {
 }
 
 /// A scan with reads too large for the cache lookup (a backup, `qemu-img convert`) reads hot
-/// blocks from disk too and fills the cache with them: the hot blocks must stay in the
-/// multi-touch pool, not go back to the single-touch pool for the scan to evict.
+/// blocks from disk too: the hot blocks must stay in the multi-touch pool, and the scan's
+/// 1 MiB reads fill nothing (over `MAX_FILLING_READ_BYTES`), while 256 KiB reads still do.
 #[test]
-fn a_scan_with_large_reads_keeps_the_hot_blocks_cached() {
+fn a_scan_with_large_reads_keeps_the_hot_blocks_cached_and_fills_nothing() {
     // 64 MiB of read cache over 2 reactors: a multi-touch share of 16 MiB each.
     let (node, uri) = node_with_written_vdisk();
     // 8 MiB read twice in 4 KiB reads: cached, then promoted.
@@ -581,6 +581,7 @@ fn a_scan_with_large_reads_keeps_the_hot_blocks_cached() {
         hot >= 8 * MIB,
         "the hot 8 MiB are not all promoted: {hot} bytes"
     );
+    let single_touch_before_scan = cache_total(&node, "single_touch_bytes");
     // 256 MiB in 1 MiB reads, four times the cache.
     fio_pass(&uri, "scan", "read", "1M", "256M");
     let after_scan = cache_total(&node, "multi_touch_bytes");
@@ -588,12 +589,24 @@ fn a_scan_with_large_reads_keeps_the_hot_blocks_cached() {
         after_scan >= 8 * MIB,
         "the scan took the hot blocks out of the multi-touch pool: {after_scan} bytes left"
     );
+    assert_eq!(
+        cache_total(&node, "single_touch_bytes"),
+        single_touch_before_scan,
+        "the scan's 1 MiB reads filled the cache"
+    );
     let misses = cache_total(&node, "misses");
     fio_pass(&uri, "hot-3", "read", "4k", "8M");
     assert_eq!(
         cache_total(&node, "misses"),
         misses,
         "re-reading the hot 8 MiB after the scan missed the cache"
+    );
+    // 256 KiB reads of 8 MiB more than the hot blocks still fill the cache with them.
+    fio_pass(&uri, "medium", "read", "256k", "16M");
+    let filled = cache_total(&node, "single_touch_bytes") - single_touch_before_scan;
+    assert!(
+        filled >= 8 * MIB,
+        "256 KiB reads of 8 MiB not cached before filled only {filled} bytes"
     );
 }
 

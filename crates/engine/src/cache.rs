@@ -10,12 +10,23 @@
 //! never takes the multi-touch pool below its share, and a working set that fits the cache
 //! costs one lookup per hit (a hard split made every block of a set larger than half the
 //! cache move between the pools on every hit).
+//!
+//! Only reads of up to [`MAX_FILLING_READ_BYTES`] fill the cache: longer ones are scans.
 
 use crate::lru::Lru;
 use ashlar_core::{Epoch, VdiskId};
 use bytes::Bytes;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+
+/// Reads longer than this do not fill the cache. Such reads are scans (a backup, a copy,
+/// sequential read-ahead) whose blocks are rarely read again soon. Caching them also cost the
+/// scan itself: each cached block is a 4 KiB slice of its read's buffer, so the cache kept
+/// whole 1 MiB buffers alive until every slice was evicted, every read needed fresh memory,
+/// and the pools churned 256 entries per read. Cold 1 MiB sequential reads at QD8 ran at
+/// 790-1,000 MiB/s with the fills and 900-1,560 without (bench/results/20261128-074500-vm).
+/// Random reads of databases and file systems (4-256 KiB) still fill it.
+pub const MAX_FILLING_READ_BYTES: u64 = 256 << 10;
 
 /// A cached 4 KiB block. The shard-map epoch is part of the key: when shards are re-created
 /// the new controllers never see blocks cached under an older epoch, which may be stale.
@@ -98,8 +109,8 @@ impl BlockCache {
     /// holds stays there as it is: the read brought the same bytes (a write drops the block
     /// from the cache, and a read that overlapped a write caches nothing), and a fill is not a
     /// hit. Reads that do not look in the cache first (over 128 KiB, or not all cached) used to
-    /// move such blocks back to the single-touch pool, so a scan with large reads (a backup,
-    /// `qemu-img convert`) demoted the hot blocks and then evicted them.
+    /// move such blocks back to the single-touch pool, so a scan demoted the hot blocks and
+    /// then evicted them (reads over [`MAX_FILLING_READ_BYTES`] no longer fill at all).
     pub fn insert(&mut self, key: CacheKey, block: Bytes) {
         debug_assert_eq!(block.len() as u64, self.block_bytes);
         if self.capacity_bytes < self.block_bytes || self.multi_touch.contains(&key) {

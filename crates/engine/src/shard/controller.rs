@@ -19,7 +19,7 @@ use super::work::{self, DrainError, ReadData, ReadFailure};
 use super::{
     OplogGauges, ShardControl, ShardError, ShardOp, ShardReply, ShardRequest, ShardSpec, Storage,
 };
-use crate::cache::BlockCache;
+use crate::cache::{BlockCache, MAX_FILLING_READ_BYTES};
 use crate::replication::{ReplicaOp, ReplicaRecord, Replicator};
 use ashlar_core::{BlockStatusRun, IoError, BLOCK_SIZE_BYTES};
 use ashlar_storage::oplog::{Append, OplogEvent, PieceSource, Seq};
@@ -874,8 +874,11 @@ impl Controller {
     }
 
     /// Caches the whole blocks a read brought from the extent store, unless a write touched
-    /// their bucket since the read started.
+    /// their bucket since the read started or the read is a scan (`MAX_FILLING_READ_BYTES`).
     fn cache_fills(&self, read: &PendingRead, fills: &[(u64, Bytes)]) {
+        if read.length > MAX_FILLING_READ_BYTES {
+            return;
+        }
         let first_block = read.offset / BLOCK_SIZE_BYTES;
         let mut cache = self.cache.borrow_mut();
         for (first, whole) in fills {
