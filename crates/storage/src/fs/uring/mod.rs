@@ -157,6 +157,26 @@ fn open_with_fallback(
     }
 }
 
+/// Opens `path` read-write with `flags` and `O_NOATIME`, or without `O_NOATIME` where the
+/// kernel refuses it (EPERM: a file this process neither owns nor may act for). Reads then
+/// never update the inode: with `relatime`, the first read after each write would dirty it,
+/// a journal write the data path does not need, and every read pays the kernel's check.
+fn open_without_atime(path: &Path, create: bool, flags: i32) -> io::Result<File> {
+    let open = |flags| {
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(create)
+            .mode(0o600)
+            .custom_flags(flags)
+            .open(path)
+    };
+    match open(flags | libc::O_NOATIME) {
+        Err(e) if e.raw_os_error() == Some(libc::EPERM) => open(flags),
+        other => other,
+    }
+}
+
 fn note_buffered_fallback(path: &Path, file: &File) {
     BUFFERED_FALLBACK_OPENS.fetch_add(1, Ordering::Relaxed);
     let device = file.metadata().map(|m| m.dev()).unwrap_or(u64::MAX);
@@ -180,13 +200,7 @@ impl Filesystem for UringFs {
         let prefer_direct = self.config.prefer_direct;
         let (file, mode) = blocking(move || {
             open_with_fallback(&owned, prefer_direct, |direct| {
-                OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .create(create)
-                    .mode(0o600)
-                    .custom_flags(if direct { libc::O_DIRECT } else { 0 })
-                    .open(&owned)
+                open_without_atime(&owned, create, if direct { libc::O_DIRECT } else { 0 })
             })
         })
         .await?;
@@ -257,6 +271,19 @@ mod tests {
         assert_eq!(error.raw_os_error(), Some(libc::EACCES));
         let (_, mode) = open_with_fallback(&path, true, |_| File::open(&path)).unwrap();
         assert_eq!(mode, IoMode::Direct);
+    }
+
+    #[test]
+    fn data_files_are_opened_without_atime_updates() {
+        use std::os::fd::AsRawFd;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let file = open_without_atime(&path, true, 0).unwrap();
+        // SAFETY: F_GETFL on a descriptor this test owns reads its flags and changes nothing.
+        let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
+        assert!(flags >= 0, "{}", io::Error::last_os_error());
+        assert_ne!(flags & libc::O_NOATIME, 0, "O_NOATIME missing: {flags:#o}");
+        assert_eq!(flags & libc::O_ACCMODE, libc::O_RDWR);
     }
 
     #[test]
