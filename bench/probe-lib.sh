@@ -1,5 +1,5 @@
 # probe-lib.sh — what durable-probe.sh and read-probe.sh share: sourced, not run.
-# Both start one node (2 reactors, 256 MiB cache, vdisk `probe`) on a fresh DATA_DIR and
+# Both start one node (2 reactors, CACHE_SIZE of cache (256M), vdisk `probe`) on a fresh DATA_DIR and
 # read the request counters of the block device under it.
 
 # Checks root and the binary, recreates DATA_DIR, and sets `disk` and `stat_file` (the
@@ -20,7 +20,7 @@ probe_start_node() {
     # shellcheck disable=SC2086 # NODE_ARGS is a list of flags
     RUST_LOG=$2 "$ASHLAR_BIN" node --data-dir "$DATA_DIR" \
         --nbd-listen 127.0.0.1:$NBD_PORT --http-listen 127.0.0.1:$HTTP_PORT --reactors 2 \
-        --cache-size 256M --ensure-vdisk "probe:$VDISK_SIZE" ${NODE_ARGS:-} > "$1" 2>&1 &
+        --cache-size "${CACHE_SIZE:-256M}" --ensure-vdisk "probe:$VDISK_SIZE" ${NODE_ARGS:-} > "$1" 2>&1 &
     NODE_PID=$!
     trap 'kill $NODE_PID 2>/dev/null || true' EXIT
     for _ in $(seq 100); do

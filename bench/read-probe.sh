@@ -9,7 +9,7 @@
 # through (which reactor is the ceiling), and from /sys/block/DEV/stat the disk
 # reads, sectors read and the average number of requests in flight (time_in_queue / time).
 # Knobs (environment): ASHLAR_BIN (target/release/ashlar), DATA_DIR (/var/tmp/ashlar-read-probe),
-# VDISK_SIZE (4G), RW (read), BS (1M), QD (8), NODE_ARGS (extra `ashlar node` flags),
+# VDISK_SIZE (4G), RW (read), BS (1M), QD (8), CACHE_SIZE (256M), NODE_ARGS (extra `ashlar node` flags),
 # PERF=1 (perf record of the node for 5 s into $DATA_DIR.perf; PERF_CALLGRAPH=dwarf for call
 # chains through libc), RESTART=1 (restart the node after the fill, before the job),
 # NBD_PORT (10941),
