@@ -603,7 +603,7 @@ fn a_scan_with_large_reads_keeps_the_hot_blocks_cached_and_fills_nothing() {
     );
     // 256 KiB reads of 8 MiB more than the hot blocks still fill the cache with them.
     fio_pass(&uri, "medium", "read", "256k", "16M");
-    let filled = cache_total(&node, "single_touch_bytes") - single_touch_before_scan;
+    let filled = cache_total(&node, "single_touch_bytes").saturating_sub(single_touch_before_scan);
     assert!(
         filled >= 8 * MIB,
         "256 KiB reads of 8 MiB not cached before filled only {filled} bytes"
