@@ -8,7 +8,8 @@
 #
 #   bench/nbd-ab.sh BIN [NODE_ARGS...]      e.g. JOBS="randwrite:1 randread:1" bench/nbd-ab.sh B
 #
-# Prints one line per job: job iops p50_us cpu_s iops_per_cpu_s. Reads are cached (the read
+# Prints one line per job: job iops p50_us cpu_s iops_per_cpu_s fio_cpus (the client's CPUs
+# busy: near 1 means fio, not the node, set the pace). Reads are cached (the read
 # pass leaves the vdisk in the node's cache); writes are durable when acknowledged. Alternate
 # the binaries several times and compare medians: this machine is shared and noisy.
 #
@@ -61,6 +62,7 @@ iops = side["iops"]
 p50_us = side["clat_ns"]["percentile"]["50.000000"] / 1000
 cpu_s = (after - before) / ticks
 ios = side["total_ios"]
-print(f"{job:14} iops {iops:9.0f} p50_us {p50_us:7.1f} cpu_s {cpu_s:6.2f} ios_per_cpu_s {ios / cpu_s if cpu_s else 0:9.0f}")
+fio_cpu = (result["usr_cpu"] + result["sys_cpu"]) / 100
+print(f"{job:14} iops {iops:9.0f} p50_us {p50_us:7.1f} cpu_s {cpu_s:6.2f} ios_per_cpu_s {ios / cpu_s if cpu_s else 0:9.0f} fio_cpus {fio_cpu:4.2f}")
 PY
 done

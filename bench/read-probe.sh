@@ -7,7 +7,8 @@
 #
 # Prints fio's IOPS, the node's CPU ticks over the job and its RSS after it, its busiest threads over 2 s halfway
 # through (which reactor is the ceiling), and from /sys/block/DEV/stat the disk
-# reads, sectors read and the average number of requests in flight (time_in_queue / time).
+# reads, sectors read and the average number of requests in flight (time_in_queue / time), and
+# how busy the machine's CPUs and fio were.
 # Knobs (environment): ASHLAR_BIN (target/release/ashlar), DATA_DIR (/var/tmp/ashlar-read-probe),
 # VDISK_SIZE (4G), RW (read), BS (1M), QD (8), CACHE_SIZE (256M), NODE_ARGS (extra `ashlar node` flags),
 # PERF=1 (perf record of the node for 5 s into $DATA_DIR.perf; PERF_CALLGRAPH=dwarf for call
@@ -44,6 +45,7 @@ echo 3 > /proc/sys/vm/drop_caches
 sleep 2
 
 disk0=$(cat "$stat_file")
+cpu0=$(head -1 /proc/stat)
 ticks0=$(awk '{print $14 + $15}' "/proc/$NODE_PID/stat")
 perf_pid=""
 if [ "${PERF:-0}" = 1 ]; then
@@ -59,8 +61,14 @@ probe_busiest_threads 2
 wait $fio_pid
 [ -z "$perf_pid" ] || wait "$perf_pid"
 ticks1=$(awk '{print $14 + $15}' "/proc/$NODE_PID/stat")
+cpu1=$(head -1 /proc/stat)
 disk1=$(cat "$stat_file")
 echo "IOPS $(jq '.jobs[0].read.iops | floor' "$DATA_DIR.fio.json")  node CPU ticks $((ticks1 - ticks0))  node RSS $(awk '/VmRSS/ {print int($2 / 1024)}' "/proc/$NODE_PID/status") MiB"
+# /proc/stat's first line: user nice system idle iowait irq softirq steal (ticks, all CPUs).
+echo "$cpu0 $cpu1" | awk -v hz="$(getconf CLK_TCK)" -v rt="$RUNTIME_S" -v cpus="$(nproc)" '{
+    busy0 = $2 + $3 + $4 + $7 + $8 + $9; busy1 = $13 + $14 + $15 + $18 + $19 + $20
+    printf "machine CPUs busy %.2f of %d", (busy1 - busy0) / hz / rt, cpus }'
+jq -r --arg rt "$RUNTIME_S" '.jobs[0] | "  fio CPUs busy \((.usr_cpu + .sys_cpu) / 100 | . * 100 | floor / 100)"' "$DATA_DIR.fio.json"
 # /sys/block/DEV/stat: field 1 reads, 3 sectors read, 11 time_in_queue (ms).
 echo "$disk0 $disk1" | awk -v rt="$RUNTIME_S" '{ n = NF / 2;
     printf "disk reads %d, MiB read %.0f, average requests in flight %.1f\n",

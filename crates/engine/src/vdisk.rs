@@ -14,6 +14,7 @@ use arc_swap::ArcSwap;
 use ashlar_core::{check_range, BlockDevice, BlockStatusRun, Epoch, IoError, IoResult, VdiskId};
 use ashlar_storage::copy_identity::CopyIdentity;
 use bytes::{Bytes, BytesMut};
+use smallvec::{smallvec, SmallVec};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -234,18 +235,18 @@ impl VdiskShared {
         offset: u64,
         length: u64,
         op_for: impl Fn(u64, u64) -> ShardOp,
-    ) -> IoResult<Vec<ShardReply>> {
+    ) -> IoResult<ShardReplies> {
         let pieces = split(offset, length);
         if pieces.len() == 1 {
             let (o, l) = pieces[0];
-            return Ok(vec![self.call(|| op_for(o, l), o).await?]);
+            return Ok(smallvec![self.call(|| op_for(o, l), o).await?]);
         }
         let op_for = &op_for;
         let futures: Vec<_> = pieces
             .iter()
             .map(|&(o, l)| self.call(move || op_for(o, l), o))
             .collect();
-        let mut replies = Vec::with_capacity(futures.len());
+        let mut replies = ShardReplies::with_capacity(futures.len());
         // Polled together so every piece is in flight on its shard at once.
         for result in join_all(futures).await {
             replies.push(result?);
@@ -254,9 +255,13 @@ impl VdiskShared {
     }
 }
 
+/// The shards' replies to the pieces of one request, in offset order: one for most requests,
+/// kept in place.
+pub type ShardReplies = SmallVec<[ShardReply; 1]>;
+
 /// Cuts `[offset, offset+length)` at shard-range boundaries. A zero-length range is one piece.
-pub fn split(offset: u64, length: u64) -> Vec<(u64, u64)> {
-    let mut pieces = Vec::with_capacity(1);
+pub fn split(offset: u64, length: u64) -> SmallVec<[(u64, u64); 2]> {
+    let mut pieces = SmallVec::new();
     let end = offset + length;
     let mut at = offset;
     loop {
@@ -560,18 +565,18 @@ mod tests {
 
     #[test]
     fn split_cuts_at_range_boundaries() {
-        assert_eq!(split(0, 4096), vec![(0, 4096)]);
+        assert_eq!(split(0, 4096).as_slice(), [(0, 4096)]);
         assert_eq!(
-            split(SHARD_RANGE_BYTES - 4096, 8192),
-            vec![(SHARD_RANGE_BYTES - 4096, 4096), (SHARD_RANGE_BYTES, 4096)]
+            split(SHARD_RANGE_BYTES - 4096, 8192).as_slice(),
+            [(SHARD_RANGE_BYTES - 4096, 4096), (SHARD_RANGE_BYTES, 4096)]
         );
         assert_eq!(
-            split(0, 2 * SHARD_RANGE_BYTES),
-            vec![
+            split(0, 2 * SHARD_RANGE_BYTES).as_slice(),
+            [
                 (0, SHARD_RANGE_BYTES),
                 (SHARD_RANGE_BYTES, SHARD_RANGE_BYTES)
             ]
         );
-        assert_eq!(split(10, 0), vec![(10, 0)]);
+        assert_eq!(split(10, 0).as_slice(), [(10, 0)]);
     }
 }

@@ -296,15 +296,20 @@ pub fn decode_request_header(bytes: &[u8]) -> Result<RequestHeader, DecodeError>
     })
 }
 
-pub fn encode_simple_reply(cookie: u64, error: u32) -> Vec<u8> {
-    let mut out = Vec::with_capacity(SIMPLE_REPLY_LEN);
+/// A reply's header (and, for chunks without data, its whole payload): in place up to 32
+/// bytes, which covers every reply but error messages and long block-status lists, so a
+/// read's reply allocates nothing for its header.
+pub type ReplyHead = smallvec::SmallVec<[u8; 32]>;
+
+pub fn encode_simple_reply(cookie: u64, error: u32) -> ReplyHead {
+    let mut out = ReplyHead::with_capacity(SIMPLE_REPLY_LEN);
     out.extend_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
     out.extend_from_slice(&error.to_be_bytes());
     out.extend_from_slice(&cookie.to_be_bytes());
     out
 }
 
-fn put_chunk_header(out: &mut Vec<u8>, flags: u16, chunk_type: u16, cookie: u64, length: u32) {
+fn put_chunk_header(out: &mut ReplyHead, flags: u16, chunk_type: u16, cookie: u64, length: u32) {
     out.extend_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
     out.extend_from_slice(&flags.to_be_bytes());
     out.extend_from_slice(&chunk_type.to_be_bytes());
@@ -313,17 +318,17 @@ fn put_chunk_header(out: &mut Vec<u8>, flags: u16, chunk_type: u16, cookie: u64,
 }
 
 /// Final `NBD_REPLY_TYPE_NONE` chunk (success without content).
-pub fn encode_none_chunk(cookie: u64) -> Vec<u8> {
-    let mut out = Vec::with_capacity(CHUNK_HEADER_LEN);
+pub fn encode_none_chunk(cookie: u64) -> ReplyHead {
+    let mut out = ReplyHead::with_capacity(CHUNK_HEADER_LEN);
     put_chunk_header(&mut out, REPLY_FLAG_DONE, REPLY_TYPE_NONE, cookie, 0);
     out
 }
 
 /// Header of a final `NBD_REPLY_TYPE_OFFSET_DATA` chunk; the `data_len` bytes follow it.
 /// Returns `None` when the chunk length would not fit the 32-bit field.
-pub fn encode_offset_data_head(cookie: u64, offset: u64, data_len: usize) -> Option<Vec<u8>> {
+pub fn encode_offset_data_head(cookie: u64, offset: u64, data_len: usize) -> Option<ReplyHead> {
     let length = u32::try_from(data_len.checked_add(8)?).ok()?;
-    let mut out = Vec::with_capacity(CHUNK_HEADER_LEN + 8);
+    let mut out = ReplyHead::with_capacity(CHUNK_HEADER_LEN + 8);
     put_chunk_header(
         &mut out,
         REPLY_FLAG_DONE,
@@ -336,8 +341,8 @@ pub fn encode_offset_data_head(cookie: u64, offset: u64, data_len: usize) -> Opt
 }
 
 /// Final `NBD_REPLY_TYPE_OFFSET_HOLE` chunk: `hole_len` bytes at `offset` read as zeroes.
-pub fn encode_offset_hole(cookie: u64, offset: u64, hole_len: u32) -> Vec<u8> {
-    let mut out = Vec::with_capacity(CHUNK_HEADER_LEN + 12);
+pub fn encode_offset_hole(cookie: u64, offset: u64, hole_len: u32) -> ReplyHead {
+    let mut out = ReplyHead::with_capacity(CHUNK_HEADER_LEN + 12);
     put_chunk_header(
         &mut out,
         REPLY_FLAG_DONE,
@@ -351,9 +356,9 @@ pub fn encode_offset_hole(cookie: u64, offset: u64, hole_len: u32) -> Vec<u8> {
 }
 
 /// Final `NBD_REPLY_TYPE_ERROR` chunk with a human-readable message.
-pub fn encode_error_chunk(cookie: u64, error: u32, message: &str) -> Vec<u8> {
+pub fn encode_error_chunk(cookie: u64, error: u32, message: &str) -> ReplyHead {
     let message = clamp_str(message);
-    let mut out = Vec::with_capacity(CHUNK_HEADER_LEN + 6 + message.len());
+    let mut out = ReplyHead::with_capacity(CHUNK_HEADER_LEN + 6 + message.len());
     put_chunk_header(
         &mut out,
         REPLY_FLAG_DONE,
@@ -369,9 +374,13 @@ pub fn encode_error_chunk(cookie: u64, error: u32, message: &str) -> Vec<u8> {
 }
 
 /// Final `NBD_REPLY_TYPE_BLOCK_STATUS` chunk: context id, then (length, flags) descriptors.
-pub fn encode_block_status_chunk(cookie: u64, context_id: u32, extents: &[(u32, u32)]) -> Vec<u8> {
+pub fn encode_block_status_chunk(
+    cookie: u64,
+    context_id: u32,
+    extents: &[(u32, u32)],
+) -> ReplyHead {
     let payload_len = 4 + 8 * extents.len();
-    let mut out = Vec::with_capacity(CHUNK_HEADER_LEN + payload_len);
+    let mut out = ReplyHead::with_capacity(CHUNK_HEADER_LEN + payload_len);
     put_chunk_header(
         &mut out,
         REPLY_FLAG_DONE,

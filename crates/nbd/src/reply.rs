@@ -1,19 +1,19 @@
 //! Encoding a request's outcome as a simple reply or a structured reply. Pure functions.
 
 use crate::execute::Outcome;
-use crate::proto::{self, Command, RequestHeader, EINVAL, EOVERFLOW};
+use crate::proto::{self, Command, ReplyHead, RequestHeader, EINVAL, EOVERFLOW};
 use bytes::Bytes;
 
 /// One complete reply: `head` then `data` go out back to back, never interleaved with
 /// another reply.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Encoded {
-    pub head: Vec<u8>,
+    pub head: ReplyHead,
     pub data: Bytes,
 }
 
 impl Encoded {
-    fn head(head: Vec<u8>) -> Self {
+    fn head(head: ReplyHead) -> Self {
         Self {
             head,
             data: Bytes::new(),

@@ -26,6 +26,7 @@ use ashlar_storage::oplog::{Append, OplogEvent, PieceSource, Seq};
 use bytes::Bytes;
 use futures_util::future::LocalBoxFuture;
 use futures_util::stream::{FuturesUnordered, StreamExt};
+use smallvec::SmallVec;
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::rc::Rc;
@@ -104,8 +105,9 @@ struct PendingRead {
     offset: u64,
     length: u64,
     attempt: u32,
-    /// Write generations of the read's blocks when it started.
-    generations: Vec<u64>,
+    /// Write generations of the read's blocks when it started (in place for reads of up to
+    /// 16 KiB: no allocation per small read).
+    generations: SmallVec<[u64; 4]>,
     /// Extent-store writers started before the read started.
     writers_started_before: u64,
     /// An extent-store writer was running when the read started.

@@ -9,7 +9,6 @@
 use super::{ShardKey, Storage};
 use crate::cache::{BlockCache, CacheKey};
 use ashlar_core::BLOCK_SIZE_BYTES;
-use ashlar_storage::oplog::PieceSource;
 use bytes::{Bytes, BytesMut};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -105,8 +104,7 @@ impl InlineReader {
         {
             return None;
         }
-        let pieces = self.storage.oplog.lookup(offset, length);
-        if pieces.len() != 1 || !matches!(pieces[0].source, PieceSource::Absent) {
+        if self.storage.oplog.holds_any_of(offset, length) {
             return None;
         }
         let mut cache = self.cache.borrow_mut();

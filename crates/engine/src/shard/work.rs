@@ -10,6 +10,7 @@ use ashlar_storage::extent_store::{ExtentError, ExtentStore, WriteBatch};
 use ashlar_storage::fs::{remove_tree, NodeFs};
 use ashlar_storage::oplog::{DrainData, DrainReadLimits, LogPiece, Oplog, OplogError, PieceSource};
 use bytes::{Bytes, BytesMut};
+use smallvec::{smallvec, SmallVec};
 use std::rc::Rc;
 
 /// Why a read did not produce data.
@@ -27,7 +28,7 @@ pub(super) enum ReadFailure {
 pub(super) struct ReadData {
     pub data: Bytes,
     /// (first block, whole blocks read from the extent store).
-    pub fills: Vec<(u64, Bytes)>,
+    pub fills: SmallVec<[(u64, Bytes); 1]>,
 }
 
 pub(super) fn oplog_error(vdisk: VdiskId, offset: u64, error: OplogError) -> IoError {
@@ -67,20 +68,19 @@ pub(super) async fn read(
     offset: u64,
     length: u64,
 ) -> Result<ReadData, ReadFailure> {
-    let pieces = storage.oplog.lookup(offset, length);
-    if let [piece] = pieces.as_slice() {
-        if matches!(piece.source, PieceSource::Absent) && is_block_aligned(offset, length) {
-            // The common cold read: whole blocks, none in the log. The blocks read are the
-            // answer itself (no second buffer, no copy) and, shared, the cache's fill.
-            let whole = read_whole_blocks(&storage, vdisk, offset, length).await?;
-            return Ok(ReadData {
-                data: whole.clone(),
-                fills: vec![(offset / BLOCK_SIZE_BYTES, whole)],
-            });
-        }
+    if length > 0 && is_block_aligned(offset, length) && !storage.oplog.holds_any_of(offset, length)
+    {
+        // The common cold read: whole blocks, none in the log. The blocks read are the
+        // answer itself (no second buffer, no copy) and, shared, the cache's fill.
+        let whole = read_whole_blocks(&storage, vdisk, offset, length).await?;
+        return Ok(ReadData {
+            data: whole.clone(),
+            fills: smallvec![(offset / BLOCK_SIZE_BYTES, whole)],
+        });
     }
+    let pieces = storage.oplog.lookup(offset, length);
     let mut buffer = BytesMut::zeroed(length as usize);
-    let mut fills = Vec::new();
+    let mut fills = SmallVec::new();
     for piece in pieces {
         let start = (piece.offset - offset) as usize;
         let slice = &mut buffer[start..start + piece.length as usize];
@@ -155,10 +155,7 @@ pub(super) fn bypasses_oplog(oplog: &Oplog<NodeFs>, offset: u64, length: u64) ->
     offset.is_multiple_of(EXTENT_SIZE_BYTES)
         && length.is_multiple_of(EXTENT_SIZE_BYTES)
         && length > 0
-        && oplog
-            .lookup(offset, length)
-            .iter()
-            .all(|p| matches!(p.source, PieceSource::Absent))
+        && !oplog.holds_any_of(offset, length)
 }
 
 /// Large, extent-aligned writes skip the oplog: written in place, durable when this returns.

@@ -11,8 +11,12 @@ use super::table::{decode_table, encode_table, BlockState, Entry, Table};
 use super::{io_error, ExtentError};
 use crate::fs::{DiskBuf, DiskFile, Filesystem};
 use ashlar_core::VdiskId;
+use smallvec::SmallVec;
 use std::cell::{Cell, RefCell};
 use std::path::{Path, PathBuf};
+
+/// The entries of the blocks one read covers: a small read's in place, no allocation.
+pub(crate) type Entries = SmallVec<[Entry; 8]>;
 
 /// Bit of `unsynced`/`needs_recovery` standing for the header (bits 0..4 are the extents).
 pub(crate) const HEADER_BIT: u8 = 1 << EXTENTS;
@@ -310,7 +314,7 @@ impl<D: DiskFile> Egroup<D> {
 
     /// A copy of the entries of blocks `[first, first + count)`, or the error of the damaged
     /// header or checksum block covering them.
-    pub(crate) fn entries(&self, first: usize, count: usize) -> Result<Vec<Entry>, ExtentError> {
+    pub(crate) fn entries(&self, first: usize, count: usize) -> Result<Entries, ExtentError> {
         if let Some(reason) = self.bad_header.borrow().as_ref() {
             return Err(ExtentError::BadHeader {
                 vdisk: self.vdisk,
@@ -320,7 +324,7 @@ impl<D: DiskFile> Egroup<D> {
             });
         }
         let extents = self.extents.borrow();
-        let mut out = Vec::with_capacity(count);
+        let mut out = Entries::with_capacity(count);
         for block in first..first + count {
             let extent = block / BLOCKS_PER_EXTENT;
             match &extents[extent].table {

@@ -39,6 +39,12 @@ impl<F: Filesystem> ExtentStore<F> {
         let length = buf.len() as u64;
         range_end(offset, length)?;
         self.ensure_listing().await?;
+        if offset / EXTENT_SIZE_BYTES == (offset + length).saturating_sub(1) / EXTENT_SIZE_BYTES {
+            // One extent (every small read): no list of pieces to join.
+            let result = self.read_piece(offset, buf).await;
+            self.trim();
+            return result;
+        }
         let mut pieces = Vec::new();
         let mut rest: &mut [u8] = buf;
         let mut at = offset;

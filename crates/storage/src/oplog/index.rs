@@ -101,6 +101,16 @@ impl Index {
         self.clear_range(start, end, |target| target.seq == seq);
     }
 
+    /// Whether any entry overlaps `[start, end)`; allocates nothing (every read asks).
+    pub fn overlaps(&self, start: u64, end: u64) -> bool {
+        let from_before = self
+            .entries
+            .range(..start)
+            .next_back()
+            .is_some_and(|(_, entry)| entry.end > start);
+        from_before || self.entries.range(start..end).next().is_some()
+    }
+
     /// The entries overlapping `[start, end)`, clipped to it, in offset order.
     pub fn overlapping(&self, start: u64, end: u64) -> Vec<Span> {
         self.overlapping_starts(start, end)

@@ -548,6 +548,14 @@ impl<F: Filesystem> Oplog<F> {
         self.inner.config.max_write_bytes()
     }
 
+    /// Whether the log holds anything of `[offset, offset+length)` (data, zeros or lost
+    /// blocks): `lookup` would then return more than one `Absent` piece. Allocates nothing,
+    /// for the reads that find the range in the extent store or the cache.
+    pub fn holds_any_of(&self, offset: u64, length: u64) -> bool {
+        let end = offset.saturating_add(length);
+        self.inner.state.borrow().index.overlaps(offset, end)
+    }
+
     /// The pieces covering `[offset, offset+length)` exactly, in offset order.
     pub fn lookup(&self, offset: u64, length: u64) -> Vec<LogPiece> {
         let end = offset.saturating_add(length);

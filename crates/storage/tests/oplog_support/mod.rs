@@ -111,6 +111,14 @@ pub async fn read_log<F: Filesystem>(
 ) -> Result<Vec<LogByte>, OplogError> {
     let pieces = oplog.lookup(offset, length);
     check_exact_cover(&pieces, offset, length);
+    // The allocation-free question every read asks first must agree with the full answer.
+    assert_eq!(
+        oplog.holds_any_of(offset, length),
+        pieces
+            .iter()
+            .any(|p| !matches!(p.source, PieceSource::Absent)),
+        "holds_any_of disagrees with lookup over [{offset}, +{length})"
+    );
     let mut out = Vec::with_capacity(length as usize);
     for piece in &pieces {
         let mut buf = vec![0xA5u8; piece.length as usize];
