@@ -17,7 +17,8 @@ use super::inline::{block_range, cache_key, Registration};
 use super::unreplicated::UnreplicatedChunks;
 use super::work::{self, DrainError, ReadData, ReadFailure};
 use super::{
-    OplogGauges, ShardControl, ShardError, ShardOp, ShardReply, ShardRequest, ShardSpec, Storage,
+    overlaps, OplogGauges, ShardControl, ShardError, ShardOp, ShardReply, ShardRequest, ShardSpec,
+    Storage,
 };
 use crate::cache::{BlockCache, MAX_FILLING_READ_BYTES};
 use crate::replication::{ReplicaOp, ReplicaRecord, Replicator};
@@ -1069,8 +1070,4 @@ impl Controller {
 
 fn bucket(block: u64) -> usize {
     (block as usize) % WRITE_GENERATION_BUCKETS
-}
-
-fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
-    a.0 < b.1 && b.0 < a.1
 }

@@ -8,7 +8,7 @@
 //! done the range is released and the parked writes that no longer overlap anything held
 //! start, in the order they arrived.
 
-use super::{ShardOp, ShardRequest};
+use super::{overlaps, ShardOp, ShardRequest};
 use std::collections::VecDeque;
 
 /// A vdisk byte range, `[start, end)`.
@@ -31,10 +31,6 @@ pub(super) fn write_range(op: &ShardOp) -> Option<Range> {
         ShardOp::WriteZeroes { offset, length, .. } => Some((*offset, offset + length)),
         _ => None,
     }
-}
-
-fn overlaps(a: Range, b: Range) -> bool {
-    a.0 < b.1 && b.0 < a.1
 }
 
 impl Holds {

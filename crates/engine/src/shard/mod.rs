@@ -268,3 +268,8 @@ pub async fn start_shard(
         reactor: crate::reactor::current_reactor(),
     })
 }
+
+/// Whether two half-open byte ranges overlap.
+fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
+    a.0 < b.1 && b.0 < a.1
+}
