@@ -68,6 +68,23 @@ fn unaligned_writes_round_trip_across_boundaries_and_survive_reopen() {
         let mut again = vec![0u8; size];
         reopened.read(0, &mut again).await.unwrap();
         assert!(again == model, "read after reopen differs from the model");
+        // Reads within one extent (read without a list of pieces), aligned or not, and reads
+        // of nothing, at an extent boundary and inside one.
+        let pieces = [
+            (4095usize, 3usize),
+            ((1 << 20) - 100, 100),
+            (9 << 20, 1 << 20),
+            (100, 0),
+            (1 << 20, 0),
+        ];
+        for (offset, length) in pieces {
+            let mut piece = vec![0xA5u8; length];
+            reopened.read(offset as u64, &mut piece).await.unwrap();
+            assert!(
+                piece == model[offset..offset + length],
+                "[{offset}, +{length})"
+            );
+        }
         assert_eq!(
             reopened.cached_egroups(),
             3,

@@ -39,7 +39,8 @@ impl<F: Filesystem> ExtentStore<F> {
         let length = buf.len() as u64;
         range_end(offset, length)?;
         self.ensure_listing().await?;
-        if offset / EXTENT_SIZE_BYTES == (offset + length).saturating_sub(1) / EXTENT_SIZE_BYTES {
+        // (A read of nothing has no extent: it takes the general path, which reads nothing.)
+        if length > 0 && offset / EXTENT_SIZE_BYTES == (offset + length - 1) / EXTENT_SIZE_BYTES {
             // One extent (every small read): no list of pieces to join.
             let result = self.read_piece(offset, buf).await;
             self.trim();
