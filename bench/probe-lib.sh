@@ -1,5 +1,5 @@
-# probe-lib.sh — what durable-probe.sh and read-probe.sh share: sourced, not run.
-# Both start one node (2 reactors, CACHE_SIZE of cache (256M), vdisk `probe`) on a fresh DATA_DIR and
+# probe-lib.sh — what durable-probe.sh, read-probe.sh and write-probe.sh share: sourced, not run.
+# They start one node (2 reactors, CACHE_SIZE of cache (256M), vdisk `probe`) on a fresh DATA_DIR and
 # read the request counters of the block device under it.
 
 # Checks root and the binary, recreates DATA_DIR, and sets `disk` and `stat_file` (the
@@ -45,4 +45,24 @@ probe_thread_ticks() {
     for t in /proc/$NODE_PID/task/*; do
         echo "$(cat "$t/comm") $(awk '{print $14 + $15}' "$t/stat")"
     done
+}
+
+# probe_fill_and_drain MAX_LIVE_BYTES: fills the vdisk with 1 MiB sequential writes, then
+# waits (at most 60 s) until its oplog holds at most MAX_LIVE_BYTES, so the job meets the data
+# in the extent store.
+probe_fill_and_drain() {
+    fio --name=fill --ioengine=nbd --uri="$URI" --rw=write --bs=1M --iodepth=8 >/dev/null
+    local live
+    for _ in $(seq 120); do
+        live=$(curl -s "http://127.0.0.1:$HTTP_PORT/stats/vdisks" | jq '[.vdisks[].oplog_live_bytes] | add')
+        [ "$live" -le "$1" ] && break
+        sleep 0.5
+    done
+}
+
+# probe_drop_caches: writes back and drops the kernel page cache, then lets the disk settle.
+probe_drop_caches() {
+    sync
+    echo 3 > /proc/sys/vm/drop_caches
+    sleep 2
 }

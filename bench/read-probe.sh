@@ -27,22 +27,15 @@ HTTP_PORT=${HTTP_PORT:-10942}
 source "$HERE/probe-lib.sh"
 probe_prepare
 probe_start_node "$DATA_DIR.log" "${RUST_LOG:-info}"
-fio --name=fill --ioengine=nbd --uri="$URI" --rw=write --bs=1M --iodepth=8 >/dev/null
 # Until the oplog has drained into the extent store (cold reads come from there).
-for _ in $(seq 120); do
-    live=$(curl -s "http://127.0.0.1:$HTTP_PORT/stats/vdisks" | jq '[.vdisks[].oplog_live_bytes] | add')
-    [ "$live" = 0 ] && break
-    sleep 0.5
-done
+probe_fill_and_drain 0
 if [ "${RESTART:-0}" = 1 ]; then
     # A node restarted on written data: nothing freed yet for its read buffers to reuse.
     kill "$NODE_PID"
     wait "$NODE_PID" || true
     probe_start_node "$DATA_DIR.log" "${RUST_LOG:-info}"
 fi
-sync
-echo 3 > /proc/sys/vm/drop_caches
-sleep 2
+probe_drop_caches
 
 disk0=$(cat "$stat_file")
 cpu0=$(head -1 /proc/stat)

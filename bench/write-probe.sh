@@ -26,16 +26,9 @@ JOBS=${JOBS:-1}
 source "$HERE/probe-lib.sh"
 probe_prepare
 probe_start_node "$DATA_DIR.log" "${RUST_LOG:-info}"
-fio --name=fill --ioengine=nbd --uri="$URI" --rw=write --bs=1M --iodepth=8 >/dev/null
 # Until the oplog has (almost) drained: the job overwrites data in the extent store.
-for _ in $(seq 120); do
-    live=$(curl -s "http://127.0.0.1:$HTTP_PORT/stats/vdisks" | jq '[.vdisks[].oplog_live_bytes] | add')
-    [ "$live" -le 1048576 ] && break
-    sleep 0.5
-done
-sync
-echo 3 > /proc/sys/vm/drop_caches
-sleep 2
+probe_fill_and_drain 1048576
+probe_drop_caches
 
 share=$(( $(numfmt --from=iec "$VDISK_SIZE") / JOBS / 1048576 ))M
 disk0=$(cat "$stat_file")
