@@ -101,8 +101,12 @@ impl Index {
         self.clear_range(start, end, |target| target.seq == seq);
     }
 
-    /// Whether any entry overlaps `[start, end)`; allocates nothing (every read asks).
+    /// Whether any entry overlaps `[start, end)`; allocates nothing (every read asks). An
+    /// empty range overlaps nothing, as `overlapping` finds nothing in it.
     pub fn overlaps(&self, start: u64, end: u64) -> bool {
+        if start >= end {
+            return false;
+        }
         let from_before = self
             .entries
             .range(..start)
@@ -111,8 +115,12 @@ impl Index {
         from_before || self.entries.range(start..end).next().is_some()
     }
 
-    /// The entries overlapping `[start, end)`, clipped to it, in offset order.
+    /// The entries overlapping `[start, end)`, clipped to it, in offset order (none for an
+    /// empty range, whatever entry it lies in).
     pub fn overlapping(&self, start: u64, end: u64) -> Vec<Span> {
+        if start >= end {
+            return Vec::new();
+        }
         self.overlapping_starts(start, end)
             .into_iter()
             .filter_map(|s| self.entries.get(&s).map(|e| (s, *e)))
@@ -237,6 +245,18 @@ mod tests {
             .iter()
             .map(|s| (s.start, s.end, s.target.seq.0))
             .collect()
+    }
+
+    #[test]
+    fn an_empty_range_overlaps_nothing_even_inside_an_entry() {
+        let mut index = Index::default();
+        index.apply(0, 100, Some(zero(1, 1)));
+        assert!(index.overlapping(50, 50).is_empty());
+        assert!(!index.overlaps(50, 50));
+        assert!(index.overlaps(99, 100));
+        assert!(index.overlaps(50, 51));
+        assert!(!index.overlaps(100, 200));
+        assert_eq!(index.overlapping(99, 150).len(), 1);
     }
 
     #[test]
