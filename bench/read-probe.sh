@@ -61,7 +61,7 @@ echo "IOPS $(jq '.jobs[0].read.iops | floor' "$DATA_DIR.fio.json")  node CPU tic
 echo "$cpu0 $cpu1" | awk -v hz="$(getconf CLK_TCK)" -v rt="$RUNTIME_S" -v cpus="$(nproc)" '{
     busy0 = $2 + $3 + $4 + $7 + $8 + $9; busy1 = $13 + $14 + $15 + $18 + $19 + $20
     printf "machine CPUs busy %.2f of %d", (busy1 - busy0) / hz / rt, cpus }'
-jq -r --arg rt "$RUNTIME_S" '.jobs[0] | "  fio CPUs busy \((.usr_cpu + .sys_cpu) / 100 | . * 100 | floor / 100)"' "$DATA_DIR.fio.json"
+jq -r '.jobs[0] | "  fio CPUs busy \((.usr_cpu + .sys_cpu) / 100 | . * 100 | floor / 100)"' "$DATA_DIR.fio.json"
 # /sys/block/DEV/stat: field 1 reads, 3 sectors read, 11 time_in_queue (ms).
 echo "$disk0 $disk1" | awk -v rt="$RUNTIME_S" '{ n = NF / 2;
     printf "disk reads %d, MiB read %.0f, average requests in flight %.1f\n",
