@@ -6,9 +6,10 @@
 #
 #   bench/write-probe.sh [RUNTIME_S]        (as root: it drops the page cache)
 #
-# Prints fio's MiB/s (all jobs together), the node's CPU ticks over the job, and from
-# /sys/block/DEV/stat the disk's write requests, MiB written, flushes and the average number
-# of write requests in flight (write time_in_queue / time).
+# Prints fio's MiB/s (all jobs together), the node's CPU ticks over the job, the first job's
+# median completion latency, and from /sys/block/DEV/stat the disk's write requests, MiB
+# written, flushes and the average number of write requests in flight (write time_in_queue /
+# time).
 # Knobs (environment): ASHLAR_BIN (target/release/ashlar), DATA_DIR (/var/tmp/ashlar-write-probe),
 # VDISK_SIZE (4G), RW (write; randwrite), BS (1M), QD (8), JOBS (1; each job writes its own
 # VDISK_SIZE / JOBS, e.g. JOBS=8 QD=1 for eight streams that never share an egroup),
@@ -39,7 +40,7 @@ fio --name=probe --ioengine=nbd --uri="$URI" --rw="${RW:-write}" --bs="${BS:-1M}
     2>/dev/null | sed -n '/^{/,$p' > "$DATA_DIR.fio.json"
 ticks1=$(awk '{print $14 + $15}' "/proc/$NODE_PID/stat")
 disk1=$(cat "$stat_file")
-echo "MiB/s $(jq '[.jobs[].write.bw] | add / 1024 | floor' "$DATA_DIR.fio.json")  node CPU ticks $((ticks1 - ticks0))"
+echo "MiB/s $(jq '[.jobs[].write.bw] | add / 1024 | floor' "$DATA_DIR.fio.json")  node CPU ticks $((ticks1 - ticks0))  p50 us (first job) $(jq '.jobs[0].write.clat_ns.percentile["50.000000"] / 1000 | floor' "$DATA_DIR.fio.json")"
 # /sys/block/DEV/stat: field 5 writes, 7 sectors written, 8 write ticks (ms), 16 flushes.
 echo "$disk0 $disk1" | awk -v rt="$RUNTIME_S" '{ n = NF / 2;
     printf "disk writes %d, MiB written %.0f, flushes %d, average writes in flight %.1f\n",

@@ -390,6 +390,61 @@ mod oplog {
         });
     }
 
+    /// A write that bypasses the log needs a barrier only while a replay could bring back an
+    /// older record of its range: until the segment holding that record is freed, drained or
+    /// not, and also after a reopen.
+    #[test]
+    fn replay_may_reach_a_range_until_the_segment_of_its_records_is_freed() {
+        run_local(async {
+            let fs = fresh(31);
+            // Segments of 16 batches: a tail less than half used is not freed when idle.
+            let config = config(&log_dir(), 4 * MIB, segment_for_batches(16));
+            let oplog = open_clean(&fs, config.clone()).await;
+            assert!(!oplog.replay_may_reach(0, MIB), "an empty log");
+            oplog.write(8_192, pattern(1, 4_096)).await.unwrap();
+            oplog.write_zeroes(40_960, 8_192).await.unwrap();
+            assert!(oplog.replay_may_reach(8_192, 4_096));
+            assert!(oplog.replay_may_reach(0, 12_288));
+            assert!(oplog.replay_may_reach(49_151, 1));
+            assert!(
+                !oplog.replay_may_reach(0, 8_192),
+                "granules no record touches"
+            );
+            assert!(!oplog.replay_may_reach(12_288, 28_672));
+            assert!(!oplog.replay_may_reach(8_192, 0), "an empty range");
+            // A barrier brings nothing back.
+            oplog.barrier(MIB, MIB).await.unwrap();
+            assert!(!oplog.replay_may_reach(MIB, MIB));
+            // Drained, the records stay in their segment: a replay would apply them again.
+            let mut store = Store::default();
+            drain_all(&oplog, &mut store).await;
+            assert!(oplog.is_empty());
+            assert!(oplog.replay_may_reach(8_192, 4_096));
+            drop(oplog);
+            let oplog = open_clean(&fs, config.clone()).await;
+            assert!(oplog.replay_may_reach(8_192, 4_096), "rebuilt by replay");
+            assert!(oplog.replay_may_reach(40_960, 8_192));
+            assert!(!oplog.replay_may_reach(0, 8_192));
+            // Writes elsewhere fill newer segments; once everything is drained the older
+            // segments are freed, and with them what a replay could bring back.
+            for i in 0..20 {
+                oplog
+                    .write(2 * MIB + i * 4_096, pattern(i, 4_096))
+                    .await
+                    .unwrap();
+            }
+            drain_all(&oplog, &mut store).await;
+            assert!(!oplog.replay_may_reach(0, 2 * MIB));
+            assert!(
+                oplog.replay_may_reach(2 * MIB + 19 * 4_096, 4_096),
+                "the records of the tail, which is kept"
+            );
+            drop(oplog);
+            let oplog = open_clean(&fs, config).await;
+            assert!(!oplog.replay_may_reach(0, 2 * MIB), "also after a reopen");
+        });
+    }
+
     /// Writes `n` 4 KiB records, one batch each, block `i` holding `pattern(i)`.
     async fn write_blocks<F: Filesystem>(oplog: &Oplog<F>, n: u64) {
         for i in 0..n {

@@ -680,7 +680,19 @@ impl Controller {
                 self.bypass_ranges
                     .retain(|r| *r != (offset, offset + length));
                 match result {
-                    Ok(()) => self.submit(LogWrite::barrier(request, offset, length)),
+                    Ok(()) if self.storage.oplog.replay_may_reach(offset, length) => {
+                        self.submit(LogWrite::barrier(request, offset, length))
+                    }
+                    Ok(()) => {
+                        // No record of the range is left for a replay to bring back over the
+                        // new data (nor in the index): it is done without a barrier.
+                        assert!(
+                            !self.storage.oplog.holds_any_of(offset, length),
+                            "the log's index holds only records a replay would bring back"
+                        );
+                        self.invalidate(offset, length);
+                        self.answer(request, Ok(ShardReply::Done));
+                    }
                     Err(error) => {
                         self.invalidate(offset, length);
                         self.answer(request, Err(error));

@@ -159,8 +159,10 @@ pub(super) fn bypasses_oplog(oplog: &Oplog<NodeFs>, offset: u64, length: u64) ->
 }
 
 /// Large, extent-aligned writes skip the oplog: written in place, durable when this returns.
-/// The controller then appends a barrier record, which tells replay that older log records
-/// of the range are superseded, and acknowledges the write once the barrier is durable.
+/// If a replay could still bring back an older log record of the range (one in a segment
+/// not yet freed, drained or not: `Oplog::replay_may_reach`), the controller then appends a
+/// barrier record, which tells replay that those records are superseded, and acknowledges
+/// the write once the barrier is durable; otherwise it acknowledges it at once.
 pub(super) async fn write_bypass(
     storage: Rc<Storage>,
     vdisk: VdiskId,

@@ -368,6 +368,9 @@ impl<F: Filesystem> Inner<F> {
             window,
         };
         let (buf, updates) = build_batch(&open, &header, segment_id, pos);
+        for update in updates.iter().filter(|u| u.target.is_some()) {
+            state.reach.note(update.start, update.end, segment_id);
+        }
         state.inflight.push_back(Inflight {
             number,
             segment: segment_id,
@@ -474,6 +477,9 @@ impl<F: Filesystem> Inner<F> {
                 } else {
                     state.files -= 1;
                 }
+                // The freeing is durable: replay no longer reads the segment.
+                let oldest = state.oldest_unfreed();
+                state.reach.forget_before(oldest);
                 owe_space(state);
             }
             Err(error) => {

@@ -114,7 +114,8 @@ pub(super) async fn replay<F: Filesystem>(
 ) -> Result<(State<F::File>, ReplayReport), OplogError> {
     let dir = &config.dir;
     let mut segments: Vec<(u64, String)> = Vec::new();
-    let mut state = State::new(1, 1, 1, 1);
+    // Appends are refused: no bypass write skips its barrier here (`replay_may_reach`).
+    let mut state = State::new(1, 1, 1, 1, super::reach::ReplayReach::new(1));
     state.legacy = Some(LEGACY_VERSION);
     for name in names {
         match legacy_segment(&name) {

@@ -29,6 +29,7 @@ mod files;
 mod format;
 mod index;
 mod legacy;
+mod reach;
 mod read;
 mod replay;
 mod state;
@@ -60,6 +61,8 @@ const DEFAULT_MAX_BATCHES_IN_FLIGHT: usize = 4;
 const MIN_SEGMENT_BYTES: u64 = SEGMENT_HEADER_BYTES + 3 * BLOCK_BYTES;
 /// One batch must hold a 4 KiB write: a header block and a payload block.
 const MIN_BATCH_BYTES: u64 = 2 * BLOCK_BYTES;
+/// The extent size: the unit of the writes that bypass the log.
+const DEFAULT_REPLAY_REACH_GRANULE_BYTES: u64 = 1 << 20;
 
 /// The limits of one log. Every limit is named here; memory and disk use follow from them.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -89,6 +92,11 @@ pub struct OplogConfig {
     /// returns idle disk space. At least one file is always kept, so sequence numbers never
     /// restart.
     pub max_spare_segments: usize,
+    /// Granule of the map that says whether a replay could bring back a record of a range
+    /// (`Oplog::replay_may_reach`): a record marks every granule it touches, so a coarser
+    /// granule answers "maybe" more often and remembers fewer entries (about 24 bytes per
+    /// granule touched by records of segments not yet freed). A multiple of 4 KiB.
+    pub replay_reach_granule_bytes: u64,
 }
 
 impl OplogConfig {
@@ -105,6 +113,7 @@ impl OplogConfig {
             max_batch_bytes: DEFAULT_MAX_BATCH_BYTES.min(max_batch_for(segment_bytes)),
             max_batches_in_flight: DEFAULT_MAX_BATCHES_IN_FLIGHT,
             max_spare_segments: usize::MAX,
+            replay_reach_granule_bytes: DEFAULT_REPLAY_REACH_GRANULE_BYTES,
         }
     }
 
@@ -144,6 +153,14 @@ impl OplogConfig {
         }
         if self.max_spare_segments == 0 {
             return fail("max_spare_segments must be at least 1".into());
+        }
+        if self.replay_reach_granule_bytes == 0
+            || !self.replay_reach_granule_bytes.is_multiple_of(BLOCK_BYTES)
+        {
+            return fail(format!(
+                "replay_reach_granule_bytes {} must be a positive multiple of 4 KiB",
+                self.replay_reach_granule_bytes
+            ));
         }
         Ok(())
     }
@@ -554,6 +571,18 @@ impl<F: Filesystem> Oplog<F> {
     pub fn holds_any_of(&self, offset: u64, length: u64) -> bool {
         let end = offset.saturating_add(length);
         self.inner.state.borrow().index.overlaps(offset, end)
+    }
+
+    /// Whether a replay of the log (after a crash, now) could bring back a write or zero
+    /// record overlapping `[offset, offset+length)`: one pending, in flight, or in a segment
+    /// whose freeing is not yet durable, drained or not. A write that went straight to the
+    /// extent store needs a barrier record (`barrier`) only while this is true; otherwise
+    /// nothing older than it can be replayed over it. Conservative: it may say yes for a
+    /// range no record touches (granules of `replay_reach_granule_bytes`), never no for one
+    /// that a record does.
+    pub fn replay_may_reach(&self, offset: u64, length: u64) -> bool {
+        let end = offset.saturating_add(length);
+        self.inner.state.borrow().replay_may_reach(offset, end)
     }
 
     /// The pieces covering `[offset, offset+length)` exactly, in offset order.

@@ -32,6 +32,7 @@ use super::format::{
     BLOCK_BYTES, CHUNK_BYTES, RECORD_HEADER_BYTES, SEGMENT_HEADER_BYTES,
 };
 use super::index::{Index, LostCause, LostLoc};
+use super::reach::ReplayReach;
 use super::state::{FileHandle, Handle, IndexUpdate, Segment, SegmentKind, Spare, State};
 use super::{Damage, LostRange, OplogConfig, ReplayReport, SegmentId, TornTail};
 use crate::fs::{DiskFile, Filesystem};
@@ -152,7 +153,7 @@ pub(super) async fn replay<F: Filesystem>(
         scans.push(Scan { id, info, units });
     }
 
-    let mut walk = Walk::new(&scans);
+    let mut walk = Walk::new(&scans, ReplayReach::new(config.replay_reach_granule_bytes));
     walk.run(&mut floors).await?;
     report.lost.append(&mut walk.lost);
     report.repaired.append(&mut walk.repaired);
@@ -163,6 +164,7 @@ pub(super) async fn replay<F: Filesystem>(
         tear: walk.tear,
     };
     let index = std::mem::take(&mut walk.index);
+    let reach = std::mem::replace(&mut walk.reach, ReplayReach::new(1));
     if let Some((tsi, pos, batches)) = chain.tear {
         report.torn.push(TornTail {
             path: scans[tsi].info.handle.path.clone(),
@@ -176,6 +178,7 @@ pub(super) async fn replay<F: Filesystem>(
         chain.last_number.map_or(floors.batch, |n| n + 1),
         floors.segment,
         next_serial,
+        reach,
     );
     state.index = index;
     state.last_batch = chain.last_number.unwrap_or(state.last_batch);
@@ -673,6 +676,8 @@ struct Walk<'a, F> {
     /// The highest batch number vouched for by a batch after each flat position.
     vouch_after: Vec<Option<u64>>,
     index: Index,
+    /// Segments holding the write, zero and lost records applied.
+    reach: ReplayReach,
     lost: Vec<LostRange>,
     repaired: Vec<Damage>,
     /// The batch number the chain expects next.
@@ -689,7 +694,7 @@ struct Walk<'a, F> {
 }
 
 impl<'a, F: DiskFile> Walk<'a, F> {
-    fn new(scans: &'a [Scan<F>]) -> Self {
+    fn new(scans: &'a [Scan<F>], reach: ReplayReach) -> Self {
         let flat: Vec<(usize, usize)> = scans
             .iter()
             .enumerate()
@@ -710,6 +715,7 @@ impl<'a, F: DiskFile> Walk<'a, F> {
             flat,
             vouch_after,
             index: Index::default(),
+            reach,
             lost: Vec::new(),
             repaired: Vec::new(),
             expected: None,
@@ -967,10 +973,10 @@ impl<'a, F: DiskFile> Walk<'a, F> {
         let entry = record.entry;
         match &record.status {
             RecordStatus::Good(h) => {
-                IndexUpdate::for_record(h, segment, record.at).apply(&mut self.index)
+                self.apply_update(IndexUpdate::for_record(h, segment, record.at))
             }
             RecordStatus::BadChunks(h, bad) => {
-                IndexUpdate::for_record(h, segment, record.at).apply(&mut self.index);
+                self.apply_update(IndexUpdate::for_record(h, segment, record.at));
                 let payload_at = record.at + payload_start(h.chunks);
                 // Runs of consecutive bad chunks become one lost range each.
                 let mut i = 0;
@@ -1011,7 +1017,7 @@ impl<'a, F: DiskFile> Walk<'a, F> {
                     RecordKind::Zero | RecordKind::Barrier => {
                         // No payload: the table says all the record said.
                         let header = RecordHeader::new(entry.kind, seq, entry.offset, entry.length);
-                        IndexUpdate::for_record(&header, segment, record.at).apply(&mut self.index);
+                        self.apply_update(IndexUpdate::for_record(&header, segment, record.at));
                         self.repaired.push(Damage {
                             path: path.clone(),
                             file_offset: record.at,
@@ -1027,6 +1033,14 @@ impl<'a, F: DiskFile> Walk<'a, F> {
         }
     }
 
+    /// Applies a record's update to the index and notes what its segment holds.
+    fn apply_update(&mut self, update: IndexUpdate) {
+        if let Some(target) = update.target {
+            self.reach.note(update.start, update.end, target.segment);
+        }
+        update.apply(&mut self.index);
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn lose(
         &mut self,
@@ -1038,8 +1052,13 @@ impl<'a, F: DiskFile> Walk<'a, F> {
         file_offset: u64,
         cause: LostCause,
     ) {
-        IndexUpdate::lost(start, end, seq, segment, LostLoc { file_offset, cause })
-            .apply(&mut self.index);
+        self.apply_update(IndexUpdate::lost(
+            start,
+            end,
+            seq,
+            segment,
+            LostLoc { file_offset, cause },
+        ));
         self.lost.push(LostRange {
             offset: start,
             length: end - start,

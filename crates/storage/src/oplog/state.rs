@@ -10,6 +10,7 @@
 use super::error::Failure;
 use super::format::{batch_header_bytes, pad_to_block, RecordHeader, RecordKind, BLOCK_BYTES};
 use super::index::{DataLoc, Index, LostLoc, Target, TargetKind};
+use super::reach::ReplayReach;
 use super::{
     Append, Backpressure, OplogConfig, OplogError, OplogEvent, SegmentId, Seq, TryAppendError,
 };
@@ -249,6 +250,8 @@ pub(super) struct State<F> {
     /// Files of the log: segments, spares, and files being prepared or freed.
     pub files: usize,
     pub index: Index,
+    /// Which ranges a replay could bring back (records in segments not yet durably freed).
+    pub reach: ReplayReach,
     pub next_seq: u64,
     pub next_batch: u64,
     pub next_segment_id: u64,
@@ -284,7 +287,13 @@ pub(super) struct State<F> {
 }
 
 impl<F> State<F> {
-    pub fn new(next_seq: u64, next_batch: u64, next_segment_id: u64, next_serial: u64) -> Self {
+    pub fn new(
+        next_seq: u64,
+        next_batch: u64,
+        next_segment_id: u64,
+        next_serial: u64,
+        reach: ReplayReach,
+    ) -> Self {
         State {
             legacy: None,
             segments: BTreeMap::new(),
@@ -293,6 +302,7 @@ impl<F> State<F> {
             spares: Vec::new(),
             files: 0,
             index: Index::default(),
+            reach,
             next_seq,
             next_batch,
             next_segment_id,
@@ -536,6 +546,28 @@ impl<F> State<F> {
             } else {
                 self.open.bytes()
             }
+    }
+
+    /// The oldest segment whose freeing is not yet durable (the one being freed, else the
+    /// oldest active one): replay reads it and every newer one.
+    pub fn oldest_unfreed(&self) -> Option<SegmentId> {
+        let oldest_active = self.segments.keys().next().copied();
+        match (self.retiring, oldest_active) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Whether a replay could bring back a write or zero record overlapping `[start, end)`:
+    /// one pending, in flight, or in a segment not yet durably freed (a read-only older log:
+    /// always).
+    pub fn replay_may_reach(&self, start: u64, end: u64) -> bool {
+        self.legacy.is_some()
+            || self.open.records.iter().any(|r| {
+                let h = &r.header;
+                h.kind != RecordKind::Barrier && h.offset < end && start < h.offset + h.length
+            })
+            || self.reach.reaches(start, end, self.oldest_unfreed())
     }
 
     /// The oldest segment, if it may be freed now (rule 2): it holds no live entry and no

@@ -78,6 +78,7 @@ pub fn config(dir: &Path, capacity: u64, segment: u64) -> OplogConfig {
         max_batch_bytes: (64 << 10).min(segment - 12 * 1024),
         max_batches_in_flight: 4,
         max_spare_segments: usize::MAX,
+        replay_reach_granule_bytes: 4096,
     }
 }
 
