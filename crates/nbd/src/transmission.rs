@@ -106,30 +106,48 @@ where
         if *shutdown.borrow() {
             return Ok(End::Shutdown);
         }
-        let permit = tokio::select! {
-            biased;
-            _ = replies.closed() => return Ok(End::WriterGone),
-            _ = wait_shutdown(shutdown) => return Ok(End::Shutdown),
-            permit = permits.clone().acquire_owned() => match permit {
-                Ok(permit) => permit,
-                Err(_) => return Ok(End::WriterGone), // never closed; be safe anyway
-            },
-        };
-        let ready = tokio::select! {
-            biased;
-            _ = replies.closed() => return Ok(End::WriterGone),
-            ready = wait_readable(reader, shutdown) => ready?,
-        };
-        match ready {
-            Readiness::Data => {}
-            Readiness::Eof => return Ok(End::ClientDone),
-            Readiness::Shutdown => return Ok(End::Shutdown),
+        if replies.is_closed() {
+            return Ok(End::WriterGone);
         }
-        // A request has started; only shutdown cuts it short (it is then dropped unanswered).
-        let header = tokio::select! {
-            biased;
-            _ = wait_shutdown(shutdown) => return Ok(End::Shutdown),
-            header = read_header(reader, log) => header?,
+        // With a permit free and the next header already received (a busy connection), the
+        // request starts without the waits below: setting up each costs more than the
+        // request's own work on a cached read.
+        let ready_permit = permits.clone().try_acquire_owned().ok();
+        let header_buffered = buffered_bytes(reader) >= REQUEST_HEADER_LEN;
+        let (permit, header) = match ready_permit {
+            Some(permit) if header_buffered => (permit, read_header(reader, log).await?),
+            ready_permit => {
+                let permit = match ready_permit {
+                    Some(permit) => permit,
+                    None => tokio::select! {
+                        biased;
+                        _ = replies.closed() => return Ok(End::WriterGone),
+                        _ = wait_shutdown(shutdown) => return Ok(End::Shutdown),
+                        permit = permits.clone().acquire_owned() => match permit {
+                            Ok(permit) => permit,
+                            Err(_) => return Ok(End::WriterGone), // never closed; be safe anyway
+                        },
+                    },
+                };
+                let ready = tokio::select! {
+                    biased;
+                    _ = replies.closed() => return Ok(End::WriterGone),
+                    ready = wait_readable(reader, shutdown) => ready?,
+                };
+                match ready {
+                    Readiness::Data => {}
+                    Readiness::Eof => return Ok(End::ClientDone),
+                    Readiness::Shutdown => return Ok(End::Shutdown),
+                }
+                // A request has started; only shutdown cuts it short (it is then dropped
+                // unanswered).
+                let header = tokio::select! {
+                    biased;
+                    _ = wait_shutdown(shutdown) => return Ok(End::Shutdown),
+                    header = read_header(reader, log) => header?,
+                };
+                (permit, header)
+            }
         };
         if header.command == Command::Disc {
             return Ok(End::ClientDone);
@@ -160,6 +178,16 @@ where
             budget: charge,
         };
         dispatch(connection, header, payload, slot, log);
+    }
+}
+
+/// Bytes the reader holds already received, without waiting (nor reading the socket if
+/// none are buffered and it is not known readable).
+fn buffered_bytes<Rd: AsyncBufRead + Unpin>(reader: &mut Rd) -> usize {
+    let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+    match std::pin::Pin::new(reader).poll_fill_buf(&mut context) {
+        std::task::Poll::Ready(Ok(buffered)) => buffered.len(),
+        _ => 0,
     }
 }
 
