@@ -113,7 +113,8 @@ where
         // request starts without the waits below: setting up each costs more than the
         // request's own work on a cached read.
         let ready_permit = permits.clone().try_acquire_owned().ok();
-        let header_buffered = buffered_bytes(reader) >= REQUEST_HEADER_LEN;
+        let header_buffered =
+            ready_permit.is_some() && buffered_bytes(reader)? >= REQUEST_HEADER_LEN;
         let (permit, header) = match ready_permit {
             Some(permit) if header_buffered => (permit, read_header(reader, log).await?),
             ready_permit => {
@@ -182,12 +183,14 @@ where
 }
 
 /// Bytes the reader holds already received, without waiting (nor reading the socket if
-/// none are buffered and it is not known readable).
-fn buffered_bytes<Rd: AsyncBufRead + Unpin>(reader: &mut Rd) -> usize {
+/// none are buffered and it is not known readable). A read error is returned as the wait for
+/// the next message would return it: it may not be there to be read again.
+fn buffered_bytes<Rd: AsyncBufRead + Unpin>(reader: &mut Rd) -> std::io::Result<usize> {
     let mut context = std::task::Context::from_waker(std::task::Waker::noop());
     match std::pin::Pin::new(reader).poll_fill_buf(&mut context) {
-        std::task::Poll::Ready(Ok(buffered)) => buffered.len(),
-        _ => 0,
+        std::task::Poll::Ready(Ok(buffered)) => Ok(buffered.len()),
+        std::task::Poll::Ready(Err(error)) => Err(error),
+        std::task::Poll::Pending => Ok(0),
     }
 }
 
