@@ -115,7 +115,13 @@ pub(super) async fn replay<F: Filesystem>(
     let dir = &config.dir;
     let mut segments: Vec<(u64, String)> = Vec::new();
     // Appends are refused: no bypass write skips its barrier here (`replay_may_reach`).
-    let mut state = State::new(1, 1, 1, 1, super::reach::ReplayReach::new(1));
+    let mut state = State::new(
+        1,
+        1,
+        1,
+        1,
+        super::reach::ReplayReach::new(config.replay_reach_granule_bytes),
+    );
     state.legacy = Some(LEGACY_VERSION);
     for name in names {
         match legacy_segment(&name) {

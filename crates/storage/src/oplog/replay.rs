@@ -163,8 +163,7 @@ pub(super) async fn replay<F: Filesystem>(
         end: walk.chain_end,
         tear: walk.tear,
     };
-    let index = std::mem::take(&mut walk.index);
-    let reach = std::mem::replace(&mut walk.reach, ReplayReach::new(1));
+    let (index, reach) = (walk.index, walk.reach);
     if let Some((tsi, pos, batches)) = chain.tear {
         report.torn.push(TornTail {
             path: scans[tsi].info.handle.path.clone(),
