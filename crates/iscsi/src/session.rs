@@ -40,6 +40,10 @@ use tokio::task::{AbortHandle, JoinHandle};
 const READ_BUFFER_BYTES: usize = 256 * 1024;
 /// Socket write buffer; the writer writes it out whenever its queue runs empty.
 const WRITE_BUFFER_BYTES: usize = 256 * 1024;
+/// Data-In bytes written before the writer lets the connection's reader run: writing a deep
+/// queue of large reads that finished together before looking at the socket again left the
+/// disk idle while they went out (the initiator's next commands were already waiting).
+const YIELD_AFTER_BYTES: usize = 256 * 1024;
 /// PDUs queued for the writer; producers wait when it is full.
 const REPLY_QUEUE_PDUS: usize = 256;
 /// Immediate SCSI commands (outside the CmdSN window) a session may have in flight; more
@@ -459,6 +463,7 @@ async fn write_pdus<W: AsyncWrite + Unpin>(
 ) -> std::io::Result<()> {
     let mut out = BytesMut::with_capacity(WRITE_BUFFER_BYTES);
     while let Some(mut outgoing) = queue.recv().await {
+        let mut since_yield = 0;
         loop {
             sequence.stamp(&mut outgoing.pdu.bhs, outgoing.stat);
             frame(&outgoing.pdu, digests, &mut out, &mut socket).await?;
@@ -466,6 +471,15 @@ async fn write_pdus<W: AsyncWrite + Unpin>(
                 socket.write_all(&out).await?;
                 socket.shutdown().await?;
                 return Ok(());
+            }
+            since_yield += outgoing.pdu.data.len();
+            if since_yield >= YIELD_AFTER_BYTES {
+                socket.write_all(&out).await?;
+                out.clear();
+                // Deferred until the runtime has polled for I/O: a reader with commands
+                // waiting on the socket runs first and starts them.
+                tokio::task::yield_now().await;
+                since_yield = 0;
             }
             match queue.try_recv() {
                 Ok(next) => outgoing = next,
@@ -2079,5 +2093,83 @@ mod writing {
         assert_eq!(pdus.len(), 1);
         assert_eq!(pdus[0].0.bhs.opcode(), op::SCSI_RESPONSE);
         assert_eq!(pdus[0].1, StatSn::Advance);
+    }
+}
+
+#[cfg(test)]
+mod writer {
+    //! The PDU writer gives the thread up between large Data-In PDUs queued together.
+    use super::*;
+    use std::cell::RefCell;
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+
+    /// A socket that takes everything at once and records, per large write, whether another
+    /// task on the thread has run by then.
+    struct Recorder {
+        other_ran: Rc<Cell<bool>>,
+        seen: Rc<RefCell<Vec<bool>>>,
+    }
+
+    impl AsyncWrite for Recorder {
+        fn poll_write(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<std::io::Result<usize>> {
+            if buf.len() >= 64 * 1024 {
+                self.seen.borrow_mut().push(self.other_ran.get());
+            }
+            Poll::Ready(Ok(buf.len()))
+        }
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn other_tasks_run_between_large_data_in_pdus() {
+        let local = tokio::task::LocalSet::new();
+        local
+            .run_until(async {
+                let (sender, queue) = mpsc::channel(8);
+                for _ in 0..4 {
+                    let pdu = Pdu::new(Bhs::new(op::DATA_IN), Bytes::from(vec![5u8; 1 << 20]));
+                    let outgoing = Outgoing {
+                        pdu,
+                        stat: StatSn::Omit,
+                        last: false,
+                    };
+                    assert!(sender.try_send(outgoing).is_ok());
+                }
+                drop(sender);
+                let other_ran = Rc::new(Cell::new(false));
+                let seen = Rc::new(RefCell::new(Vec::new()));
+                let flag = other_ran.clone();
+                // Ready to run as soon as the writer gives the thread up.
+                let other = tokio::task::spawn_local(async move { flag.set(true) });
+                let socket = Recorder {
+                    other_ran,
+                    seen: seen.clone(),
+                };
+                let sequence = Rc::new(Sequence {
+                    stat_sn: Cell::new(1),
+                    exp_cmd_sn: Cell::new(1),
+                    active: Cell::new(0),
+                    window: Cell::new(32),
+                });
+                write_pdus(queue, socket, sequence, Digests::default())
+                    .await
+                    .expect("written");
+                other.await.expect("other task");
+                let seen = seen.borrow();
+                assert_eq!(seen.len(), 4, "one data write per PDU");
+                assert!(!seen[0], "the first PDU goes out at once");
+                assert!(seen[3], "the other task ran before the last PDU: {seen:?}");
+            })
+            .await;
     }
 }
