@@ -2,7 +2,8 @@
 # ashlar.sh — Ashlar in the peers' table: an `ashlar node` on 127.0.0.1 serving one vdisk,
 # driven by fio's nbd engine with the same workload matrix as nbdkit.sh.
 #   ashlar          : reads after the vdisk was filled and read once (served from the cache
-#                     when the working set fits --cache-size), writes durable at ack
+#                     when the working set fits --cache-size; reads over 128 KiB always come
+#                     from the disk), writes durable at ack
 #   ashlar-uncached : same with a read cache too small to hold the data (--cache-size 0)
 #   ashlar-2shards  : as `ashlar`, with the vdisk on two shards (--default-shards 2), one per
 #                     reactor: half of a connection's requests cross reactors (shown beside it)

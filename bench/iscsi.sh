@@ -10,8 +10,9 @@
 #                      attached); fio's libiscsi engine
 #   ashlar-iscsi-nbd : the same node and vdisk through fio's nbd engine
 # The vdisk is filled with 1 MiB sequential writes and read once (1 MiB, then 4 KiB QD32) before
-# the jobs, as ashlar.sh does for `ashlar`, so reads come from the node's cache (ISCSI_CACHE,
-# larger than SIZE) and never from holes; tgt's reads come from the kernel page cache.
+# the jobs, as ashlar.sh does for `ashlar`, so 4 KiB reads come from the node's cache (ISCSI_CACHE,
+# larger than SIZE) and never from holes; reads over 128 KiB (the 1 MiB jobs) skip the cache
+# and come from the disk (MAX_INLINE_READ_BYTES); tgt's reads come from the kernel page cache.
 # The three systems run job by job, interleaved (tgt, Ashlar iSCSI, Ashlar NBD for each job), so
 # a change in the machine's load hits all three alike. Before every job the node's oplog is let
 # drain (as cold.sh does), so no row is charged (or disturbed by) another row's drain; the node
