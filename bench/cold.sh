@@ -157,7 +157,11 @@ node_up() {
         NODE_FILLED=1
         log "filled ashlar-cold in $((SECONDS - t0)) s"
     else
-        note ashlar-cold "pre-fill failed (reads may hit holes): $(tail -2 "$RESULTS_DIR/logs/ashlar-cold.fill.err" | tr '\n' ' ')"
+        # Reads of an unfilled vdisk hit holes and never touch the disk: no row of it means
+        # anything, so none is run.
+        note ashlar-cold "pre-fill failed, Ashlar's cold rows not run: $(tail -2 "$RESULTS_DIR/logs/ashlar-cold.fill.err" | tr '\n' ' ')"
+        stop_node
+        return 1
     fi
     note ashlar-cold "ashlar $("$ASHLAR_BIN" --version | awk '{print $2}'), $ASHLAR_REACTORS reactors, ${ASHLAR_SHARDS:-default} shards, cache $UNCACHED_CACHE, vdisk $UNCACHED_SIZE, $(curl -s -m 5 "$API/api/v1/node" | jq -r '"disk I/O \(.disk_io), direct_io \(.direct_io), buffered fallback opens \(.buffered_fallback_opens)"' 2>/dev/null), data on $(df -hT "$DATA_DIR" | awk 'NR==2{print $2}') under $NODE_DIR; page cache dropped before every job; writes durable at acknowledgement"
 }
