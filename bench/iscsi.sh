@@ -151,7 +151,8 @@ if has ashlar-iscsi "$ISCSI_SYSTEMS" || has ashlar-nbd "$ISCSI_SYSTEMS"; then
     ASHLAR_FN="iscsi\\://127.0.0.1\\:$ISCSI_ASHLAR_PORT/${ASHLAR_IQN//:/\\:}/0"
     log "filling the vdisk ($SIZE, 1 MiB writes over NBD)"
     run_bounded 900 "$FIO" --name=fill --ioengine=nbd --uri="$NBD_URI" --rw=write --bs=1M \
-        --iodepth=8 >/dev/null 2>&1 || note ashlar-iscsi "pre-fill failed (reads may hit holes)"
+        --iodepth=8 >/dev/null 2>&1 ||
+        die "pre-fill of the vdisk failed (its reads would hit holes and never touch the disk)"
     log "warming the node's read cache"
     run_bounded 900 "$FIO" --name=warm --ioengine=nbd --uri="$NBD_URI" --rw=read --bs=1M \
         --iodepth=8 >/dev/null 2>&1 || true
