@@ -29,6 +29,7 @@ use crate::error::MetaError;
 use crate::lease::LeaseTable;
 use crate::mirror::{self, Mirror};
 use crate::record;
+use crate::release::{open_after_release, UserHandles};
 use crate::store::MetaStore;
 use crate::types::{KeyRange, KeyValue, LeaseId, Revision, Txn, TxnOp, TxnOpResult, TxnResponse};
 use crate::watch::{Watch, WatchHub};
@@ -59,13 +60,16 @@ impl Default for EmbeddedOptions {
 
 /// The embedded MetaStore. Cheap to clone (clones share one open file); the
 /// file is closed when the last clone is dropped, which also ends every
-/// watch with `MetaError::Closed`.
+/// watch with `MetaError::Closed`. Background work may hold the file for a
+/// moment after that; a reopen in this process waits for it to close.
 ///
 /// Calls run on tokio's blocking pool when a runtime is current (a commit
 /// waits for fsync, which must not stall an async worker), inline otherwise.
 #[derive(Clone)]
 pub struct EmbeddedMetaStore {
     inner: Arc<Inner>,
+    /// Lets a reopen tell "released by this process, closing" from "still held".
+    _handles: Arc<UserHandles>,
 }
 
 impl fmt::Debug for EmbeddedMetaStore {
@@ -94,16 +98,18 @@ impl EmbeddedMetaStore {
         mirror::restore_if_missing(path)?;
         // Opening is also the check of the whole file (redb's open, then `recover` reads every
         // record and writes once): whatever damage it meets, the mirror may stand in for.
-        let (db, reserve, (revision, epoch, dropped)) = match open_file(path) {
-            Err(error) => match mirror::damage(path, error) {
-                Ok(damage) => {
-                    mirror::restore_damaged(path, damage)?;
-                    open_file(path)?
-                }
-                Err(error) => return Err(error),
-            },
-            opened => opened?,
-        };
+        let already_open = |e: &MetaError| matches!(e, MetaError::AlreadyOpen { .. });
+        let (db, reserve, (revision, epoch, dropped)) =
+            match open_after_release(path, already_open, || open_file(path)) {
+                Err(error) => match mirror::damage(path, error) {
+                    Ok(damage) => {
+                        mirror::restore_damaged(path, damage)?;
+                        open_file(path)?
+                    }
+                    Err(error) => return Err(error),
+                },
+                opened => opened?,
+            };
         let mirror = Mirror::rebuild(&db, path);
         if dropped > 0 {
             tracing::info!(
@@ -132,7 +138,10 @@ impl EmbeddedMetaStore {
             reserve,
         });
         spawn_expiry_task(&inner);
-        Ok(EmbeddedMetaStore { inner })
+        Ok(EmbeddedMetaStore {
+            inner,
+            _handles: UserHandles::register(path),
+        })
     }
 
     /// The file backing this store.

@@ -14,6 +14,7 @@ pub mod layout;
 mod lease;
 mod mirror;
 mod record;
+mod release;
 mod store;
 mod types;
 mod watch;

@@ -284,3 +284,24 @@ fn child_process() {
         other => panic!("unknown child mode {other}"),
     }
 }
+
+/// The lease-expiry task and blocking calls hold the store for a moment after the caller's
+/// last handle goes; a reopen right after the drop must wait for that, not fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reopen_right_after_drop_waits_for_the_release() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = common::db_path(&dir);
+    for round in 0..40 {
+        let store =
+            EmbeddedMetaStore::open(&path).unwrap_or_else(|e| panic!("open in round {round}: {e}"));
+        let lease = store
+            .grant_lease(Duration::from_millis(1))
+            .await
+            .expect("grant");
+        store
+            .put(format!("/round/{round}"), b"x", Some(lease))
+            .await
+            .expect("put");
+        tokio::time::sleep(Duration::from_millis(round % 3)).await;
+    }
+}
