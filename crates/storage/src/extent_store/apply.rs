@@ -11,6 +11,7 @@
 
 use super::batch::{merge_patch, BlockOp};
 use super::egroup::{is_zero, Egroup};
+use super::extent_lock::{ExtentMask, EVERY_EXTENT};
 use super::format::{data_offset, BLOCKS_PER_EXTENT, BLOCK_LEN, EXTENTS};
 use super::table::{zero_block_crc, BlockState, Entry};
 use super::{io_error, ExtentError};
@@ -52,26 +53,44 @@ struct Actions<'a> {
     after: Vec<(usize, After)>,
 }
 
+/// The extents `blocks` touch.
+pub(crate) fn extents_touched(blocks: &BTreeMap<usize, BlockOp<'_>>) -> ExtentMask {
+    blocks
+        .keys()
+        .fold(0, |mask, block| mask | 1 << (block / BLOCKS_PER_EXTENT))
+}
+
 /// Applies `blocks` (egroup block index → action) durably, keeping at most
 /// `writes_in_flight` disk writes of a phase in flight; on error the egroup is left for
-/// `recover` and every block still reads its old or its new content.
+/// `recover` and every block still reads its old or its new content. The caller holds the
+/// extents of `locked`: at least those `blocks` touch, and every extent when
+/// `Egroup::needs_every_extent` says so.
 pub(crate) async fn apply_plan<F: Filesystem>(
     fs: &F,
     egroup: &Egroup<F::File>,
     blocks: BTreeMap<usize, BlockOp<'_>>,
     writes_in_flight: usize,
+    locked: ExtentMask,
 ) -> Result<(), ExtentError> {
-    let mut touched = 0u8;
+    let touched = extents_touched(&blocks);
+    assert_eq!(
+        touched & locked,
+        touched,
+        "a batch writes only extents it holds"
+    );
+    assert!(
+        locked == EVERY_EXTENT || !egroup.needs_every_extent(touched),
+        "recovery and damage resets run with every extent held"
+    );
     let mut with_content = 0u8;
     for (&block, op) in &blocks {
-        let bit = 1 << (block / BLOCKS_PER_EXTENT);
-        touched |= bit;
         if !matches!(op, BlockOp::Zero | BlockOp::Lost) {
-            with_content |= bit;
+            with_content |= 1 << (block / BLOCKS_PER_EXTENT);
         }
     }
     egroup.reset_damage(touched);
     egroup.recover(fs).await?;
+    let failures_at_start = egroup.failures.get();
     let mut views: [Option<Vec<u8>>; EXTENTS] = Default::default();
     for (extent, view) in views.iter_mut().enumerate() {
         if with_content & (1 << extent) != 0 {
@@ -80,7 +99,14 @@ pub(crate) async fn apply_plan<F: Filesystem>(
     }
     let actions = decide(egroup, blocks, &views).await?;
     drop(views);
-    let result = run(egroup, &actions, writes_in_flight).await;
+    let result = run(
+        egroup,
+        &actions,
+        writes_in_flight,
+        locked,
+        failures_at_start,
+    )
+    .await;
     if result.is_err() {
         egroup.mark_failed();
     }
@@ -222,6 +248,8 @@ async fn run<D: DiskFile>(
     egroup: &Egroup<D>,
     acts: &Actions<'_>,
     writes_in_flight: usize,
+    locked: ExtentMask,
+    failures_at_start: u64,
 ) -> Result<(), ExtentError> {
     if !acts.a_entries.is_empty() || !acts.a_data.is_empty() {
         for &(block, entry) in &acts.a_entries {
@@ -229,7 +257,7 @@ async fn run<D: DiskFile>(
         }
         let tables = table_bits(&acts.a_entries);
         write_all(egroup, &acts.a_data, &[], tables, writes_in_flight).await?;
-        egroup.sync().await?;
+        egroup.sync_checked(locked, failures_at_start).await?;
     }
     for &(block, entry) in &acts.b_entries {
         egroup.set_entry(block, entry);
@@ -242,8 +270,8 @@ async fn run<D: DiskFile>(
         writes_in_flight,
     )
     .await?;
-    if egroup.unsynced.get() != 0 {
-        egroup.sync().await?;
+    if egroup.unsynced.get() & locked != 0 {
+        egroup.sync_checked(locked, failures_at_start).await?;
     }
     for (block, after) in &acts.after {
         let mut entry = egroup.entry(*block);

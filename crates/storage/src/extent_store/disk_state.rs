@@ -2,7 +2,7 @@
 //! what is not yet synced), syncing, normalization (learning which slot the data on disk
 //! matches and which holes are really zeros) and recovery after a failed write or sync.
 
-use super::egroup::{is_zero, Egroup, DIR_BIT, HEADER_BIT};
+use super::egroup::{is_zero, Egroup, ALL_BITS, DIR_BIT, HEADER_BIT};
 use super::format::{
     data_offset, encode_header, table_offset, BLOCKS_PER_EGROUP, BLOCKS_PER_EXTENT, BLOCK_LEN,
     EXTENTS,
@@ -12,6 +12,16 @@ use super::{io_error, ExtentError};
 use crate::fs::{DiskFile, Filesystem};
 
 impl<D: DiskFile> Egroup<D> {
+    /// Whether a batch writing `extents_touched` must hold every extent of the egroup: recovery
+    /// is pending (it rewrites extents other batches may hold), or damage is about to be reset
+    /// (a damaged header resets every extent).
+    pub(crate) fn needs_every_extent(&self, extents_touched: u8) -> bool {
+        let extents = self.extents.borrow();
+        self.needs_recovery.get() != 0
+            || self.bad_header.borrow().is_some()
+            || (0..EXTENTS).any(|e| extents_touched & (1 << e) != 0 && extents[e].table.is_err())
+    }
+
     /// Before writing: a damaged header makes every extent all-lost (its blocks kept reading as
     /// EIO, now durably and writable); a damaged checksum block of an extent about to be
     /// written makes that extent all-lost. Both are rewritten by `recover`.
@@ -54,7 +64,7 @@ impl<D: DiskFile> Egroup<D> {
         if !self.synced_since_open.get() {
             // After a kill -9 the page cache may hold writes that are not durable: make what we
             // are about to read durable, so it is what a power cut leaves.
-            self.sync().await?;
+            self.sync(1 << extent).await?;
         }
         let first = extent * BLOCKS_PER_EXTENT;
         let mut view = vec![0u8; BLOCKS_PER_EXTENT * BLOCK_LEN];
@@ -77,12 +87,15 @@ impl<D: DiskFile> Egroup<D> {
         Ok(Some(view))
     }
 
-    /// `sync_data`; on failure everything written since the last successful sync must be
-    /// rewritten before the next write (a failed fsync may have dropped it: see the doc).
-    pub(crate) async fn sync(&self) -> Result<(), ExtentError> {
+    /// `sync_data` of the file, made by the holder of the extents (and header) in `bits`:
+    /// their writes, all complete, are durable when it succeeds. Bits of extents other batches
+    /// hold stay set (their writes may have been in flight). On failure everything written
+    /// since the last successful sync must be rewritten before the next write (a failed fsync
+    /// may have dropped it: see the doc).
+    pub(crate) async fn sync(&self, bits: u8) -> Result<(), ExtentError> {
         match self.file.sync_data().await {
             Ok(()) => {
-                self.unsynced.set(0);
+                self.unsynced.set(self.unsynced.get() & !bits);
                 self.synced_since_open.set(true);
                 Ok(())
             }
@@ -102,6 +115,28 @@ impl<D: DiskFile> Egroup<D> {
     pub(crate) fn mark_failed(&self) {
         self.needs_recovery
             .set(self.needs_recovery.get() | self.unsynced.get());
+        self.failures.set(self.failures.get() + 1);
+    }
+
+    /// [`Self::sync`] for a batch that began when `failures` was `failures_at_start`: fails if
+    /// any write or sync of the file failed since, even when this sync succeeds (that failure
+    /// may have dropped this batch's writes, and the kernel reports it only once).
+    pub(crate) async fn sync_checked(
+        &self,
+        bits: u8,
+        failures_at_start: u64,
+    ) -> Result<(), ExtentError> {
+        self.sync(bits).await?;
+        if self.failures.get() != failures_at_start {
+            return Err(ExtentError::Io {
+                path: self.path.clone(),
+                file_offset: None,
+                source: std::io::Error::other(
+                    "a concurrent write or sync of this extent group failed; retried after recovery",
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// The checksum blocks of the extents in `extents` (a bit per extent) as runs of
@@ -197,7 +232,7 @@ impl<D: DiskFile> Egroup<D> {
         for (first, bytes) in self.table_runs(mask) {
             self.write_table_run(first, &bytes).await?;
         }
-        self.sync().await?;
+        self.sync(ALL_BITS).await?;
         if mask & DIR_BIT != 0 {
             self.sync_dir(fs).await?;
         }
@@ -239,7 +274,7 @@ impl<D: DiskFile> Egroup<D> {
                 at += run;
             }
         }
-        self.sync().await?;
+        self.sync(ALL_BITS).await?;
         let mut states = self.extents.borrow_mut();
         for &extent in &extents {
             if let Ok(table) = &mut states[extent].table {

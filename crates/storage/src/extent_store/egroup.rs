@@ -1,7 +1,8 @@
 //! One open extent group: its file, its checksum tables in memory, what this process learned
 //! about the data on disk (normalization), and the bookkeeping that makes a failed write or
-//! sync safe to retry (recovery). All mutation happens under the egroup's lock (held by the
-//! store); reads take no lock and see a state that is valid at every await.
+//! sync safe to retry (recovery). A write batch mutates the extents it holds the lock of
+//! (`extent_lock`), recovery holds every extent; reads take no lock and see a state that is
+//! valid at every await.
 
 use super::format::{
     data_offset, decode_header, encode_header, table_offset, Decoded, BLOCKS_PER_EXTENT, BLOCK_LEN,
@@ -48,6 +49,11 @@ pub(crate) struct Egroup<D> {
     /// What must be rewritten and re-synced before the next write (after a failed write or
     /// sync, a creation cut short, or a reset of damaged metadata). Never evicted while set.
     pub needs_recovery: Cell<u8>,
+    /// Failed writes and syncs of the file so far. Batches on other extents run at the same
+    /// time, and a failed `fsync` reports its error once: a batch whose sync succeeds after
+    /// another batch's failed cannot trust it (the failure may have dropped its writes), so it
+    /// fails too (`sync_checked`).
+    pub failures: Cell<u64>,
 }
 
 pub(crate) fn is_zero(block: &[u8]) -> bool {
@@ -101,7 +107,7 @@ impl<D: DiskFile> Egroup<D> {
             .write_at(&meta, 0)
             .await
             .map_err(|e| io_error(&self.path, Some(0), e))?;
-        self.sync().await?;
+        self.sync(ALL_BITS).await?;
         self.sync_dir(fs).await
     }
 
@@ -134,6 +140,7 @@ impl<D: DiskFile> Egroup<D> {
             synced_since_open: Cell::new(synced),
             unsynced: Cell::new(0),
             needs_recovery: Cell::new(needs_recovery),
+            failures: Cell::new(0),
         }
     }
 

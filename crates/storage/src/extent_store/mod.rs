@@ -21,6 +21,7 @@ mod apply;
 mod batch;
 mod disk_state;
 mod egroup;
+mod extent_lock;
 mod format;
 mod requests;
 mod store;

@@ -2,9 +2,10 @@
 //! batches (split per egroup, `max_writing_egroups` of them in flight at a time) and
 //! allocation maps.
 
-use super::apply::apply_plan;
+use super::apply::{apply_plan, extents_touched};
 use super::batch::{plan, Op, WriteBatch};
 use super::egroup::Egroup;
+use super::extent_lock::EVERY_EXTENT;
 use super::format::{BLOCK, BLOCK_LEN, EGROUP_SPAN_BYTES};
 use super::store::Slot;
 use super::table::BlockState;
@@ -191,15 +192,18 @@ impl<F: Filesystem> ExtentStore<F> {
         if !create && self.find(egroup).is_none() {
             return Ok(());
         }
+        let blocks = plan(egroup, &ops);
         let slot = self.pin(egroup);
-        let _guard = slot.lock.lock().await;
-        match self.load(&slot, egroup, create).await? {
-            Some(open) => {
-                let writes_in_flight = self.config.writes_in_flight_per_egroup;
-                apply_plan(&self.fs, open, plan(egroup, &ops), writes_in_flight).await
-            }
-            None => Ok(()),
+        let mut guard = slot.lock.lock(extents_touched(&blocks)).await;
+        let Some(open) = self.load(&slot, egroup, create).await? else {
+            return Ok(());
+        };
+        if guard.mask() != EVERY_EXTENT && open.needs_every_extent(extents_touched(&blocks)) {
+            drop(guard);
+            guard = slot.lock.lock(EVERY_EXTENT).await;
         }
+        let writes_in_flight = self.config.writes_in_flight_per_egroup;
+        apply_plan(&self.fs, open, blocks, writes_in_flight, guard.mask()).await
     }
 
     /// Runs of `(length, allocated)` covering the range: a block is allocated unless it is a
@@ -259,7 +263,7 @@ async fn read_verified<D: DiskFile, T>(
 ) -> Result<T, ExtentError> {
     match read().await {
         Err(ExtentError::Corrupt { .. }) => {
-            let _guard = slot.lock.lock().await;
+            let _guard = slot.lock.lock(EVERY_EXTENT).await;
             let again = read().await;
             if matches!(again, Err(ExtentError::Corrupt { .. })) {
                 // Real damage (no writer runs): what the egroup knows of its data on disk is

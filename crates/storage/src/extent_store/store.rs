@@ -2,6 +2,7 @@
 //! into per-egroup work that runs concurrently.
 
 use super::egroup::Egroup;
+use super::extent_lock::{ExtentLocks, EVERY_EXTENT};
 use super::format::{egroup_dir, egroup_file_name, parse_egroup_file_name};
 use super::{io_error, ExtentError, ExtentStoreConfig};
 use crate::fs::Filesystem;
@@ -14,9 +15,9 @@ use std::rc::Rc;
 
 /// A vdisk's extent store on one node's disks. Single-threaded: one shard controller owns the
 /// egroups of its ranges; concurrent tasks of that thread may share it (no `RefCell` borrow is
-/// held across an await; an egroup in use is never evicted; writes to one egroup take its
-/// lock, so two batches never interleave inside one egroup, while different egroups proceed
-/// in parallel).
+/// held across an await; an egroup in use is never evicted; a write batch locks the extents
+/// of an egroup it writes, so two batches never interleave inside one extent, while different
+/// extents and egroups proceed in parallel).
 ///
 /// Memory, for the README's sizing section:
 /// - per **known** egroup (one that exists on disk; learned by listing each disk's vdisk
@@ -44,8 +45,9 @@ pub struct ExtentStore<F: Filesystem> {
 
 pub(super) struct Slot<D> {
     egroup: tokio::sync::OnceCell<Egroup<D>>,
-    /// Held by writers (and by a read re-checking a checksum mismatch).
-    pub(super) lock: tokio::sync::Mutex<()>,
+    /// Held by writers on the extents they write, by recovery and by a read re-checking a
+    /// checksum mismatch on every extent.
+    pub(super) lock: ExtentLocks,
     last_use: Cell<u64>,
 }
 
@@ -249,7 +251,7 @@ impl<F: Filesystem> ExtentStore<F> {
         self.evict_if_full();
         let slot = Rc::new(Slot {
             egroup: tokio::sync::OnceCell::new(),
-            lock: tokio::sync::Mutex::new(()),
+            lock: ExtentLocks::default(),
             last_use: Cell::new(now),
         });
         self.open.borrow_mut().insert(egroup, slot.clone());
@@ -368,7 +370,7 @@ impl<F: Filesystem> ExtentStore<F> {
             .cloned()
             .collect();
         try_join_all(pending.iter().map(|slot| async move {
-            let _guard = slot.lock.lock().await;
+            let _guard = slot.lock.lock(EVERY_EXTENT).await;
             match slot.egroup.get() {
                 Some(open) => open.recover(&self.fs).await,
                 None => Ok(()),
