@@ -21,14 +21,19 @@ const RELEASE_POLL: Duration = Duration::from_millis(2);
 #[derive(Debug)]
 pub(crate) struct UserHandles;
 
+/// One entry per store path this process has opened (a node opens one; the entries of closed
+/// stores are kept, since a store's file may still be closing after its last handle went).
 static REGISTERED: Mutex<Vec<(PathBuf, Weak<UserHandles>)>> = Mutex::new(Vec::new());
 
 impl UserHandles {
     pub(crate) fn register(path: &Path) -> Arc<UserHandles> {
         let handles = Arc::new(UserHandles);
         let mut registered = REGISTERED.lock().unwrap_or_else(|e| e.into_inner());
-        registered.retain(|(_, weak)| weak.strong_count() > 0);
-        registered.push((path.to_path_buf(), Arc::downgrade(&handles)));
+        let weak = Arc::downgrade(&handles);
+        match registered.iter_mut().find(|(known, _)| known == path) {
+            Some(entry) => entry.1 = weak,
+            None => registered.push((path.to_path_buf(), weak)),
+        }
         handles
     }
 }
@@ -36,16 +41,9 @@ impl UserHandles {
 /// True if this process opened `path` and has since dropped every caller handle of it.
 fn released_here(path: &Path) -> bool {
     let registered = REGISTERED.lock().unwrap_or_else(|e| e.into_inner());
-    let mut seen = false;
-    for (registered_path, weak) in registered.iter() {
-        if registered_path == path {
-            if weak.strong_count() > 0 {
-                return false;
-            }
-            seen = true;
-        }
-    }
-    seen
+    registered
+        .iter()
+        .any(|(known, weak)| known == path && weak.strong_count() == 0)
 }
 
 /// Runs `open` again while it reports `already_open` for a file this process has released,
