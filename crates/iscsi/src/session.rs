@@ -473,6 +473,11 @@ async fn write_pdus<W: AsyncWrite + Unpin>(
                 return Ok(());
             }
             since_yield += outgoing.pdu.data.len();
+            match queue.try_recv() {
+                Ok(next) => outgoing = next,
+                Err(_) => break,
+            }
+            // More is queued: after a large burst, let the reader start waiting commands.
             if since_yield >= YIELD_AFTER_BYTES {
                 socket.write_all(&out).await?;
                 out.clear();
@@ -480,10 +485,6 @@ async fn write_pdus<W: AsyncWrite + Unpin>(
                 // waiting on the socket runs first and starts them.
                 tokio::task::yield_now().await;
                 since_yield = 0;
-            }
-            match queue.try_recv() {
-                Ok(next) => outgoing = next,
-                Err(_) => break,
             }
         }
         socket.write_all(&out).await?;
@@ -2130,31 +2131,38 @@ mod writer {
         }
     }
 
-    #[tokio::test(flavor = "current_thread")]
-    async fn other_tasks_run_between_large_data_in_pdus() {
+    /// Queues `count` 1 MiB Data-In PDUs and closes the queue; returns the writer's queue, the
+    /// flag another task will set when it runs, and a socket recording that flag at each
+    /// large write.
+    fn large_data_in(count: usize) -> (mpsc::Receiver<Outgoing>, Rc<Cell<bool>>, Recorder) {
+        let (sender, queue) = mpsc::channel(8);
+        for _ in 0..count {
+            let pdu = Pdu::new(Bhs::new(op::DATA_IN), Bytes::from(vec![5u8; 1 << 20]));
+            let outgoing = Outgoing {
+                pdu,
+                stat: StatSn::Omit,
+                last: false,
+            };
+            assert!(sender.try_send(outgoing).is_ok());
+        }
+        let other_ran = Rc::new(Cell::new(false));
+        let socket = Recorder {
+            other_ran: other_ran.clone(),
+            seen: Rc::new(RefCell::new(Vec::new())),
+        };
+        (queue, other_ran, socket)
+    }
+
+    /// Writes what `large_data_in` queued while another task waits to run; returns whether
+    /// that task had run, per large write and when the writer returned.
+    async fn write_beside_another_task(count: usize) -> (Vec<bool>, bool) {
         let local = tokio::task::LocalSet::new();
         local
             .run_until(async {
-                let (sender, queue) = mpsc::channel(8);
-                for _ in 0..4 {
-                    let pdu = Pdu::new(Bhs::new(op::DATA_IN), Bytes::from(vec![5u8; 1 << 20]));
-                    let outgoing = Outgoing {
-                        pdu,
-                        stat: StatSn::Omit,
-                        last: false,
-                    };
-                    assert!(sender.try_send(outgoing).is_ok());
-                }
-                drop(sender);
-                let other_ran = Rc::new(Cell::new(false));
-                let seen = Rc::new(RefCell::new(Vec::new()));
+                let (queue, other_ran, socket) = large_data_in(count);
+                let seen = socket.seen.clone();
                 let flag = other_ran.clone();
-                // Ready to run as soon as the writer gives the thread up.
                 let other = tokio::task::spawn_local(async move { flag.set(true) });
-                let socket = Recorder {
-                    other_ran,
-                    seen: seen.clone(),
-                };
                 let sequence = Rc::new(Sequence {
                     stat_sn: Cell::new(1),
                     exp_cmd_sn: Cell::new(1),
@@ -2164,12 +2172,29 @@ mod writer {
                 write_pdus(queue, socket, sequence, Digests::default())
                     .await
                     .expect("written");
+                let ran_by_return = other_ran.get();
                 other.await.expect("other task");
-                let seen = seen.borrow();
-                assert_eq!(seen.len(), 4, "one data write per PDU");
-                assert!(!seen[0], "the first PDU goes out at once");
-                assert!(seen[3], "the other task ran before the last PDU: {seen:?}");
+                let seen = seen.borrow().clone();
+                (seen, ran_by_return)
             })
-            .await;
+            .await
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn other_tasks_run_between_large_data_in_pdus() {
+        let (seen, _) = write_beside_another_task(4).await;
+        assert_eq!(seen.len(), 4, "one data write per PDU");
+        assert!(!seen[0], "the first PDU goes out at once");
+        assert!(seen[3], "the other task ran before the last PDU: {seen:?}");
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_burst_that_empties_the_queue_ends_without_a_yield() {
+        let (seen, ran_by_return) = write_beside_another_task(1).await;
+        assert_eq!(seen, [false]);
+        assert!(
+            !ran_by_return,
+            "nothing was queued behind the PDU: no yield"
+        );
     }
 }
