@@ -13,8 +13,9 @@
 # the jobs, as ashlar.sh does for `ashlar`, so 4 KiB reads come from the node's cache (ISCSI_CACHE,
 # larger than SIZE) and never from holes; reads over 128 KiB (the 1 MiB jobs) skip the cache
 # and come from the disk (MAX_INLINE_READ_BYTES); tgt's reads come from the kernel page cache.
-# The three systems run job by job, interleaved (tgt, Ashlar iSCSI, Ashlar NBD for each job), so
-# a change in the machine's load hits all three alike. Before every job the node's oplog is let
+# The three systems run job by job, interleaved (tgt, then Ashlar iSCSI and Ashlar NBD, which
+# take turns going first), so a change in the machine's load hits all three alike. One
+# unmeasured 4 KiB random write job after the fill warms Ashlar's write path (oplog segments). Before every job the node's oplog is let
 # drain (as cold.sh does), so no row is charged (or disturbed by) another row's drain; the node
 # CPU spent in those waits is recorded in the notes.
 # tgt is set up here with the commands of tgt.sh (not by running tgt.sh, which runs its own
@@ -126,6 +127,23 @@ fi
 
 # --- Ashlar node, vdisk, volume group ---
 ASHLAR_FN="" NBD_URI=""
+# wait_drained : until the node's oplog holds at most 1 MiB or has not shrunk for 5 s (cold.sh)
+DRAIN_TICKS=0
+wait_drained() {
+    [ -n "$NODE_PID" ] || return 0
+    local t0 last="" same=0 used c0
+    c0=$(proc_ticks "$NODE_PID"); t0=$(date +%s)
+    while [ $(( $(date +%s) - t0 )) -lt "$DRAIN_WAIT" ]; do
+        used=$(curl -s -m 5 "$API/stats/vdisks" | jq -r '[.vdisks[].oplog_live_bytes] | add // 0' 2>/dev/null)
+        [ -n "$used" ] || { log "no oplog figure from $API/stats/vdisks"; break; }
+        [ "$used" -le 1048576 ] && break
+        if [ "$used" = "$last" ]; then same=$((same + 1)); [ $same -ge 10 ] && break; else same=0; fi
+        last=$used
+        sleep 0.5
+    done
+    DRAIN_TICKS=$((DRAIN_TICKS + $(proc_ticks "$NODE_PID") - c0))
+}
+
 if has ashlar-iscsi "$ISCSI_SYSTEMS" || has ashlar-nbd "$ISCSI_SYSTEMS"; then
     for p in "$ISCSI_ASHLAR_PORT" "$ISCSI_NBD_PORT" "$ISCSI_HTTP_PORT"; do
         port_free "$p" || die "port $p busy (set ISCSI_ASHLAR_PORT / ISCSI_NBD_PORT / ISCSI_HTTP_PORT)"
@@ -153,6 +171,14 @@ if has ashlar-iscsi "$ISCSI_SYSTEMS" || has ashlar-nbd "$ISCSI_SYSTEMS"; then
     run_bounded 900 "$FIO" --name=fill --ioengine=nbd --uri="$NBD_URI" --rw=write --bs=1M \
         --iodepth=8 >/dev/null 2>&1 ||
         die "pre-fill of the vdisk failed (its reads would hit holes and never touch the disk)"
+    # The first write job after a fill used to run slower than the later ones (the oplog
+    # creates its segment files as it first fills; 24.7k, 28.2k, 29.0k, 30.8k IOPS for four
+    # randwrite4k QD32 jobs in a row, ../bench/results/20261128-211914-vm), and ashlar-iscsi
+    # always ran first. One unmeasured write job takes that cost before any row.
+    log "warming the node's write path (4 KiB random writes over NBD, $RUNTIME s)"
+    run_bounded 900 "$FIO" --name=warm-writes --ioengine=nbd --uri="$NBD_URI" --rw=randwrite \
+        --bs=4k --iodepth=32 --time_based --runtime="$RUNTIME" >/dev/null 2>&1 || true
+    wait_drained
     log "warming the node's read cache"
     run_bounded 900 "$FIO" --name=warm --ioengine=nbd --uri="$NBD_URI" --rw=read --bs=1M \
         --iodepth=8 >/dev/null 2>&1 || true
@@ -161,46 +187,47 @@ if has ashlar-iscsi "$ISCSI_SYSTEMS" || has ashlar-nbd "$ISCSI_SYSTEMS"; then
     note ashlar-iscsi "ashlar $("$ASHLAR_BIN" --version | awk '{print $2}'), node pid $NODE_PID, $ASHLAR_REACTORS reactors, cache $ISCSI_CACHE (> SIZE: reads after fill+warm come from the node's cache), --direct-io on (default), data on $(df -hT "$NODE_DIR" | awk 'NR==2{print $2}') under $NODE_DIR; vdisk bench $SIZE as LUN 0 of $ASHLAR_IQN (default iSCSI limits: MaxRecvDataSegmentLength 256K, MaxBurst 1M, FirstBurst 64K), initiator $ISCSI_INITIATOR; ashlar-iscsi-nbd = same node and vdisk through fio's nbd engine; writes durable at acknowledgement"
 fi
 
-# wait_drained : until the node's oplog holds at most 1 MiB or has not shrunk for 5 s (cold.sh)
-DRAIN_TICKS=0
-wait_drained() {
-    [ -n "$NODE_PID" ] || return 0
-    local t0 last="" same=0 used c0
-    c0=$(proc_ticks "$NODE_PID"); t0=$(date +%s)
-    while [ $(( $(date +%s) - t0 )) -lt "$DRAIN_WAIT" ]; do
-        used=$(curl -s -m 5 "$API/stats/vdisks" | jq -r '[.vdisks[].oplog_live_bytes] | add // 0' 2>/dev/null)
-        [ -n "$used" ] || { log "no oplog figure from $API/stats/vdisks"; break; }
-        [ "$used" -le 1048576 ] && break
-        if [ "$used" = "$last" ]; then same=$((same + 1)); [ $same -ge 10 ] && break; else same=0; fi
-        last=$used
-        sleep 0.5
-    done
-    DRAIN_TICKS=$((DRAIN_TICKS + $(proc_ticks "$NODE_PID") - c0))
+ashlar_iscsi_case() { # WORKLOAD QD
+    if [ -n "$ASHLAR_FN" ] && has ashlar-iscsi "$ISCSI_SYSTEMS"; then
+        wait_drained
+        SERVER_PIDS=$NODE_PID FIO=$FIO_ISCSI run_case ashlar-iscsi "$1" "$2" \
+            --ioengine=libiscsi --filename="$ASHLAR_FN" --initiator="$ISCSI_INITIATOR"
+    fi
+}
+ashlar_nbd_case() { # WORKLOAD QD
+    if [ -n "$NBD_URI" ] && has ashlar-nbd "$ISCSI_SYSTEMS"; then
+        wait_drained
+        SERVER_PIDS=$NODE_PID run_case ashlar-iscsi-nbd "$1" "$2" --ioengine=nbd --uri="$NBD_URI"
+    fi
 }
 
 record_load iscsi
+job_index=0
 for job in $ISCSI_JOBS; do
     wl=${job%%:*} qd=${job##*:}
     if [ -n "$TGT_FN" ]; then
         wait_drained   # the node's drain of the previous Ashlar job must not run beside tgt's
         SERVER_PIDS=$TGTD_PID FIO=$FIO_ISCSI run_case tgt-iscsi "$wl" "$qd" \
             --ioengine=libiscsi --filename="$TGT_FN" --initiator="$ISCSI_INITIATOR"
+        # tgt's writes sit in the page cache; written back during the next row, they slowed
+        # Ashlar's flushes (NBD seqwrite1m 501 MiB/s, p99 79 ms, right after tgt's, in
+        # ../bench/results/20261128-212152-vm; 1,391-1,481 without tgt before it).
+        sync
     fi
-    if [ -n "$ASHLAR_FN" ] && has ashlar-iscsi "$ISCSI_SYSTEMS"; then
-        wait_drained
-        SERVER_PIDS=$NODE_PID FIO=$FIO_ISCSI run_case ashlar-iscsi "$wl" "$qd" \
-            --ioengine=libiscsi --filename="$ASHLAR_FN" --initiator="$ISCSI_INITIATOR"
+    # Ashlar's two front-ends take turns going first, so neither is always the one that
+    # runs right after tgt or on the node's state the other left.
+    if [ $((job_index % 2)) = 0 ]; then
+        ashlar_iscsi_case "$wl" "$qd"; ashlar_nbd_case "$wl" "$qd"
+    else
+        ashlar_nbd_case "$wl" "$qd"; ashlar_iscsi_case "$wl" "$qd"
     fi
-    if [ -n "$NBD_URI" ] && has ashlar-nbd "$ISCSI_SYSTEMS"; then
-        wait_drained
-        SERVER_PIDS=$NODE_PID run_case ashlar-iscsi-nbd "$wl" "$qd" --ioengine=nbd --uri="$NBD_URI"
-    fi
+    job_index=$((job_index + 1))
 done
 if [ -n "$NODE_PID" ]; then
     wait_drained
     note ashlar-iscsi "node CPU while waiting for the oplog to drain before Ashlar jobs (not charged to any row): $(awk -v t="$DRAIN_TICKS" -v hz="$CLK_TCK" 'BEGIN{printf "%.2f", t/hz}') s in total"
     ps -o rss= -p "$NODE_PID" | awk '{printf "ashlar-iscsi\tnode RSS after the jobs: %.0f MiB\n", $1/1024}' >> "$RESULTS_DIR/notes.tsv"
 fi
-note iscsi "fio $("$FIO_ISCSI" --version) rebuilt from Debian's source with --enable-libiscsi for the libiscsi rows (one session per job, initiator $ISCSI_INITIATOR, header digest offered None,CRC32C), Debian's fio for the nbd rows; jobs $ISCSI_JOBS interleaved per job: tgt-iscsi, ashlar-iscsi, ashlar-iscsi-nbd"
+note iscsi "fio $("$FIO_ISCSI" --version) rebuilt from Debian's source with --enable-libiscsi for the libiscsi rows (one session per job, initiator $ISCSI_INITIATOR, header digest offered None,CRC32C), Debian's fio for the nbd rows; jobs $ISCSI_JOBS interleaved per job: tgt-iscsi, then ashlar-iscsi and ashlar-iscsi-nbd taking turns going first; one unmeasured 4 KiB random write job over NBD warmed the write path after the fill"
 cleanup
 finish_standalone
