@@ -9,6 +9,9 @@
 # glibc's `_int_malloc` 42-58 % of the node, mostly the `Box::pin` of each egroup's future in
 # `join::try_run_windowed` under `ExtentStore::apply`, with the node's heap full of freed
 # 4 KiB cache blocks. GLIBC_TUNABLES (e.g. glibc.malloc.mmap_threshold=16384) passes through.
+# Since small read buffers (cached blocks) live in slots off the heap (`fs::small_buffers`,
+# 2026-11-29), `_int_malloc` is ~2 % of the node here and the job runs 25-40 % faster, p99
+# -35 % (bench/results/20261129-013000-vm); what remains is cache invalidation and the disk.
 #
 #   bench/seqwrite-after-mix-probe.sh        (BIN=target/release/ashlar by default)
 set -euo pipefail

@@ -244,6 +244,10 @@ async fn node_info(State(state): State<ApiState>) -> Json<Value> {
         // Freed large read buffers kept for reuse, and their limit (`--io-read-buffers`).
         "read_buffers_kept_bytes": ashlar_storage::fs::large_buffers::free_bytes(),
         "read_buffers_kept_limit_bytes": ashlar_storage::fs::large_buffers::free_limit_bytes(),
+        // Memory mapped for small (up to 32 KiB) read buffers, cached blocks among them, and
+        // its limit (the caches plus the front-ends' request budgets).
+        "small_read_buffers_mapped_bytes": ashlar_storage::fs::small_buffers::mapped_bytes(),
+        "small_read_buffers_limit_bytes": ashlar_storage::fs::small_buffers::limit_bytes(),
         // Files opened through the page cache because their filesystem refused O_DIRECT.
         "buffered_fallback_opens": ashlar_storage::fs::uring::buffered_fallback_opens(),
         // Per reactor: `io_uring_enter` calls that submitted disk operations, and how many

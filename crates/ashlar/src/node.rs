@@ -227,6 +227,22 @@ fn read_buffers_kept_limit(args: &NodeArgs) -> Result<usize> {
     Ok(kept as usize)
 }
 
+/// The most memory small read buffers may map: what the read caches hold, plus the payloads
+/// the front-ends' budgets let be in flight, plus slack for reads inside the node (hand-overs,
+/// replication). Past it, small buffers come from the heap.
+fn small_buffers_limit(
+    config: &EngineConfig,
+    nbd: &NbdLimits,
+    iscsi: &ashlar_iscsi::IscsiLimits,
+) -> usize {
+    const SLACK_BYTES: u64 = 64 << 20;
+    let bytes = config.cache_bytes
+        + nbd.request_budget.capacity_bytes()
+        + iscsi.data_budget.capacity_bytes()
+        + SLACK_BYTES;
+    usize::try_from(bytes).unwrap_or(usize::MAX)
+}
+
 /// Each reactor's disk I/O limits: `--direct-io`, `--io-bounce-pool`, `--io-max-in-flight`.
 fn uring_config(args: &NodeArgs) -> Result<UringConfig> {
     let bounce = parse_size(&args.io_bounce_pool).map_err(|e| anyhow!("--io-bounce-pool: {e}"))?;
@@ -329,6 +345,11 @@ async fn serve(args: NodeArgs, api_token_file: Option<PathBuf>) -> Result<()> {
     };
     let iscsi_limits = crate::iscsi::iscsi_limits(&args)?;
     let failback_after = crate::iscsi::failback_after(&args)?;
+    ashlar_storage::fs::small_buffers::set_limit_bytes(small_buffers_limit(
+        &config,
+        &limits,
+        &iscsi_limits,
+    ));
     if args.iscsi_max_sessions == 0 {
         bail!("--iscsi-max-sessions must be at least 1");
     }

@@ -611,8 +611,10 @@ fn a_scan_with_large_reads_keeps_the_hot_blocks_cached_and_fills_nothing() {
 }
 
 /// A read cache filled by fio's cold 4 KiB random reads costs the node about what it holds,
-/// not more: each cached block is a 4 KiB slice of its read's buffer, and the allocator's
-/// overhead for those buffers stays small (4 KiB-aligned 4 KiB buffers once doubled it).
+/// not more: each cached block is its read's buffer, a 4 KiB slot of the node's small buffers
+/// (4 KiB-aligned 4 KiB buffers from the heap once doubled it). Writes that drop the cached
+/// blocks free their slots, and the next reads take those slots again instead of new memory
+/// (freed heap blocks once made every allocation search long free lists).
 #[test]
 fn a_full_read_cache_costs_about_its_size_in_memory() {
     let (node, uri) = node_with_written_vdisk();
@@ -633,6 +635,39 @@ fn a_full_read_cache_costs_about_its_size_in_memory() {
         grown / MIB,
         cached / MIB
     );
+    let mapped = small_buffers_mapped(&node);
+    assert!(
+        mapped >= cached,
+        "{cached} bytes cached in 4 KiB reads, but only {mapped} bytes of small buffers mapped"
+    );
+    // Overwrite everything (every cached block dropped), drain, and read it all again.
+    fio_unverified(&uri, "overwrite", "write", "1M");
+    let drained = wait_until(Duration::from_secs(60), || {
+        node.vdisk_stats(VDISK)["oplog_live_bytes"].as_u64() == Some(0)
+    });
+    assert!(drained, "oplog never drained: {}", node.vdisk_stats(VDISK));
+    fio_unverified(&uri, "cold-reads-again", "randread", "4k");
+    let mapped_again = small_buffers_mapped(&node);
+    assert!(
+        mapped_again <= mapped + 8 * MIB,
+        "small buffers grew from {mapped} to {mapped_again} bytes for a cache of the same size"
+    );
+}
+
+/// Bytes mapped for small read buffers (`/api/v1/node`), checked against their limit.
+fn small_buffers_mapped(node: &Node) -> u64 {
+    let info = node.http_json("/api/v1/node");
+    let mapped = info["small_read_buffers_mapped_bytes"]
+        .as_u64()
+        .expect("small_read_buffers_mapped_bytes");
+    let limit = info["small_read_buffers_limit_bytes"]
+        .as_u64()
+        .expect("small_read_buffers_limit_bytes");
+    assert!(
+        mapped <= limit,
+        "{mapped} bytes mapped over the limit {limit}: {info}"
+    );
+    mapped
 }
 
 /// Large cold reads land in buffers that are reused afterwards. A node restarted on written

@@ -15,6 +15,7 @@
 
 use crate::lru::Lru;
 use ashlar_core::{Epoch, VdiskId};
+use ashlar_storage::fs::DiskBuf;
 use bytes::Bytes;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -95,8 +96,9 @@ impl BlockCache {
             // neighbours leave the single-touch pool together, but a promoted block may stay
             // for long: it gets a buffer of its own, so the pool never keeps a whole read's
             // buffer alive for one block (the cache's memory is then its size, not up to 256
-            // times that).
-            let own = Bytes::copy_from_slice(&block);
+            // times that). Its copy is a slot of the node's small buffers, not a heap block
+            // (see `ashlar_storage::fs::small_buffers`).
+            let own = DiskBuf::copy_of(&block).into_bytes();
             self.multi_touch.insert(*key, own.clone());
             self.enforce_limits();
             return Some(own);

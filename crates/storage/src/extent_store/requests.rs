@@ -15,13 +15,11 @@ use crate::join::{try_join_all, try_run_windowed, AfterError};
 use ashlar_core::{EXTENT_SIZE_BYTES, MAX_VDISK_SIZE_BYTES};
 use bytes::Bytes;
 
-/// Smallest read `read_bytes` has the kernel make into a buffer of its own. The buffer is
-/// 4 KiB-aligned, and the allocator pays for an aligned block with up to 4 KiB of fragments
-/// beside it: for 4 KiB reads that stay in the read cache, that about doubled the memory the
-/// cached blocks cost (RSS 308 MiB against 179 MiB with 128 MiB cached; `limits.rs` catches
-/// it), to save a 4 KiB copy that no benchmark could see. From 64 KiB up it is at most ~6 %,
-/// and the copy saved grows with the read.
-pub const READ_NEW_MIN_BYTES: u64 = 64 << 10;
+/// Smallest read `read_bytes` has the kernel make into a buffer of its own: one block. Such a
+/// buffer is a slot of `fs::small_buffers` (up to 32 KiB) or a mapping of its own, never a
+/// heap block (an aligned heap block cost up to 4 KiB of fragment beside it, so 4 KiB reads
+/// used to be copied out of a bounce buffer instead).
+pub const READ_NEW_MIN_BYTES: u64 = BLOCK;
 
 /// The end of the range; ranges beyond the largest vdisk (1 PiB) are refused, which keeps
 /// every offset computation far from overflow.
@@ -105,9 +103,11 @@ impl<F: Filesystem> ExtentStore<F> {
         let one_extent = length > 0 && offset / EXTENT_SIZE_BYTES == (end - 1) / EXTENT_SIZE_BYTES;
         let whole_blocks = offset.is_multiple_of(BLOCK) && length.is_multiple_of(BLOCK);
         if !(one_extent && whole_blocks && length >= READ_NEW_MIN_BYTES) {
-            let mut buf = vec![0u8; length as usize];
-            self.read(offset, &mut buf).await?;
-            return Ok(Bytes::from(buf));
+            // Not read straight into its own buffer, but kept off the heap all the same (see
+            // `fs::small_buffers`): it may be cached for long.
+            let mut buf = DiskBuf::zeroed(length as usize);
+            self.read(offset, buf.as_mut_slice()).await?;
+            return Ok(buf.into_bytes());
         }
         self.ensure_listing().await?;
         let result = self.read_whole_blocks(offset, length as usize).await;

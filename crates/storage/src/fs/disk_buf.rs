@@ -1,8 +1,10 @@
 //! [`DiskBuf`]: a buffer a read fills and then hands over whole, so data read from the disk
 //! reaches a client's reply without being copied on the way (see [`super::DiskFile::read_new`]).
-//! Large ones are recycled through [`super::large_buffers`].
+//! Small ones are slots of [`super::small_buffers`], larger ones mappings recycled through
+//! [`super::large_buffers`]; the heap serves only what the slots' limit leaves over.
 
-use super::large_buffers::{self, LARGE_BUFFER_MIN_BYTES};
+use super::large_buffers;
+use super::small_buffers::{self, SMALL_BUFFER_MAX_BYTES};
 use bytes::Bytes;
 use std::alloc::{self, Layout};
 use std::ptr::NonNull;
@@ -16,6 +18,17 @@ pub const DISK_BUF_ALIGN_BYTES: usize = super::DIRECT_IO_ALIGNMENT_BYTES as usiz
 pub struct DiskBuf {
     ptr: NonNull<u8>,
     len: usize,
+    memory: Memory,
+}
+
+/// Where a buffer's memory came from, so that it goes back there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Memory {
+    /// No memory (`len` 0).
+    None,
+    Small,
+    Large,
+    Heap,
 }
 
 // SAFETY: a `DiskBuf` owns its allocation outright (no aliasing pointer survives a move), like
@@ -50,15 +63,20 @@ impl DiskBuf {
             return DiskBuf {
                 ptr: NonNull::new(dangling).expect("non-zero address"),
                 len: 0,
+                memory: Memory::None,
             };
         }
-        if len >= LARGE_BUFFER_MIN_BYTES {
-            let ptr = large_buffers::take(len);
+        let recycled = if len <= SMALL_BUFFER_MAX_BYTES {
+            small_buffers::take(len).map(|ptr| (ptr, Memory::Small))
+        } else {
+            Some((large_buffers::take(len), Memory::Large))
+        };
+        if let Some((ptr, memory)) = recycled {
             if zeroed {
                 // SAFETY: `take` gives at least `len` writable bytes.
                 unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, len) };
             }
-            return DiskBuf { ptr, len };
+            return DiskBuf { ptr, len, memory };
         }
         let layout = Self::layout(len);
         // SAFETY: the layout has a non-zero size (`len > 0`).
@@ -72,7 +90,24 @@ impl DiskBuf {
         let Some(ptr) = NonNull::new(raw) else {
             alloc::handle_alloc_error(layout)
         };
-        DiskBuf { ptr, len }
+        DiskBuf {
+            ptr,
+            len,
+            memory: Memory::Heap,
+        }
+    }
+
+    /// A buffer of its own holding a copy of `data`.
+    pub fn copy_of(data: &[u8]) -> DiskBuf {
+        // SAFETY: every byte is written by the copy before anything reads it.
+        let mut buf = unsafe { DiskBuf::uninit(data.len()) };
+        if !data.is_empty() {
+            // SAFETY: `buf` has `data.len()` bytes of its own, which `data` cannot overlap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(data.as_ptr(), buf.as_mut_ptr_at(0), data.len())
+            };
+        }
+        buf
     }
 
     fn layout(len: usize) -> Layout {
@@ -120,13 +155,14 @@ impl AsRef<[u8]> for DiskBuf {
 
 impl Drop for DiskBuf {
     fn drop(&mut self) {
-        if self.len >= LARGE_BUFFER_MIN_BYTES {
-            // SAFETY: `allocate` took it from `large_buffers` for this `len`; we are its
-            // last user.
-            unsafe { large_buffers::give_back(self.ptr, self.len) }
-        } else if self.len > 0 {
+        match self.memory {
+            Memory::None => {}
+            // SAFETY (both): `allocate` took it from there for this `len`; we are its last
+            // user.
+            Memory::Small => unsafe { small_buffers::give_back(self.ptr, self.len) },
+            Memory::Large => unsafe { large_buffers::give_back(self.ptr, self.len) },
             // SAFETY: allocated in `allocate` with exactly this layout, and freed only here.
-            unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
+            Memory::Heap => unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) },
         }
     }
 }

@@ -1,5 +1,5 @@
-//! Memory for large [`super::DiskBuf`]s (from [`LARGE_BUFFER_MIN_BYTES`] up): each buffer is a
-//! mapping of its own, and a dropped one waits on a node-wide free list for the next buffer of
+//! Memory for large [`super::DiskBuf`]s (above [`super::small_buffers::SMALL_BUFFER_MAX_BYTES`],
+//! in mappings of at least [`LARGE_BUFFER_MIN_BYTES`]): each buffer is a mapping of its own, and a dropped one waits on a node-wide free list for the next buffer of
 //! its size class (a large read's target, an oplog batch) instead of going back to the
 //! kernel, up to a configurable total ([`set_free_limit_bytes`]).
 //!
@@ -22,7 +22,8 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-/// Smallest buffer served from here; smaller ones come from the allocator.
+/// Smallest mapping made here: the size class of every buffer from just above
+/// `SMALL_BUFFER_MAX_BYTES` to this.
 pub const LARGE_BUFFER_MIN_BYTES: usize = 64 << 10;
 
 /// Default of [`set_free_limit_bytes`]: 64 of the 1 MiB buffers of sequential reads.

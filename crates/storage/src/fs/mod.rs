@@ -24,6 +24,7 @@ pub mod disk_buf;
 pub mod large_buffers;
 pub mod node_fs;
 pub mod sim;
+pub mod small_buffers;
 pub mod std_fs;
 pub mod uring;
 
