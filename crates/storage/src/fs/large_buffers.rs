@@ -1,7 +1,8 @@
 //! Memory for large [`super::DiskBuf`]s (above [`super::small_buffers::SMALL_BUFFER_MAX_BYTES`],
-//! in mappings of at least [`LARGE_BUFFER_MIN_BYTES`]): each buffer is a mapping of its own, and a dropped one waits on a node-wide free list for the next buffer of
-//! its size class (a large read's target, an oplog batch) instead of going back to the
-//! kernel, up to a configurable total ([`set_free_limit_bytes`]).
+//! in mappings of at least [`LARGE_BUFFER_MIN_BYTES`]): each buffer is a mapping of its own,
+//! and a dropped one waits on a node-wide free list for the next buffer of its size class (a
+//! large read's target, an oplog batch) instead of going back to the kernel, up to a
+//! configurable total ([`set_free_limit_bytes`]).
 //!
 //! Why not the allocator: a read buffer must be 4 KiB-aligned, and glibc serves an aligned
 //! 1 MiB request from a chunk larger than the 1 MiB one that was just freed, so freed read
