@@ -1,7 +1,8 @@
 //! [`DiskBuf`]: a buffer a read fills and then hands over whole, so data read from the disk
 //! reaches a client's reply without being copied on the way (see [`super::DiskFile::read_new`]).
 //! Small ones are slots of [`super::small_buffers`], larger ones mappings recycled through
-//! [`super::large_buffers`]; the heap serves only what the slots' limit leaves over.
+//! [`super::large_buffers`]; the heap serves only what the slots' limit leaves over and what
+//! the kernel refuses to map.
 
 use super::large_buffers;
 use super::small_buffers::{self, SMALL_BUFFER_MAX_BYTES};
@@ -69,7 +70,7 @@ impl DiskBuf {
         let recycled = if len <= SMALL_BUFFER_MAX_BYTES {
             small_buffers::take(len).map(|ptr| (ptr, Memory::Small))
         } else {
-            Some((large_buffers::take(len), Memory::Large))
+            large_buffers::take(len).map(|ptr| (ptr, Memory::Large))
         };
         if let Some((ptr, memory)) = recycled {
             if zeroed {
@@ -204,6 +205,22 @@ mod tests {
             let bytes = buf.into_bytes();
             assert_eq!(bytes.len(), len);
         }
+    }
+
+    #[test]
+    fn a_refused_mapping_falls_back_to_the_heap() {
+        // Class 32 MiB: a size no other test of this crate asks for, so no kept buffer of
+        // that class can serve it instead of a new mapping.
+        let len = 20 << 20;
+        super::super::anonymous_mapping::refuse_on_this_thread(true);
+        let mut buf = DiskBuf::zeroed(len);
+        super::super::anonymous_mapping::refuse_on_this_thread(false);
+        assert_eq!(buf.memory, Memory::Heap);
+        assert_eq!(buf.as_slice().as_ptr() as usize % DISK_BUF_ALIGN_BYTES, 0);
+        assert!(buf.as_slice().iter().all(|&b| b == 0));
+        buf.as_mut_slice()[len - 1] = 3;
+        let bytes = buf.into_bytes();
+        assert_eq!(bytes[len - 1], 3);
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //! in mappings of at least [`LARGE_BUFFER_MIN_BYTES`]): each buffer is a mapping of its own,
 //! and a dropped one waits on a node-wide free list for the next buffer of its size class (a
 //! large read's target, an oplog batch) instead of going back to the kernel, up to a
-//! configurable total ([`set_free_limit_bytes`]).
+//! configurable total ([`set_free_limit_bytes`]). If the kernel refuses a new mapping, the
+//! buffer comes from the heap instead ([`super::anonymous_mapping`]).
 //!
 //! Why not the allocator: a read buffer must be 4 KiB-aligned, and glibc serves an aligned
 //! 1 MiB request from a chunk larger than the 1 MiB one that was just freed, so freed read
@@ -19,6 +20,7 @@
 //! on another, after its reply is sent), behind one mutex taken once per large buffer
 //! allocated and dropped: a few thousand times a second, never per 4 KiB block.
 
+use super::anonymous_mapping::{self, unmap};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -61,13 +63,14 @@ pub(super) fn class_bytes(len: usize) -> usize {
 }
 
 /// A buffer of `class_bytes(len)` bytes, page-aligned, its bytes unspecified (zeros when
-/// freshly mapped, a former reader's data when reused).
-pub(super) fn take(len: usize) -> NonNull<u8> {
+/// freshly mapped, a former reader's data when reused); `None` if none is free and the kernel
+/// refuses a new mapping (the caller then uses the heap).
+pub(super) fn take(len: usize) -> Option<NonNull<u8>> {
     let class = class_bytes(len);
     if let Some(ptr) = lock().pop(class) {
-        return ptr;
+        return Some(ptr);
     }
-    map(class)
+    anonymous_mapping::map(class)
 }
 
 /// Hands back a buffer `take` gave for a `len` of this class.
@@ -91,33 +94,6 @@ fn lock() -> std::sync::MutexGuard<'static, FreeList> {
     // A panic while the lock was held cannot leave the list half-changed (each change is one
     // push or pop with its byte count), so a poisoned list is still sound.
     FREE.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-fn map(bytes: usize) -> NonNull<u8> {
-    // SAFETY: an anonymous private mapping touches no existing memory.
-    let raw = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            bytes,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    if raw == libc::MAP_FAILED {
-        let layout = std::alloc::Layout::from_size_align(bytes, 4096).expect("a mapping size");
-        std::alloc::handle_alloc_error(layout)
-    }
-    NonNull::new(raw.cast()).expect("mmap returns a non-null address")
-}
-
-/// # Safety
-/// `ptr` is a mapping of `bytes` made by `map` that nothing uses any more.
-unsafe fn unmap(ptr: NonNull<u8>, bytes: usize) {
-    // SAFETY: passed on from our caller.
-    let result = unsafe { libc::munmap(ptr.as_ptr().cast(), bytes) };
-    assert_eq!(result, 0, "munmap of a buffer mapping failed");
 }
 
 /// Free buffers by class (index: log2 of the class size).
@@ -155,7 +131,7 @@ impl FreeList {
                 };
                 self.bytes -= class;
                 let ptr = NonNull::new(address as *mut u8).expect("a kept buffer");
-                // SAFETY: kept buffers came from `map` with their class size and are unused.
+                // SAFETY: kept buffers are mappings of their class size and unused.
                 unsafe { unmap(ptr, class) };
             }
         }
@@ -173,11 +149,11 @@ mod tests {
     fn a_dropped_buffer_serves_the_next_request_of_its_class() {
         let len = 48 << 20; // class 64 MiB, a size no other test reads
         set_free_limit_bytes(1 << 30);
-        let first = take(len);
+        let first = take(len).expect("a mapping");
         // SAFETY: the buffer is mapped, 64 MiB long, and unused.
         unsafe { first.as_ptr().add(len - 1).write(7) };
         unsafe { give_back(first, len) };
-        let second = take(len - 4096);
+        let second = take(len - 4096).expect("the kept buffer");
         assert_eq!(second, first, "the kept buffer is reused");
         // SAFETY: the same mapping; its pages stayed faulted in with the old bytes.
         assert_eq!(unsafe { second.as_ptr().add(len - 1).read() }, 7);
@@ -199,7 +175,7 @@ mod tests {
         let mut list = FreeList::new();
         let class = 256 << 10;
         for _ in 0..4 {
-            list.push(class, map(class));
+            list.push(class, anonymous_mapping::map(class).expect("a mapping"));
         }
         list.shrink_to(2 * class);
         assert_eq!(list.bytes, 2 * class);

@@ -20,6 +20,7 @@
 //! All types here are single-threaded: one reactor thread owns each open file. (The simulated
 //! disk is `Send + Sync` so that controllers on several reactors can share one.)
 
+mod anonymous_mapping;
 pub mod disk_buf;
 pub mod large_buffers;
 pub mod node_fs;

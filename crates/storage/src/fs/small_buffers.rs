@@ -183,22 +183,11 @@ fn map_chunk() -> Option<NonNull<u8>> {
         MAPPED_BYTES.fetch_sub(CHUNK_BYTES, Ordering::Relaxed);
         return None;
     }
-    // SAFETY: an anonymous private mapping touches no existing memory.
-    let raw = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            CHUNK_BYTES,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-    };
-    if raw == libc::MAP_FAILED {
+    let chunk = super::anonymous_mapping::map(CHUNK_BYTES);
+    if chunk.is_none() {
         MAPPED_BYTES.fetch_sub(CHUNK_BYTES, Ordering::Relaxed);
-        return None;
     }
-    NonNull::new(raw.cast())
+    chunk
 }
 
 #[cfg(test)]
