@@ -13,7 +13,8 @@
 # Knobs (environment): ASHLAR_BIN (target/release/ashlar), DATA_DIR (/var/tmp/ashlar-write-probe),
 # VDISK_SIZE (4G), RW (write; randwrite), BS (1M), QD (8), JOBS (1; each job writes its own
 # VDISK_SIZE / JOBS, e.g. JOBS=8 QD=1 for eight streams that never share an egroup),
-# CACHE_SIZE (256M), NODE_ARGS (extra `ashlar node` flags), NBD_PORT (10941), HTTP_PORT (10942).
+# CACHE_SIZE (256M), NODE_ARGS (extra `ashlar node` flags), NBD_PORT (10941), HTTP_PORT (10942),
+# PERF=1 (records the node during the job with call graphs: /tmp/write-probe.perf).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 RUNTIME_S=${1:-10}
@@ -34,11 +35,16 @@ probe_drop_caches
 share=$(( $(numfmt --from=iec "$VDISK_SIZE") / JOBS / 1048576 ))M
 disk0=$(cat "$stat_file")
 ticks0=$(awk '{print $14 + $15}' "/proc/$NODE_PID/stat")
+if [ "${PERF:-0}" = 1 ]; then
+    perf record -F 1000 --call-graph dwarf,16384 -p "$NODE_PID" -o /tmp/write-probe.perf 2>/dev/null &
+    perf_pid=$!
+fi
 fio --name=probe --ioengine=nbd --uri="$URI" --rw="${RW:-write}" --bs="${BS:-1M}" \
     --iodepth="${QD:-8}" --numjobs="$JOBS" --size="$share" --offset_increment="$share" \
     --runtime="$RUNTIME_S" --time_based --output-format=json \
     2>/dev/null | sed -n '/^{/,$p' > "$DATA_DIR.fio.json"
 ticks1=$(awk '{print $14 + $15}' "/proc/$NODE_PID/stat")
+if [ "${PERF:-0}" = 1 ]; then kill -INT "$perf_pid"; wait "$perf_pid" 2>/dev/null || true; fi
 disk1=$(cat "$stat_file")
 echo "MiB/s $(jq '[.jobs[].write.bw] | add / 1024 | floor' "$DATA_DIR.fio.json")  node CPU ticks $((ticks1 - ticks0))  p50 us (first job) $(jq '.jobs[0].write.clat_ns.percentile["50.000000"] / 1000 | floor' "$DATA_DIR.fio.json")"
 # /sys/block/DEV/stat: field 5 writes, 7 sectors written, 8 write ticks (ms), 16 flushes.
