@@ -24,7 +24,8 @@
 # Knobs (environment; RUNTIME, RAMP, SIZE, DATA_DIR are in lib.sh):
 #   ISCSI_JOBS="randread4k:1 randread4k:32 randwrite4k:1 randwrite4k:32 seqread1m:8 seqwrite1m:8"
 #   ISCSI_SYSTEMS="tgt ashlar-iscsi ashlar-nbd"   which of the three run
-#   ISCSI_CACHE=6G (the node's --cache-size), ASHLAR_REACTORS=2, ASHLAR_BIN
+#   ISCSI_CACHE=6G (the node's --cache-size), ASHLAR_REACTORS=2, ASHLAR_BIN,
+#   ISCSI_NODE_ARGS (more `ashlar node` flags, e.g. "--poll-window-us 0"),
 #   ISCSI_TGT_PORT=3263 ISCSI_TGT_CTL=63 (tgtd portal and control socket number),
 #   ISCSI_ASHLAR_PORT=10831 ISCSI_NBD_PORT=10832 ISCSI_HTTP_PORT=10833,
 #   ISCSI_TGT_TUNE=1 (0: tgt's stock iSCSI limits), ISCSI_TGT_BSOFLAGS= (e.g. direct),
@@ -152,7 +153,7 @@ if has ashlar-iscsi "$ISCSI_SYSTEMS" || has ashlar-nbd "$ISCSI_SYSTEMS"; then
     RUST_LOG=warn "$ASHLAR_BIN" node --data-dir "$NODE_DIR" --nbd-listen "127.0.0.1:$ISCSI_NBD_PORT" \
         --http-listen "127.0.0.1:$ISCSI_HTTP_PORT" --iscsi-listen "127.0.0.1:$ISCSI_ASHLAR_PORT" \
         --reactors "$ASHLAR_REACTORS" --cache-size "$ISCSI_CACHE" --ensure-vdisk "bench:$SIZE" \
-        > "$RESULTS_DIR/logs/ashlar-iscsi.server.log" 2>&1 &
+        ${ISCSI_NODE_ARGS:-} > "$RESULTS_DIR/logs/ashlar-iscsi.server.log" 2>&1 &
     NODE_PID=$!
     { wait_port 127.0.0.1 "$ISCSI_HTTP_PORT" 60 && wait_port 127.0.0.1 "$ISCSI_NBD_PORT" 60 &&
       wait_port 127.0.0.1 "$ISCSI_ASHLAR_PORT" 60; } ||
