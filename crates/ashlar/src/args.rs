@@ -196,8 +196,8 @@ pub struct NodeArgs {
     #[arg(long, default_value = "16M", value_name = "SIZE")]
     pub io_bounce_pool: String,
     /// Bytes of freed large disk buffers (64 KiB and up: the kernel's targets for large cold
-    /// reads and the drain's reads of the oplog, and the oplog batches it writes from) the
-    /// whole node keeps for reuse (K/M/G suffixes; 0 to 16G, 0 keeps none). Reused buffers need no fresh pages from the kernel: with none kept, sequential
+    /// reads and the drain's reads of the oplog, the oplog batches it writes from, and write
+    /// payloads received from clients) the whole node keeps for reuse (K/M/G suffixes; 0 to 16G, 0 keeps none). Reused buffers need no fresh pages from the kernel: with none kept, sequential
     /// 1 MiB reads spend most of a core zeroing new pages.
     #[arg(long, default_value = "64M", value_name = "SIZE")]
     pub io_read_buffers: String,

@@ -3,6 +3,7 @@
 //!
 //! Nothing in this crate does I/O; it is depended on by every other crate.
 
+pub mod buffers;
 mod io;
 mod size;
 mod units;

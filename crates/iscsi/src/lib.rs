@@ -28,6 +28,7 @@ mod session;
 #[cfg(test)]
 mod testing;
 mod text;
+mod transfer;
 
 pub use error::IscsiError;
 pub use keepalive::NopSettings;

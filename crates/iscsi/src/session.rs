@@ -25,6 +25,7 @@ use crate::scsi::reservation::LunReservations;
 use crate::scsi::sense::{status, Sense};
 use crate::scsi::{self, Context, Nexus, ScsiResult};
 use crate::text::TextPairs;
+use crate::transfer::TransferBuffer;
 use bytes::{BufMut, Bytes, BytesMut};
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap};
@@ -661,7 +662,7 @@ struct Command {
 
 struct PendingWrite {
     command: Command,
-    buffer: BytesMut,
+    buffer: TransferBuffer,
     /// TTT of the outstanding R2T; `NO_TAG` while unsolicited data may arrive.
     ttt: u32,
     r2t_sn: u32,
@@ -1227,7 +1228,8 @@ impl<R: TargetRegistry> FullFeature<R> {
                 .insert(itt, task(TaskState::Running(Some(handle))));
             return Ok(Flow::Continue);
         }
-        let mut buffer = BytesMut::with_capacity(expected.min(session.params.first_burst as usize));
+        let mut buffer =
+            TransferBuffer::with_capacity(expected.min(session.params.first_burst as usize));
         buffer.extend_from_slice(&immediate_data);
         let pending = Box::new(PendingWrite {
             command: command.clone(),

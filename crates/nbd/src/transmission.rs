@@ -16,8 +16,9 @@ use crate::signal::{wait_readable, wait_shutdown, Readiness};
 use crate::violation::{Violation, ViolationLog};
 use crate::writer::{write_replies, Outgoing, Slot};
 use crate::NbdError;
+use ashlar_core::buffers::DiskBuf;
 use ashlar_core::BlockDevice;
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::Bytes;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
@@ -254,19 +255,15 @@ async fn read_write_payload<Rd: AsyncBufRead + Unpin>(
     read.map_err(|error| truncated(error, "a write payload", log))
 }
 
-/// Reads exactly `length` bytes without zero-filling the buffer first.
+/// Reads exactly `length` bytes into a 4 KiB-aligned buffer of the node's pools, not
+/// zero-filled first, so the disk can write from it without a copy (O_DIRECT).
 async fn read_payload<Rd: AsyncBufRead + Unpin>(
     reader: &mut Rd,
     length: usize,
 ) -> std::io::Result<Bytes> {
-    let mut buf = BytesMut::with_capacity(length);
-    while buf.len() < length {
-        let want = length - buf.len();
-        if reader.read_buf(&mut (&mut buf).limit(want)).await? == 0 {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
-        }
-    }
-    Ok(buf.freeze())
+    let mut buf = DiskBuf::for_overwrite(length);
+    reader.read_exact(buf.as_mut_slice()).await?;
+    Ok(buf.into_bytes())
 }
 
 async fn skip_payload<Rd: AsyncBufRead + Unpin>(

@@ -171,7 +171,7 @@ pub(super) async fn write_bypass(
 ) -> Result<(), IoError> {
     storage
         .store
-        .write(offset, &data)
+        .write_shared(offset, &data)
         .await
         .map_err(|e| store_error(vdisk, offset, e))
 }

@@ -17,24 +17,33 @@ use super::table::{zero_block_crc, BlockState, Entry};
 use super::{io_error, ExtentError};
 use crate::fs::{DiskFile, Filesystem};
 use crate::join::{try_run_windowed, AfterError};
-use std::borrow::Cow;
+use bytes::Bytes;
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
 
-/// A block's new content: borrowed from the batch (`src[at..at + 4096]`) or merged.
+/// A block's new content: borrowed from the batch (`src[at..at + 4096]`, with the `Bytes`
+/// that `src` is a slice of when the batch has one) or merged.
 enum Content<'a> {
-    Borrowed(&'a [u8], usize),
+    Borrowed(&'a [u8], usize, Option<&'a Bytes>),
     Owned(Box<[u8]>),
 }
 
 impl Content<'_> {
     fn bytes(&self) -> &[u8] {
         match self {
-            Content::Borrowed(src, at) => &src[*at..*at + BLOCK_LEN],
+            Content::Borrowed(src, at, _) => &src[*at..*at + BLOCK_LEN],
             Content::Owned(buf) => buf,
         }
     }
+}
+
+/// A run of consecutive blocks' data, as `write_all` hands it to the disk.
+enum RunData<'c> {
+    /// A slice of the batch's own `Bytes`: written from that memory where the disk can.
+    Shared(Bytes),
+    Borrowed(&'c [u8]),
+    Joined(Vec<u8>),
 }
 
 /// What becomes true of a block once the batch is durable.
@@ -140,7 +149,9 @@ async fn decide<'a, D: DiskFile>(
                     acts.b_entries.push((block, lost));
                 }
             }
-            BlockOp::Data { src, at } => acts.content(block, entry, Content::Borrowed(src, at)),
+            BlockOp::Data { src, at, shared } => {
+                acts.content(block, entry, Content::Borrowed(src, at, shared))
+            }
             BlockOp::Owned(buf) => acts.content(block, entry, Content::Owned(buf)),
             BlockOp::Patch { buf, ranges } => match entry.state {
                 BlockState::Hole => {
@@ -305,10 +316,14 @@ async fn write_all<D: DiskFile>(
 ) -> Result<(), ExtentError> {
     let table_runs = egroup.table_runs(tables);
     let mut ios: Vec<IoFuture<'_>> = Vec::new();
-    for (first, bytes) in data_runs(data) {
-        ios.push(Box::pin(
-            async move { egroup.write_data(first, &bytes).await },
-        ));
+    for (first, run) in data_runs(data) {
+        ios.push(Box::pin(async move {
+            match run {
+                RunData::Shared(bytes) => egroup.write_data_from(first, bytes).await,
+                RunData::Borrowed(bytes) => egroup.write_data(first, bytes).await,
+                RunData::Joined(bytes) => egroup.write_data(first, &bytes).await,
+            }
+        }));
     }
     for (first, count) in block_runs(punch) {
         ios.push(Box::pin(egroup.punch(first, count)));
@@ -320,7 +335,7 @@ async fn write_all<D: DiskFile>(
 }
 
 /// Runs of consecutive blocks; a run borrowed from one contiguous batch buffer is not copied.
-fn data_runs<'c>(items: &'c [(usize, Content<'_>)]) -> Vec<(usize, Cow<'c, [u8]>)> {
+fn data_runs<'c>(items: &'c [(usize, Content<'_>)]) -> Vec<(usize, RunData<'c>)> {
     let mut runs = Vec::new();
     let mut i = 0;
     while i < items.len() {
@@ -330,21 +345,25 @@ fn data_runs<'c>(items: &'c [(usize, Content<'_>)]) -> Vec<(usize, Cow<'c, [u8]>
         }
         let run = &items[i..j];
         let contiguous = run.windows(2).all(|w| match (&w[0].1, &w[1].1) {
-            (Content::Borrowed(a, at_a), Content::Borrowed(b, at_b)) => {
+            (Content::Borrowed(a, at_a, _), Content::Borrowed(b, at_b, _)) => {
                 std::ptr::eq(*a, *b) && *at_b == at_a + BLOCK_LEN
             }
             _ => false,
         });
         let bytes = match (&run[0].1, contiguous) {
-            (Content::Borrowed(src, at), true) => {
-                Cow::Borrowed(&src[*at..*at + run.len() * BLOCK_LEN])
+            (Content::Borrowed(src, at, shared), true) => {
+                let slice = &src[*at..*at + run.len() * BLOCK_LEN];
+                match shared {
+                    Some(shared) => RunData::Shared(shared.slice_ref(slice)),
+                    None => RunData::Borrowed(slice),
+                }
             }
             _ => {
                 let mut joined = Vec::with_capacity(run.len() * BLOCK_LEN);
                 for (_, content) in run {
                     joined.extend_from_slice(content.bytes());
                 }
-                Cow::Owned(joined)
+                RunData::Joined(joined)
             }
         };
         runs.push((run[0].0, bytes));

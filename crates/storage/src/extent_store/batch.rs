@@ -3,6 +3,7 @@
 //! two-slot protocol allows one unsynced overwrite per block, not two).
 
 use super::format::{BLOCK, BLOCKS_PER_EGROUP, BLOCK_LEN, EGROUP_SPAN_BYTES};
+use bytes::Bytes;
 use std::collections::BTreeMap;
 
 /// Writes, zeroings and lost ranges applied together by [`super::ExtentStore::apply`], which
@@ -15,9 +16,21 @@ pub struct WriteBatch<'a> {
 
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Op<'a> {
-    Write { offset: u64, data: &'a [u8] },
-    Zero { offset: u64, length: u64 },
-    Lost { offset: u64, length: u64 },
+    /// `shared`: the `Bytes` that `data` is a slice of, when the caller has one: whole
+    /// blocks are then written from it without a copy (`DiskFile::write_from`).
+    Write {
+        offset: u64,
+        data: &'a [u8],
+        shared: Option<&'a Bytes>,
+    },
+    Zero {
+        offset: u64,
+        length: u64,
+    },
+    Lost {
+        offset: u64,
+        length: u64,
+    },
 }
 
 impl<'a> WriteBatch<'a> {
@@ -27,8 +40,23 @@ impl<'a> WriteBatch<'a> {
 
     /// Writes `data` at vdisk `offset` (any alignment).
     pub fn write(&mut self, offset: u64, data: &'a [u8]) -> &mut Self {
+        self.push_write(offset, data, None)
+    }
+
+    /// Writes `data` at vdisk `offset` like [`WriteBatch::write`]; runs of whole blocks go to
+    /// the disk from `data` itself where the disk can take it (a 4 KiB-aligned buffer, such as
+    /// a front-end's `DiskBuf` payload, and O_DIRECT), not from a copy.
+    pub fn write_shared(&mut self, offset: u64, data: &'a Bytes) -> &mut Self {
+        self.push_write(offset, data, Some(data))
+    }
+
+    fn push_write(&mut self, offset: u64, data: &'a [u8], shared: Option<&'a Bytes>) -> &mut Self {
         if !data.is_empty() {
-            self.ops.push(Op::Write { offset, data });
+            self.ops.push(Op::Write {
+                offset,
+                data,
+                shared,
+            });
         }
         self
     }
@@ -104,18 +132,23 @@ impl<'a> WriteBatch<'a> {
 impl<'a> Op<'a> {
     fn range(&self) -> (u64, u64) {
         match *self {
-            Op::Write { offset, data } => (offset, data.len() as u64),
+            Op::Write { offset, data, .. } => (offset, data.len() as u64),
             Op::Zero { offset, length } | Op::Lost { offset, length } => (offset, length),
         }
     }
 
     fn clip(&self, offset: u64, length: u64) -> Op<'a> {
         match *self {
-            Op::Write { offset: at, data } => {
+            Op::Write {
+                offset: at,
+                data,
+                shared,
+            } => {
                 let skip = (offset - at) as usize;
                 Op::Write {
                     offset,
                     data: &data[skip..skip + length as usize],
+                    shared,
                 }
             }
             Op::Zero { .. } => Op::Zero { offset, length },
@@ -136,10 +169,12 @@ impl<'a> Op<'a> {
 /// The new content of one block, or what happens to it.
 #[derive(Debug)]
 pub(crate) enum BlockOp<'a> {
-    /// The whole block is `src[at..at + 4096]` (borrowed from the batch).
+    /// The whole block is `src[at..at + 4096]` (borrowed from the batch; `shared` is the
+    /// `Bytes` that `src` is a slice of, if the batch has one).
     Data {
         src: &'a [u8],
         at: usize,
+        shared: Option<&'a Bytes>,
     },
     /// The whole block, merged from several operations.
     Owned(Box<[u8]>),
@@ -159,7 +194,7 @@ impl BlockOp<'_> {
         let end = at + bytes.len();
         match self {
             BlockOp::Lost => BlockOp::Lost,
-            BlockOp::Data { src, at: from } => {
+            BlockOp::Data { src, at: from, .. } => {
                 let mut buf: Box<[u8]> = src[from..from + BLOCK_LEN].into();
                 buf[at..end].copy_from_slice(bytes);
                 BlockOp::Owned(buf)
@@ -227,9 +262,10 @@ pub(crate) fn plan<'a>(egroup: u64, ops: &[Op<'a>]) -> BTreeMap<usize, BlockOp<'
             let next = match (op, whole) {
                 (Op::Lost { .. }, _) => BlockOp::Lost,
                 (Op::Zero { .. }, true) => BlockOp::Zero,
-                (Op::Write { data, .. }, true) => BlockOp::Data {
+                (Op::Write { data, shared, .. }, true) => BlockOp::Data {
                     src: data,
                     at: (at - offset) as usize,
+                    shared: *shared,
                 },
                 (Op::Zero { .. }, false) => overlay(previous, in_block, &vec![0u8; take]),
                 (Op::Write { data, .. }, false) => {

@@ -189,6 +189,22 @@ impl<D: DiskFile> Egroup<D> {
             .map_err(|e| io_error(&self.path, Some(at), e))
     }
 
+    /// Writes whole blocks starting at egroup block `first` from `bytes` itself where the
+    /// file can (`DiskFile::write_from`), else as `write_data`.
+    pub(crate) async fn write_data_from(
+        &self,
+        first: usize,
+        bytes: bytes::Bytes,
+    ) -> Result<(), ExtentError> {
+        self.unsynced
+            .set(self.unsynced.get() | extent_bits(first, bytes.len() / BLOCK_LEN));
+        let at = data_offset(first);
+        self.file
+            .write_from(bytes, at, false)
+            .await
+            .map_err(|e| io_error(&self.path, Some(at), e))
+    }
+
     pub(crate) async fn punch(&self, first: usize, count: usize) -> Result<(), ExtentError> {
         self.unsynced
             .set(self.unsynced.get() | extent_bits(first, count));

@@ -138,6 +138,13 @@ impl<F: Filesystem> ExtentStore<F> {
         self.apply(WriteBatch::new().write(offset, data)).await
     }
 
+    /// As [`ExtentStore::write`], writing whole blocks from `data`'s own memory where the disk
+    /// can (see [`WriteBatch::write_shared`]).
+    pub async fn write_shared(&self, offset: u64, data: &Bytes) -> Result<(), ExtentError> {
+        self.apply(WriteBatch::new().write_shared(offset, data))
+            .await
+    }
+
     /// Makes the range read as zeros (whole blocks become holes, their space freed); durable
     /// when it returns `Ok`.
     pub async fn write_zeroes(&self, offset: u64, length: u64) -> Result<(), ExtentError> {

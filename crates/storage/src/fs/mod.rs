@@ -20,19 +20,15 @@
 //! All types here are single-threaded: one reactor thread owns each open file. (The simulated
 //! disk is `Send + Sync` so that controllers on several reactors can share one.)
 
-mod anonymous_mapping;
-pub mod disk_buf;
-pub mod large_buffers;
 pub mod node_fs;
 pub mod sim;
-pub mod small_buffers;
 pub mod std_fs;
 pub mod uring;
 
 use std::io;
 use std::path::{Path, PathBuf};
 
-pub use disk_buf::DiskBuf;
+pub use ashlar_core::buffers::{disk_buf, large_buffers, small_buffers, DiskBuf};
 pub use node_fs::{NodeFile, NodeFs};
 pub use sim::{SimFile, SimFs};
 pub use std_fs::{StdFs, StdFsFile};

@@ -1,5 +1,7 @@
 //! [`DiskBuf`]: a buffer a read fills and then hands over whole, so data read from the disk
-//! reaches a client's reply without being copied on the way (see [`super::DiskFile::read_new`]).
+//! reaches a client's reply without being copied on the way (see
+//! `ashlar_storage::fs::DiskFile::read_new`), and a buffer a front-end receives a write's
+//! payload into, so the disk writes from it without a copy (`DiskFile::write_from`).
 //! Small ones are slots of [`super::small_buffers`], larger ones mappings recycled through
 //! [`super::large_buffers`]; the heap serves only what the slots' limit leaves over and what
 //! the kernel refuses to map.
@@ -11,7 +13,7 @@ use std::alloc::{self, Layout};
 use std::ptr::NonNull;
 
 /// Alignment of every `DiskBuf`: what O_DIRECT needs of a buffer's address.
-pub const DISK_BUF_ALIGN_BYTES: usize = super::DIRECT_IO_ALIGNMENT_BYTES as usize;
+pub const DISK_BUF_ALIGN_BYTES: usize = crate::BLOCK_SIZE_BYTES as usize;
 
 /// A 4 KiB-aligned heap buffer of initialised bytes that owns its memory. Its address never
 /// changes while it lives (moving the value moves only the pointer), so the kernel may be
@@ -45,12 +47,26 @@ impl DiskBuf {
         unsafe { DiskBuf::allocate(len, true) }
     }
 
+    /// `len` bytes to be overwritten in full (a write payload received from a socket), not
+    /// zeroed first: zeros or a former user's bytes, never uninitialised memory. The pools'
+    /// memory is initialised once mapped (zero pages) and only ever written after that; only
+    /// the heap fallback is zeroed here.
+    pub fn for_overwrite(len: usize) -> DiskBuf {
+        // SAFETY: memory from the pools is initialised (see above); the heap's is zeroed.
+        let buf = unsafe { DiskBuf::allocate(len, false) };
+        if buf.memory == Memory::Heap {
+            // SAFETY: the allocation has `len` writable bytes; writing initialises them.
+            unsafe { std::ptr::write_bytes(buf.ptr.as_ptr(), 0, len) };
+        }
+        buf
+    }
+
     /// `len` bytes the caller must write in full, through [`DiskBuf::as_mut_ptr_at`], before
     /// anything reads them (through a slice or `into_bytes`).
     ///
     /// # Safety
     /// Reading a byte not yet written is undefined behaviour.
-    pub(crate) unsafe fn uninit(len: usize) -> DiskBuf {
+    pub unsafe fn uninit(len: usize) -> DiskBuf {
         // SAFETY: passed on to our caller.
         unsafe { DiskBuf::allocate(len, false) }
     }
@@ -124,7 +140,7 @@ impl DiskBuf {
     }
 
     /// Address of byte `at` (at most `len`), for the kernel to write into.
-    pub(crate) fn as_mut_ptr_at(&mut self, at: usize) -> *mut u8 {
+    pub fn as_mut_ptr_at(&mut self, at: usize) -> *mut u8 {
         assert!(at <= self.len);
         // SAFETY: `at` is within the allocation, or one past its end (checked above).
         unsafe { self.ptr.as_ptr().add(at) }

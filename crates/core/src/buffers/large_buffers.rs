@@ -3,7 +3,7 @@
 //! and a dropped one waits on a node-wide free list for the next buffer of its size class (a
 //! large read's target, an oplog batch) instead of going back to the kernel, up to a
 //! configurable total ([`set_free_limit_bytes`]). If the kernel refuses a new mapping, the
-//! buffer comes from the heap instead ([`super::anonymous_mapping`]).
+//! buffer comes from the heap instead (`anonymous_mapping`).
 //!
 //! Why not the allocator: a read buffer must be 4 KiB-aligned, and glibc serves an aligned
 //! 1 MiB request from a chunk larger than the 1 MiB one that was just freed, so freed read
