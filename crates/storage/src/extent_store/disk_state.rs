@@ -180,29 +180,31 @@ impl<D: DiskFile> Egroup<D> {
 
     /// Writes whole blocks starting at egroup block `first`.
     pub(crate) async fn write_data(&self, first: usize, bytes: &[u8]) -> Result<(), ExtentError> {
-        self.unsynced
-            .set(self.unsynced.get() | extent_bits(first, bytes.len() / BLOCK_LEN));
-        let at = data_offset(first);
+        let at = self.start_data_write(first, bytes.len());
         self.file
             .write_at(bytes, at)
             .await
             .map_err(|e| io_error(&self.path, Some(at), e))
     }
 
-    /// Writes whole blocks starting at egroup block `first` from `bytes` itself where the
-    /// file can (`DiskFile::write_from`), else as `write_data`.
+    /// As `write_data`, from `bytes` itself where the file can (`DiskFile::write_from`).
     pub(crate) async fn write_data_from(
         &self,
         first: usize,
         bytes: bytes::Bytes,
     ) -> Result<(), ExtentError> {
-        self.unsynced
-            .set(self.unsynced.get() | extent_bits(first, bytes.len() / BLOCK_LEN));
-        let at = data_offset(first);
+        let at = self.start_data_write(first, bytes.len());
         self.file
             .write_from(bytes, at, false)
             .await
             .map_err(|e| io_error(&self.path, Some(at), e))
+    }
+
+    /// Marks the extents of `len` bytes of blocks from `first` unsynced; their file offset.
+    fn start_data_write(&self, first: usize, len: usize) -> u64 {
+        self.unsynced
+            .set(self.unsynced.get() | extent_bits(first, len / BLOCK_LEN));
+        data_offset(first)
     }
 
     pub(crate) async fn punch(&self, first: usize, count: usize) -> Result<(), ExtentError> {
