@@ -20,21 +20,9 @@ BIN=${1:?usage: iscsi-cpu.sh BIN write|read [stat|profile]}
 RW=${2:?usage: iscsi-cpu.sh BIN write|read [stat|profile]}
 MODE=${3:-stat}
 FIO=${FIO_ISCSI:-$("$HERE/../../shared/bench/peers/build-fio-libiscsi.sh" 2>/dev/null)}
-DIR=/tmp/iscsi-cpu-node
-INITIATOR=iqn.2019-04.org.fio:fio
-FN='iscsi\://127.0.0.1\:19091/iqn.2024-01.io.ashlar\:bench/0'
-rm -rf "$DIR"; mkdir -p "$DIR"
-RUST_LOG=warn "$BIN" node --data-dir "$DIR" --nbd-listen 127.0.0.1:19092 \
-    --http-listen 127.0.0.1:19093 --iscsi-listen 127.0.0.1:19091 --reactors 2 \
-    --cache-size 3G --ensure-vdisk bench:2G ${NODE_ARGS:-} > "$DIR.log" 2>&1 &
-NODE=$!
-trap 'kill $NODE 2>/dev/null; wait $NODE 2>/dev/null || true' EXIT
-for _ in $(seq 50); do curl -sf http://127.0.0.1:19093/healthz >/dev/null && break; sleep 0.2; done
-export ASHLAR_SERVER=http://127.0.0.1:19093
-"$BIN" vg create bench >/dev/null
-"$BIN" vg add-disk bench bench >/dev/null
-"$BIN" vg attach bench --initiator "$INITIATOR" >/dev/null
-job() { "$FIO" --name="$1" --ioengine=libiscsi --filename="$FN" --initiator="$INITIATOR" \
+source "$HERE/iscsi-probe-lib.sh"
+iscsi_probe_node "$BIN" /tmp/iscsi-cpu-node 19091 2G
+job() { "$FIO" --name="$1" --ioengine=libiscsi --filename="$ISCSI_FN" --initiator="$INITIATOR" \
     --rw="$2" --bs=1M --iodepth=8 --size=2G --output-format=json; }
 if [ "$RW" = read ] || [ "${FILL:-0}" = 1 ]; then job fill write >/dev/null; sleep 2; fi
 if [ "$MODE" = profile ]; then

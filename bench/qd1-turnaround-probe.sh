@@ -11,6 +11,8 @@
 #
 #   bench/qd1-turnaround-probe.sh [BIN] [RUNTIME_S]      (as root)
 #
+# PERF=1 records a CPU profile of the node during each job instead (with
+# NODE_ARGS="--poll-window-us 0": where a QD1 read's CPU goes without the poll window).
 # Knobs (environment): NODE_ARGS (more `ashlar node` flags), ROUNDS (2), FIO_ISCSI (default:
 # what ../shared/bench/peers/build-fio-libiscsi.sh builds; the nbd engine comes from the
 # system's fio).
@@ -19,28 +21,33 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 BIN=${1:-$HERE/../target/release/ashlar}
 RUNTIME_S=${2:-5}
 FIO_ISCSI=${FIO_ISCSI:-$("$HERE/../../shared/bench/peers/build-fio-libiscsi.sh" 2>/dev/null)}
-DIR=/tmp/qd1-turnaround-node
-INITIATOR=iqn.2019-04.org.fio:fio
-FN='iscsi\://127.0.0.1\:19191/iqn.2024-01.io.ashlar\:bench/0'
-rm -rf "$DIR"; mkdir -p "$DIR"
-# shellcheck disable=SC2086 # NODE_ARGS is a list of flags
-RUST_LOG=warn "$BIN" node --data-dir "$DIR" --nbd-listen 127.0.0.1:19192 \
-    --http-listen 127.0.0.1:19193 --iscsi-listen 127.0.0.1:19191 --reactors 2 \
-    --cache-size 3G --ensure-vdisk bench:1G ${NODE_ARGS:-} > "$DIR.log" 2>&1 &
-NODE=$!
-trap 'kill $NODE 2>/dev/null; wait $NODE 2>/dev/null || true' EXIT
-for _ in $(seq 50); do curl -sf http://127.0.0.1:19193/healthz >/dev/null && break; sleep 0.2; done
-export ASHLAR_SERVER=http://127.0.0.1:19193
-"$BIN" vg create bench >/dev/null
-"$BIN" vg add-disk bench bench >/dev/null
-"$BIN" vg attach bench --initiator "$INITIATOR" >/dev/null
-iscsi_job() { "$FIO_ISCSI" --ioengine=libiscsi --filename="$FN" --initiator="$INITIATOR" "$@"; }
+source "$HERE/iscsi-probe-lib.sh"
+iscsi_probe_node "$BIN" /tmp/qd1-turnaround-node 19191 1G
+iscsi_job() { "$FIO_ISCSI" --ioengine=libiscsi --filename="$ISCSI_FN" --initiator="$INITIATOR" "$@"; }
 # Written, then read once at 4 KiB so every read of the measured jobs is a cache hit.
 iscsi_job --name=fill --rw=write --bs=1M --iodepth=8 --size=1G >/dev/null
 iscsi_job --name=warm --rw=read --bs=4k --iodepth=32 --size=1G >/dev/null
 sleep 2
 
+# PERF=1: a CPU profile of the node (call graphs) during each job instead of the trace.
+profile() { # NAME fio-command...
+    local name=$1 out=/tmp/qd1-turnaround.$1.cpu.perf
+    shift
+    ( sleep 1; perf record -F 2000 --call-graph dwarf,16384 -p "$NODE" -o "$out" \
+        -- sleep 3 >/dev/null 2>&1 ) &
+    local recorder=$!
+    "$@" --name="$name" --rw=randread --bs=4k --iodepth=1 --size=1G --time_based \
+        --runtime="$RUNTIME_S" > /dev/null
+    wait "$recorder" || true
+    echo "$name: profile $out, by module:"
+    perf report -i "$out" --no-children --stdio --sort dso 2>/dev/null | grep -E '^ +[0-9]'
+}
+
 measure() { # NAME fio-command...
+    if [ "${PERF:-0}" = 1 ]; then
+        profile "$@"
+        return
+    fi
     local name=$1 trace=/tmp/qd1-turnaround.$1
     shift
     ( sleep 2; perf record -e raw_syscalls:sys_enter,raw_syscalls:sys_exit -p "$NODE" \
