@@ -298,10 +298,15 @@ async fn reopen_right_after_drop_waits_for_the_release() {
             .grant_lease(Duration::from_millis(1))
             .await
             .expect("grant");
-        store
+        // A 1 ms lease may already have expired when the put arrives (CI saw it): the
+        // store then refuses the put, which is right; what is tested is the reopen.
+        match store
             .put(format!("/round/{round}"), b"x", Some(lease))
             .await
-            .expect("put");
+        {
+            Ok(_) | Err(MetaError::LeaseNotFound(_)) => {}
+            Err(e) => panic!("put in round {round}: {e}"),
+        }
         tokio::time::sleep(Duration::from_millis(round % 3)).await;
     }
 }
