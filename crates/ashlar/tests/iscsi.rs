@@ -469,22 +469,37 @@ fn raw_session_reads_writes_and_discovers() {
     assert_eq!(missing.status, 0x02);
     assert_eq!((missing.sense[12], missing.sense[13]), (0x25, 0x00));
     // The same with CRC32C header and data digests on every PDU.
-    let mut digested = login(
-        node.iscsi_port,
-        &LoginSpec {
-            initiator: INITIATOR_2,
-            target: Some(&target),
-            chap: None,
-            mutual: None,
-            digests: true,
-        },
-    )
-    .unwrap_or_else(|e| panic!("login with digests: {e:?}"));
+    let with_digests = LoginSpec {
+        initiator: INITIATOR_2,
+        target: Some(&target),
+        chap: None,
+        mutual: None,
+        digests: true,
+    };
+    let mut digested = login(node.iscsi_port, &with_digests)
+        .unwrap_or_else(|e| panic!("login with digests: {e:?}"));
     assert_eq!(digested.ping(b"crc"), b"crc");
     let read = digested.read16(1, 8, (data.len() / 512) as u32);
     assert!(read.data == data, "read with digests");
     assert_eq!(digested.write16(1, 0, &data[..8192]).status, 0);
-    // A corrupted data digest ends that connection only.
+    // Solicited Data-Out with digests (read straight into the transfer's buffer).
+    let rewritten = rng.bytes(192 << 10);
+    assert_eq!(digested.write16(1, 64, &rewritten).status, 0);
+    assert!(
+        digested.read16(1, 64, 384).data == rewritten,
+        "write with digests"
+    );
+    // A Data-Out with a corrupted data digest ends that connection only; its write changes
+    // nothing.
+    digested.write16_with_bad_data_out_digest(1, 64, &rng.bytes(192 << 10));
+    assert!(digested.raw.closed_by_target(), "bad Data-Out data digest");
+    assert!(
+        session.read16(1, 64, 384).data == rewritten,
+        "the bad write wrote nothing"
+    );
+    let mut digested = login(node.iscsi_port, &with_digests)
+        .unwrap_or_else(|e| panic!("login with digests again: {e:?}"));
+    // So does a corrupted data digest on a PDU read whole (a NOP-Out).
     let mut bhs = ashlar_iscsi::pdu::Bhs::new(ashlar_iscsi::pdu::op::NOP_OUT);
     bhs.0[0] |= 0x40;
     bhs.set_flags(0x80);

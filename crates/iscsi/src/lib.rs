@@ -21,6 +21,7 @@ pub mod login;
 pub mod lun;
 mod params;
 pub mod pdu;
+mod reading;
 mod registry;
 mod reinstate;
 pub mod scsi;

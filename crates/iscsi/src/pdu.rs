@@ -248,6 +248,27 @@ pub fn frame_layout(bhs: &Bhs, digests: Digests, max_data: u32) -> Result<FrameL
     })
 }
 
+/// Checks the header digest `sent` (as it came on the wire) against the BHS and AHS.
+pub fn check_header_digest(bhs: &Bhs, ahs: &[u8], sent: &[u8]) -> Result<(), PduError> {
+    let sent = u32::from_le_bytes(sent.try_into().expect("4 bytes"));
+    let computed = crc32c::crc32c_append(crc32c::crc32c(&bhs.0), ahs);
+    if sent != computed {
+        return Err(PduError::HeaderDigest { sent, computed });
+    }
+    Ok(())
+}
+
+/// Checks the data digest `sent` (as it came on the wire) against the data segment and its
+/// padding.
+pub fn check_data_digest(data: &[u8], padding: &[u8], sent: &[u8]) -> Result<(), PduError> {
+    let sent = u32::from_le_bytes(sent.try_into().expect("4 bytes"));
+    let computed = crc32c::crc32c_append(crc32c::crc32c(data), padding);
+    if sent != computed {
+        return Err(PduError::DataDigest { sent, computed });
+    }
+    Ok(())
+}
+
 /// Decodes what follows a BHS (exactly `layout.rest_len()` bytes), checking the digests.
 pub fn decode_rest(bhs: Bhs, layout: FrameLayout, rest: Bytes) -> Result<Pdu, PduError> {
     if rest.len() != layout.rest_len() {
@@ -256,21 +277,15 @@ pub fn decode_rest(bhs: Bhs, layout: FrameLayout, rest: Bytes) -> Result<Pdu, Pd
     let ahs = rest.slice(..layout.ahs_bytes);
     let mut at = layout.ahs_bytes;
     if layout.header_digest {
-        let sent = u32::from_le_bytes(rest[at..at + 4].try_into().expect("4 bytes"));
-        let computed = crc32c::crc32c_append(crc32c::crc32c(&bhs.0), &ahs);
-        if sent != computed {
-            return Err(PduError::HeaderDigest { sent, computed });
-        }
+        check_header_digest(&bhs, &ahs, &rest[at..at + DIGEST_LEN])?;
         at += DIGEST_LEN;
     }
     let data = rest.slice(at..at + layout.data_bytes);
-    at += layout.data_bytes + layout.padding;
+    at += layout.data_bytes;
+    let padding = &rest[at..at + layout.padding];
+    at += layout.padding;
     if layout.data_digest && layout.data_bytes > 0 {
-        let sent = u32::from_le_bytes(rest[at..at + 4].try_into().expect("4 bytes"));
-        let computed = crc32c::crc32c(&rest[at - layout.data_bytes - layout.padding..at]);
-        if sent != computed {
-            return Err(PduError::DataDigest { sent, computed });
-        }
+        check_data_digest(&data, padding, &rest[at..at + DIGEST_LEN])?;
     }
     Ok(Pdu { bhs, ahs, data })
 }

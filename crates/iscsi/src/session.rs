@@ -19,14 +19,15 @@ use crate::limits::{Effective, IscsiLimits};
 use crate::login::{self, Login, LoginReply, LoginRequest, SessionKind, Step};
 use crate::lun::Lun;
 use crate::params::SessionParams;
-use crate::pdu::{self, op, reject, Bhs, Digests, Pdu, BHS_LEN, NO_TAG};
+use crate::pdu::{self, op, reject, Bhs, Digests, Pdu, NO_TAG};
+use crate::reading::{self, read_pdu};
 use crate::registry::{LogicalUnit, TargetRegistry};
 use crate::scsi::reservation::LunReservations;
 use crate::scsi::sense::{status, Sense};
 use crate::scsi::{self, Context, Nexus, ScsiResult};
 use crate::text::TextPairs;
-use crate::transfer::TransferBuffer;
-use bytes::{BufMut, Bytes, BytesMut};
+use crate::transfer::{Receiving, TransferBuffer};
+use bytes::{Bytes, BytesMut};
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap};
 use std::rc::Rc;
@@ -367,42 +368,6 @@ fn peer_gone(error: &std::io::Error) -> bool {
     )
 }
 
-/// Reads one PDU; `Ok(None)` when the initiator closed the connection between PDUs.
-pub(crate) async fn read_pdu<Rd: AsyncBufRead + Unpin>(
-    reader: &mut Rd,
-    digests: Digests,
-    max_data: u32,
-) -> Result<Option<Pdu>, IscsiError> {
-    let mut header = [0u8; BHS_LEN];
-    // A clean close before the first byte is an orderly end.
-    let first = reader.read(&mut header[..1]).await?;
-    if first == 0 {
-        return Ok(None);
-    }
-    reader
-        .read_exact(&mut header[1..])
-        .await
-        .map_err(IscsiError::reading)?;
-    let bhs = Bhs(header);
-    let layout = pdu::frame_layout(&bhs, digests, max_data)?;
-    // Read into spare capacity: a large data segment is not zero-filled first.
-    let length = layout.rest_len();
-    let mut rest = BytesMut::with_capacity(length);
-    while rest.len() < length {
-        let want = length - rest.len();
-        let read = reader
-            .read_buf(&mut (&mut rest).limit(want))
-            .await
-            .map_err(IscsiError::reading)?;
-        if read == 0 {
-            return Err(IscsiError::reading(
-                std::io::ErrorKind::UnexpectedEof.into(),
-            ));
-        }
-    }
-    Ok(Some(pdu::decode_rest(bhs, layout, rest.freeze())?))
-}
-
 /// Sequence numbers of the connection: StatSN (stamped by the writer) and the CmdSN window
 /// (ExpCmdSN advanced by the reader, MaxCmdSN derived from the commands in flight).
 #[derive(Debug, Default)]
@@ -673,6 +638,53 @@ struct PendingWrite {
     charge: Option<OwnedSemaphorePermit>,
 }
 
+impl PendingWrite {
+    /// Where the data the transfer may receive now ends: its first burst while no R2T is
+    /// outstanding (unsolicited data), else the outstanding R2T's burst.
+    fn limit(&self, params: &SessionParams) -> usize {
+        if self.ttt == NO_TAG {
+            (params.first_burst as usize).min(self.command.expected as usize)
+        } else {
+            self.burst_end
+        }
+    }
+
+    /// `Some(limit)` when a Data-Out (`bhs`, `len` bytes of data) continues the transfer:
+    /// its TTT, buffer offset and DataSN are the next ones and it ends within the limit.
+    fn continued_by(&self, bhs: &Bhs, len: usize, params: &SessionParams) -> Option<usize> {
+        let limit = self.limit(params);
+        let offset = bhs.u32_at(40) as usize;
+        let continues = bhs.u32_at(20) == self.ttt
+            && offset == self.buffer.len()
+            && offset + len <= limit
+            && bhs.u32_at(36) == self.data_sn;
+        continues.then_some(limit)
+    }
+
+    /// Counts in a Data-Out whose data is now in the buffer.
+    fn received(&mut self, bhs: &Bhs, limit: usize) -> Progress {
+        self.data_sn = self.data_sn.wrapping_add(1);
+        let received = self.buffer.len();
+        if received == self.command.expected as usize {
+            Progress::Complete
+        } else if bhs.final_bit() || received == limit {
+            Progress::BurstDone
+        } else {
+            Progress::Receiving
+        }
+    }
+}
+
+/// Where a write transfer stands after a Data-Out.
+enum Progress {
+    /// All its data is in: it runs.
+    Complete,
+    /// The current burst is in: the next R2T is due.
+    BurstDone,
+    /// More of the current burst is to come.
+    Receiving,
+}
+
 enum TaskState {
     AwaitingData(Box<PendingWrite>),
     /// Waiting for budget before its first R2T.
@@ -758,6 +770,44 @@ impl<D: ashlar_core::BlockDevice + 'static> Session<D> {
             lun_count: self.luns.len(),
             max_transfer: self.limits.max_transfer,
         }
+    }
+
+    /// Reads the next PDU. A Data-Out that continues its write transfer is read straight
+    /// into the transfer's buffer, without a copy on the way.
+    async fn read_incoming<Rd: AsyncBufRead + Unpin>(
+        &self,
+        reader: &mut Rd,
+        digests: Digests,
+        max_data: u32,
+    ) -> Result<Option<Incoming>, IscsiError> {
+        let Some(bhs) = reading::read_bhs(reader).await? else {
+            return Ok(None);
+        };
+        let layout = pdu::frame_layout(&bhs, digests, max_data)?;
+        if let Some(mut receiving) = self.lend_transfer(&bhs, &layout) {
+            // On an error the connection ends, and with it the transfer (never taken back).
+            reading::read_data_segment_into(reader, &bhs, &layout, receiving.target()).await?;
+            return Ok(Some(Incoming::DataOut(bhs, receiving)));
+        }
+        let pdu = reading::read_rest(reader, bhs, layout).await?;
+        Ok(Some(Incoming::Pdu(pdu)))
+    }
+
+    /// The buffer of the write transfer a Data-Out continues, lent out to receive its data.
+    fn lend_transfer(&self, bhs: &Bhs, layout: &pdu::FrameLayout) -> Option<Receiving> {
+        if bhs.opcode() != op::DATA_OUT || layout.ahs_bytes != 0 || layout.data_bytes == 0 {
+            return None;
+        }
+        let mut tasks = self.tasks.borrow_mut();
+        let Some(Task {
+            state: TaskState::AwaitingData(pending),
+            ..
+        }) = tasks.get_mut(&bhs.itt())
+        else {
+            return None;
+        };
+        pending.continued_by(bhs, layout.data_bytes, &self.params)?;
+        Some(pending.buffer.lend(layout.data_bytes))
     }
 
     /// Aborts every task for which `select` holds (and `also` on its state); returns how many.
@@ -928,6 +978,13 @@ struct FullFeature<R: TargetRegistry> {
     target_moved: bool,
 }
 
+/// What the reader read.
+enum Incoming {
+    Pdu(Pdu),
+    /// A Data-Out whose data is already in its transfer's buffer, lent out for it.
+    DataOut(Bhs, Receiving),
+}
+
 /// Why the reader loop stops.
 enum Flow {
     Continue,
@@ -981,12 +1038,18 @@ impl<R: TargetRegistry> FullFeature<R> {
                     self.session.abort_where(|_| true, |_| true);
                     return Err(IscsiError::Unresponsive(waited));
                 }
-                pdu = read_pdu(reader, self.digests, max_data) => pdu,
+                incoming = session.read_incoming(reader, self.digests, max_data) => incoming,
             };
             let pdu = match next {
-                Ok(Some(pdu)) => {
+                Ok(Some(incoming)) => {
                     self.session.received.set(self.session.received.get() + 1);
-                    pdu
+                    match incoming {
+                        Incoming::Pdu(pdu) => pdu,
+                        Incoming::DataOut(bhs, receiving) => {
+                            self.data_out_received(bhs, receiving);
+                            continue;
+                        }
+                    }
                 }
                 Ok(None) => return Ok(()),
                 Err(error) => {
@@ -1324,31 +1387,23 @@ impl<R: TargetRegistry> FullFeature<R> {
     async fn data_out(&mut self, pdu: Pdu, log: &mut ViolationLog) -> Result<Flow, IscsiError> {
         let bhs = pdu.bhs;
         let itt = bhs.itt();
-        let ttt = bhs.u32_at(20);
-        let offset = bhs.u32_at(40) as usize;
-        let final_ = bhs.final_bit();
         let session = self.session.clone();
         // Err(true): the data does not continue the transfer; Err(false): no such task.
-        let outcome: Result<(bool, bool), bool> = {
+        let outcome: Result<Progress, bool> = {
             let mut tasks = session.tasks.borrow_mut();
             match tasks.get_mut(&itt) {
                 Some(Task {
                     state: TaskState::AwaitingData(pending),
                     ..
-                }) => {
-                    let expected = pending.command.expected as usize;
-                    let end = offset + pdu.data.len();
-                    let limit = if pending.ttt == NO_TAG {
-                        (session.params.first_burst as usize).min(expected)
-                    } else {
-                        pending.burst_end
-                    };
-                    let data_sn = bhs.u32_at(36);
-                    if ttt != pending.ttt
-                        || offset != pending.buffer.len()
-                        || end > limit
-                        || data_sn != pending.data_sn
-                    {
+                }) => match pending.continued_by(&bhs, pdu.data.len(), &session.params) {
+                    Some(limit) => {
+                        pending.buffer.extend_from_slice(&pdu.data);
+                        Ok(pending.received(&bhs, limit))
+                    }
+                    None => {
+                        let (ttt, offset, data_sn) =
+                            (bhs.u32_at(20), bhs.u32_at(40), bhs.u32_at(36));
+                        let end = offset as usize + pdu.data.len();
                         log.report(
                             Violation::DataOut,
                             &format_args!(
@@ -1356,13 +1411,8 @@ impl<R: TargetRegistry> FullFeature<R> {
                             ),
                         );
                         Err(true)
-                    } else {
-                        pending.buffer.extend_from_slice(&pdu.data);
-                        pending.data_sn = pending.data_sn.wrapping_add(1);
-                        let received = pending.buffer.len();
-                        Ok((received == expected, final_ || received == limit))
                     }
-                }
+                },
                 _ => {
                     // A command refused early, aborted, or never sent: its data is dropped.
                     log.report(
@@ -1373,7 +1423,7 @@ impl<R: TargetRegistry> FullFeature<R> {
                 }
             }
         };
-        let (complete, burst_done) = match outcome {
+        let progress = match outcome {
             Ok(progress) => progress,
             Err(false) => return Ok(Flow::Continue),
             Err(true) => {
@@ -1390,12 +1440,38 @@ impl<R: TargetRegistry> FullFeature<R> {
                 return Ok(Flow::Continue);
             }
         };
-        if complete {
-            self.start_write(itt);
-        } else if burst_done {
-            self.solicit(itt);
-        }
+        self.proceed(itt, progress);
         Ok(Flow::Continue)
+    }
+
+    /// A Data-Out's data, read straight into its transfer's buffer (see
+    /// [`Session::lend_transfer`]), is in.
+    fn data_out_received(&mut self, bhs: Bhs, receiving: Receiving) {
+        let itt = bhs.itt();
+        let progress = {
+            let mut tasks = self.session.tasks.borrow_mut();
+            let Some(Task {
+                state: TaskState::AwaitingData(pending),
+                ..
+            }) = tasks.get_mut(&itt)
+            else {
+                // Aborted while its data arrived: the data goes with it.
+                return;
+            };
+            let limit = pending.limit(&self.session.params);
+            pending.buffer.take_back(receiving);
+            pending.received(&bhs, limit)
+        };
+        self.proceed(itt, progress);
+    }
+
+    /// Runs a write whose data is all in, or asks for its next burst.
+    fn proceed(&self, itt: u32, progress: Progress) {
+        match progress {
+            Progress::Complete => self.start_write(itt),
+            Progress::BurstDone => self.solicit(itt),
+            Progress::Receiving => {}
+        }
     }
 
     async fn task_management(&mut self, pdu: Pdu) -> Result<Flow, IscsiError> {
@@ -1994,6 +2070,7 @@ mod writing {
     //! stamped as it is taken. Answers are cut into segments and bursts.
     use super::*;
     use crate::limits::Effective;
+    use crate::pdu::BHS_LEN;
 
     fn data_in(itt: u32, len: usize) -> Pdu {
         let mut bhs = Bhs::new(op::DATA_IN);

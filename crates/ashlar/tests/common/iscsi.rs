@@ -291,6 +291,68 @@ impl Session {
     /// Runs one SCSI command on `lun`: `data_out` is sent (immediate data, then R2T
     /// bursts), up to `read_len` bytes are read back.
     pub fn scsi(&mut self, lun: u16, cdb: &[u8], data_out: &[u8], read_len: u32) -> Reply {
+        let itt = self.send_command(lun, cdb, data_out, read_len);
+        let mut data = Vec::new();
+        loop {
+            let pdu = self.raw.recv().expect("reading the command's answer");
+            match pdu.bhs.opcode() {
+                op::DATA_IN => {
+                    assert_eq!(pdu.bhs.itt(), itt);
+                    data.extend_from_slice(&pdu.data);
+                    if pdu.bhs.flags() & 0x01 != 0 {
+                        self.last_stat_sn = Some(pdu.bhs.u32_at(24));
+                        return Reply {
+                            status: pdu.bhs.0[3],
+                            data,
+                            sense: Vec::new(),
+                        };
+                    }
+                }
+                op::R2T => {
+                    let offset = pdu.bhs.u32_at(40) as usize;
+                    let length = pdu.bhs.u32_at(44) as usize;
+                    let ttt = pdu.bhs.u32_at(20);
+                    let mut sent = 0;
+                    let mut data_sn = 0;
+                    while sent < length {
+                        let n = (length - sent).min(65536);
+                        let out = data_out_pdu(
+                            lun,
+                            itt,
+                            ttt,
+                            data_sn,
+                            offset + sent,
+                            sent + n == length,
+                            &data_out[offset + sent..offset + sent + n],
+                        );
+                        self.raw.send(&out).unwrap();
+                        sent += n;
+                        data_sn += 1;
+                    }
+                }
+                op::SCSI_RESPONSE => {
+                    assert_eq!(pdu.bhs.itt(), itt);
+                    self.last_stat_sn = Some(pdu.bhs.u32_at(24));
+                    let sense = if pdu.data.len() > 2 {
+                        pdu.data[2..].to_vec()
+                    } else {
+                        Vec::new()
+                    };
+                    return Reply {
+                        status: pdu.bhs.0[3],
+                        data,
+                        sense,
+                    };
+                }
+                op::NOP_IN if pdu.bhs.itt() == NO_TAG => self.answer_ping(&pdu),
+                other => panic!("unexpected opcode {other:#x} during a SCSI command"),
+            }
+        }
+    }
+
+    /// Sends a SCSI command PDU with up to 64 KiB of `data_out` as immediate data; returns
+    /// its ITT.
+    fn send_command(&mut self, lun: u16, cdb: &[u8], data_out: &[u8], read_len: u32) -> u32 {
         let itt = self.next_itt();
         let mut bhs = Bhs::new(op::SCSI_COMMAND);
         let immediate = data_out.len().min(65536);
@@ -321,63 +383,32 @@ impl Session {
                 Bytes::copy_from_slice(&data_out[..immediate]),
             ))
             .unwrap();
-        let mut data = Vec::new();
-        loop {
-            let pdu = self.raw.recv().expect("reading the command's answer");
-            match pdu.bhs.opcode() {
-                op::DATA_IN => {
-                    assert_eq!(pdu.bhs.itt(), itt);
-                    data.extend_from_slice(&pdu.data);
-                    if pdu.bhs.flags() & 0x01 != 0 {
-                        self.last_stat_sn = Some(pdu.bhs.u32_at(24));
-                        return Reply {
-                            status: pdu.bhs.0[3],
-                            data,
-                            sense: Vec::new(),
-                        };
-                    }
-                }
-                op::R2T => {
-                    let offset = pdu.bhs.u32_at(40) as usize;
-                    let length = pdu.bhs.u32_at(44) as usize;
-                    let ttt = pdu.bhs.u32_at(20);
-                    let mut sent = 0;
-                    let mut data_sn = 0;
-                    while sent < length {
-                        let n = (length - sent).min(65536);
-                        let mut out = Bhs::new(op::DATA_OUT);
-                        out.set_flags(if sent + n == length { 0x80 } else { 0 });
-                        out.set_lun_field(ashlar_iscsi::lun::Lun(lun).encode());
-                        out.set_itt(itt);
-                        out.set_u32_at(20, ttt);
-                        out.set_u32_at(36, data_sn);
-                        out.set_u32_at(40, (offset + sent) as u32);
-                        let chunk = &data_out[offset + sent..offset + sent + n];
-                        self.raw
-                            .send(&Pdu::new(out, Bytes::copy_from_slice(chunk)))
-                            .unwrap();
-                        sent += n;
-                        data_sn += 1;
-                    }
-                }
-                op::SCSI_RESPONSE => {
-                    assert_eq!(pdu.bhs.itt(), itt);
-                    self.last_stat_sn = Some(pdu.bhs.u32_at(24));
-                    let sense = if pdu.data.len() > 2 {
-                        pdu.data[2..].to_vec()
-                    } else {
-                        Vec::new()
-                    };
-                    return Reply {
-                        status: pdu.bhs.0[3],
-                        data,
-                        sense,
-                    };
-                }
-                op::NOP_IN if pdu.bhs.itt() == NO_TAG => self.answer_ping(&pdu),
-                other => panic!("unexpected opcode {other:#x} during a SCSI command"),
-            }
-        }
+        itt
+    }
+
+    /// WRITE(16) of `data` (more than the 64 KiB sent as immediate data) whose first
+    /// solicited Data-Out carries a wrong data digest (negotiated digests only): the target
+    /// must drop the connection.
+    pub fn write16_with_bad_data_out_digest(&mut self, lun: u16, lba: u64, data: &[u8]) {
+        assert!(data.len() > 65536 && self.raw.digests.data);
+        let itt = self.send_command(lun, &write16_cdb(lba, data), data, 0);
+        let r2t = self.raw.recv().expect("an R2T");
+        assert_eq!(r2t.bhs.opcode(), op::R2T);
+        let offset = r2t.bhs.u32_at(40) as usize;
+        let length = (r2t.bhs.u32_at(44) as usize).min(65536);
+        let out = data_out_pdu(
+            lun,
+            itt,
+            r2t.bhs.u32_at(20),
+            0,
+            offset,
+            true,
+            &data[offset..offset + length],
+        );
+        let mut wire = pdu::encode(&out, self.raw.digests).to_vec();
+        let last = wire.len() - 1;
+        wire[last] ^= 0xff;
+        self.raw.stream.write_all(&wire).unwrap();
     }
 
     /// Sends an immediate PDU of `opcode` (F set, TTT reserved) and reads the answer, which
@@ -518,10 +549,36 @@ impl Session {
 
     /// WRITE(16) of `data` (a multiple of 512 bytes).
     pub fn write16(&mut self, lun: u16, lba: u64, data: &[u8]) -> Reply {
-        let mut cdb = vec![0x88 | 0x02, 0];
-        cdb.extend_from_slice(&lba.to_be_bytes());
-        cdb.extend_from_slice(&((data.len() / 512) as u32).to_be_bytes());
-        cdb.extend_from_slice(&[0, 0]);
-        self.scsi(lun, &cdb, data, 0)
+        self.scsi(lun, &write16_cdb(lba, data), data, 0)
     }
+}
+
+/// The CDB of a WRITE(16) of `data` (a multiple of 512 bytes) at `lba`.
+fn write16_cdb(lba: u64, data: &[u8]) -> Vec<u8> {
+    let mut cdb = vec![0x88 | 0x02, 0];
+    cdb.extend_from_slice(&lba.to_be_bytes());
+    cdb.extend_from_slice(&((data.len() / 512) as u32).to_be_bytes());
+    cdb.extend_from_slice(&[0, 0]);
+    cdb
+}
+
+/// A Data-Out of `data` at buffer `offset` for task `itt` (DataSN `data_sn`, under the
+/// R2T's `ttt`), `last` in its burst.
+fn data_out_pdu(
+    lun: u16,
+    itt: u32,
+    ttt: u32,
+    data_sn: u32,
+    offset: usize,
+    last: bool,
+    data: &[u8],
+) -> Pdu {
+    let mut out = Bhs::new(op::DATA_OUT);
+    out.set_flags(if last { 0x80 } else { 0 });
+    out.set_lun_field(ashlar_iscsi::lun::Lun(lun).encode());
+    out.set_itt(itt);
+    out.set_u32_at(20, ttt);
+    out.set_u32_at(36, data_sn);
+    out.set_u32_at(40, offset as u32);
+    Pdu::new(out, Bytes::copy_from_slice(data))
 }

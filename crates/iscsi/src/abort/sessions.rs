@@ -4,8 +4,8 @@
 //! nexus then sees REGISTRATIONS PREEMPTED. A plain PREEMPT, for contrast, lets the command
 //! be answered.
 use crate::pdu::{self, op, Bhs, Digests, Pdu};
+use crate::reading::read_pdu;
 use crate::scsi::sense::{status, Sense};
-use crate::session::read_pdu;
 use crate::testing::{against_server_sessions, login_request_isid, ServerEnd, TestRegistry};
 use crate::IscsiLimits;
 use bytes::Bytes;
