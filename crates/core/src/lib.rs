@@ -1,7 +1,8 @@
 //! Shared vocabulary of Ashlar: identifiers, units, size parsing and the one vdisk I/O
 //! interface that every front-end (NBD today, iSCSI later) speaks.
 //!
-//! Nothing in this crate does I/O; it is depended on by every other crate.
+//! Nothing in this crate does I/O of its own (`buffers::receive` reads from a socket its
+//! caller hands it); it is depended on by every other crate.
 
 pub mod buffers;
 mod io;

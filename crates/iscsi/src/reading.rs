@@ -1,10 +1,11 @@
 //! Reading PDUs off a connection: the BHS first, then what follows it, either into a buffer
 //! of its own ([`read_pdu`]) or, for a Data-Out whose data continues a write transfer,
-//! straight into the transfer's buffer ([`read_data_segment_into`]), so that data is copied
-//! once on its way from the socket to the disk.
+//! straight into the transfer's buffer ([`read_data_segment_into`]), most of it from the
+//! socket itself, so that data is not copied on its way from the kernel to the disk.
 
 use crate::error::IscsiError;
 use crate::pdu::{self, Bhs, Digests, FrameLayout, Pdu, BHS_LEN, DIGEST_LEN};
+use ashlar_core::buffers::receive::{receive_payload, PayloadSource};
 use bytes::{BufMut, BytesMut};
 use tokio::io::{AsyncBufRead, AsyncReadExt};
 
@@ -64,7 +65,7 @@ pub(crate) async fn read_rest<Rd: AsyncBufRead + Unpin>(
 
 /// Reads what follows `bhs`, a PDU without AHS, putting its data segment into `target`
 /// (exactly `layout.data_bytes` long) and checking the digests.
-pub(crate) async fn read_data_segment_into<Rd: AsyncBufRead + Unpin>(
+pub(crate) async fn read_data_segment_into<Rd: PayloadSource>(
     reader: &mut Rd,
     bhs: &Bhs,
     layout: &FrameLayout,
@@ -80,7 +81,9 @@ pub(crate) async fn read_data_segment_into<Rd: AsyncBufRead + Unpin>(
         read_exactly(reader, &mut sent).await?;
         pdu::check_header_digest(bhs, &[], &sent)?;
     }
-    read_exactly(reader, target).await?;
+    receive_payload(reader, target)
+        .await
+        .map_err(IscsiError::reading)?;
     let mut padding = [0u8; 3];
     let padding = &mut padding[..layout.padding];
     read_exactly(reader, padding).await?;

@@ -16,6 +16,7 @@ use crate::signal::{wait_readable, wait_shutdown, Readiness};
 use crate::violation::{Violation, ViolationLog};
 use crate::writer::{write_replies, Outgoing, Slot};
 use crate::NbdError;
+use ashlar_core::buffers::receive::{receive_payload, PayloadSource};
 use ashlar_core::buffers::DiskBuf;
 use ashlar_core::BlockDevice;
 use bytes::Bytes;
@@ -64,7 +65,7 @@ pub(crate) async fn serve<D, Rd, Wr>(
 ) -> Result<(), NbdError>
 where
     D: BlockDevice + 'static,
-    Rd: AsyncBufRead + Unpin,
+    Rd: PayloadSource,
     Wr: AsyncWrite + Unpin + 'static,
 {
     let (replies, queue) = mpsc::channel(limits.max_in_flight);
@@ -99,7 +100,7 @@ async fn read_requests<D, Rd>(
 ) -> Result<End, NbdError>
 where
     D: BlockDevice + 'static,
-    Rd: AsyncBufRead + Unpin,
+    Rd: PayloadSource,
 {
     let replies = &connection.replies;
     let max_request = connection.params.max_request;
@@ -229,7 +230,7 @@ async fn read_header<Rd: AsyncBufRead + Unpin>(
 /// Reads a write's payload, or skips it when it is too large to accept but small enough to
 /// skip (validation then refuses the request); closes the connection for anything larger,
 /// since reading it would let one request hold the connection for gigabytes.
-async fn read_write_payload<Rd: AsyncBufRead + Unpin>(
+async fn read_write_payload<Rd: PayloadSource>(
     reader: &mut Rd,
     header: &RequestHeader,
     max_request: u32,
@@ -256,13 +257,11 @@ async fn read_write_payload<Rd: AsyncBufRead + Unpin>(
 }
 
 /// Reads exactly `length` bytes into a 4 KiB-aligned buffer of the node's pools, not
-/// zero-filled first, so the disk can write from it without a copy (O_DIRECT).
-async fn read_payload<Rd: AsyncBufRead + Unpin>(
-    reader: &mut Rd,
-    length: usize,
-) -> std::io::Result<Bytes> {
+/// zero-filled first, so the disk can write from it without a copy (O_DIRECT); most of a
+/// large payload goes there straight from the socket.
+async fn read_payload<Rd: PayloadSource>(reader: &mut Rd, length: usize) -> std::io::Result<Bytes> {
     let mut buf = DiskBuf::for_overwrite(length);
-    reader.read_exact(buf.as_mut_slice()).await?;
+    receive_payload(reader, buf.as_mut_slice()).await?;
     Ok(buf.into_bytes())
 }
 
