@@ -41,9 +41,10 @@ use tokio::task::{AbortHandle, JoinHandle};
 
 /// Socket read buffer: headers and small PDUs come through it. Data-Out data bypasses it once
 /// it holds none (`receive_payload`), so what it already read of a data segment is the part
-/// copied on the way to the transfer's buffer: a small buffer keeps that part small (1 MiB
-/// writes in 256 KiB segments: 17 % less node CPU per MiB with 32 KiB than with 256 KiB,
-/// bench/results/20261129-084500-vm), while 4 KiB writes at QD32 cost the same.
+/// copied on the way to the transfer's buffer: a small buffer keeps that part small. In one
+/// set of three alternating rounds of 1 MiB writes (256 KiB segments), the node used 17 %
+/// less CPU with 32 KiB than with 256 KiB; 4 KiB writes at QD32 stayed within the spread
+/// (bench/results/20261129-084500-vm).
 const READ_BUFFER_BYTES: usize = 32 * 1024;
 /// Socket write buffer; the writer writes it out whenever its queue runs empty.
 const WRITE_BUFFER_BYTES: usize = 256 * 1024;
