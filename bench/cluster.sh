@@ -14,6 +14,9 @@
 # JOBS ("randwrite:1 randwrite:32 randread:32": fio rw and iodepth), RFS ("1 2 3"), SHARDS
 # (shards per vdisk; default: the nodes' --default-shards),
 # BASE_DIR (/var/tmp/ashlar-cluster-bench).
+# PROBE, if set, is a command run 2 s into each job with `{pids}` replaced by the three node
+# pids (comma-separated) and `{rf}` by the job's replication factor, e.g.
+# PROBE='perf record -F 999 -g -p {pids} -o /tmp/cluster-rf{rf}.perf -- sleep 4' for profiles.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ASHLAR_BIN=${ASHLAR_BIN:-$HERE/../target/release/ashlar}
@@ -61,9 +64,15 @@ for job in $JOBS; do
     rw=${job%%:*}; qd=${job##*:}
     for rf in $RFS; do
         before=$(node_ticks)
+        if [ -n "${PROBE:-}" ]; then
+            probe=${PROBE//\{pids\}/$(IFS=,; echo "${NODE_PIDS[*]}")}
+            (sleep 2; ${probe//\{rf\}/$rf} > "$OUT_DIR/probe-rf$rf.log" 2>&1) &
+            probe_pid=$!
+        fi
         json=$(fio --name="rf$rf" --ioengine=nbd --uri="nbd://127.0.0.1:${PORT_PREFIX}1809/rf$rf" --rw="$rw" \
             --bs=4k --iodepth="$qd" --runtime="$RUNTIME" --time_based --output-format=json \
             2>/dev/null | sed -n '/^{/,$p')
+        [ -n "${PROBE:-}" ] && wait "$probe_pid"
         after=$(node_ticks)
         side=$([ "$rw" = randread ] && echo read || echo write)
         iops=$(jq ".jobs[0].$side.iops | floor" <<<"$json")
