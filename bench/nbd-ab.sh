@@ -31,7 +31,7 @@ for _ in $(seq 50); do curl -sf http://127.0.0.1:19103/healthz >/dev/null && bre
 URI=nbd://127.0.0.1:19102/bench
 # The 256 KiB read pass puts the vdisk in the node's cache (reads over 256 KiB are scans and
 # fill nothing); the 4 KiB one touches every block again, so the cache's promotions (a 4 KiB
-# copy and two pool updates each: about a tenth of the node's time while they last) are done
+# copy and two pool updates each: about a sixth of the node's time while they last) are done
 # before anything is measured, as in ashlar.sh's warm-up.
 for pass in write:1M read:256k read:4k; do
     fio --name=fill --ioengine=nbd --uri="$URI" --rw="${pass%%:*}" --bs="${pass##*:}" \

@@ -2,7 +2,7 @@
 # neighbour-write-probe.sh — does one vdisk's durable writes stall another vdisk's cached reads
 # on the same reactor? One node with a single reactor (so both vdisks share it), vdisk `hot`
 # (256 MiB, read twice so every block is in the cache's multi-touch pool) and vdisk `busy`
-# (1 GiB, filled). For each round: cached 4 KiB random reads at QD1 on `hot` alone, then the
+# (1 GiB, filled). Then cached 4 KiB random reads at QD1 on `hot`, alone, then the
 # same while fio writes 4 KiB random blocks to `busy` at WRITE_QD (durable at acknowledgement).
 # Prints the reads' p50/p99/p99.9 latency and the writes' IOPS for each phase.
 #
