@@ -809,11 +809,11 @@ mod oplog {
                 oplog.write(a, pattern(3, 4_096)).await.unwrap();
                 oplog.idle().await;
                 let segments = oplog.segment_counts().0;
-                let items = oplog.drain_batch(u64::MAX);
+                let items = oplog.drain_batch(u64::MAX).await;
                 let w3: Vec<_> = items.into_iter().filter(|i| i.offset == a).collect();
                 assert_eq!(w3.len(), 1);
                 oplog.read_drain_item(&w3[0]).await.unwrap();
-                oplog.complete_drain(&w3);
+                oplog.complete_drain(&w3).await;
                 oplog.idle().await;
                 assert_eq!(kinds(&oplog.lookup(a, 4_096)), vec![(a, 4_096, "absent")]);
                 assert_eq!(
@@ -852,7 +852,7 @@ mod oplog {
             // Three segments written, one ready (`next`).
             assert_eq!(oplog.segment_counts().0, 4);
             let mut store = Store::default();
-            let items = oplog.drain_batch(8_192);
+            let items = oplog.drain_batch(8_192).await;
             assert_eq!(
                 items.iter().map(|i| i.offset).collect::<Vec<_>>(),
                 vec![0, 4_096],
@@ -867,7 +867,7 @@ mod oplog {
                     store.bytes.insert(item.offset + i as u64, *b);
                 }
             }
-            oplog.complete_drain(&items);
+            oplog.complete_drain(&items).await;
             oplog.idle().await;
             assert_eq!(
                 kinds(&oplog.lookup(0, 8_192)),
@@ -942,7 +942,7 @@ mod oplog {
             let oplog = open_clean(&fs, config).await;
             oplog.write(0, pattern(1, 4_096)).await.unwrap();
             oplog.write(8_192, pattern(2, 4_096)).await.unwrap();
-            let items = oplog.drain_batch(4_096);
+            let items = oplog.drain_batch(4_096).await;
             assert_eq!(items.len(), 1);
             // Supersedes the item: its segment is dead and gets freed.
             oplog.write(0, pattern(3, 4_096)).await.unwrap();
@@ -970,7 +970,7 @@ mod oplog {
                 pattern(1, 4_096),
                 "the freed segment's file was not reused under the drain"
             );
-            oplog.complete_drain(&items);
+            oplog.complete_drain(&items).await;
             tokio::time::timeout(Duration::from_secs(5), writer)
                 .await
                 .expect("the write proceeds once the drain completes")
@@ -1424,7 +1424,7 @@ mod oplog {
             let (oplog, report) = open_report(&fs, config.clone()).await;
             assert_eq!(report.lost.len(), 1);
             let mut store = Store::default();
-            let items = oplog.drain_batch(u64::MAX);
+            let items = oplog.drain_batch(u64::MAX).await;
             let lost: Vec<_> = items.iter().filter(|i| i.kind == DrainKind::Lost).collect();
             assert_eq!(lost.len(), 1);
             assert_eq!((lost[0].offset, lost[0].length), (4_096, 4_096));
@@ -1467,7 +1467,7 @@ mod oplog {
                 }
                 other => panic!("expected ChecksumMismatch, got {other:?}"),
             }
-            let items = oplog.drain_batch(u64::MAX);
+            let items = oplog.drain_batch(u64::MAX).await;
             let bad = items.iter().find(|i| i.offset == 4_096).unwrap();
             let error = oplog.read_drain_item(bad).await.unwrap_err();
             assert_eq!(error.lost_range(), Some((4_096, 4_096)));

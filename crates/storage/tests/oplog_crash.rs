@@ -179,7 +179,7 @@ mod oplog {
             if oplog.is_empty() || !(oplog.needs_drain() || rng.chance(30)) {
                 continue;
             }
-            let items = oplog.drain_batch(1 + rng.below(64 << 10));
+            let items = oplog.drain_batch(1 + rng.below(64 << 10)).await;
             for item in &items {
                 assert_ne!(item.kind, DrainKind::Lost, "a crash-only log lost a range");
                 let Ok(data) = oplog.read_drain_item(item).await else {
@@ -192,7 +192,7 @@ mod oplog {
             if store.sync_data().await.is_err() {
                 return;
             }
-            oplog.complete_drain(&items);
+            oplog.complete_drain(&items).await;
         }
     }
 
@@ -334,13 +334,13 @@ mod oplog {
                     seen.push(got);
                 }
                 while !oplog.is_empty() {
-                    let items = oplog.drain_batch(u64::MAX);
+                    let items = oplog.drain_batch(u64::MAX).await;
                     for item in &items {
                         let data = oplog.read_drain_item(item).await.expect("drain read");
                         write_unaligned(&store, item.offset, &data).await.unwrap();
                     }
                     store.sync_data().await.unwrap();
-                    oplog.complete_drain(&items);
+                    oplog.complete_drain(&items).await;
                 }
                 oplog.idle().await;
                 for slot in 0..SLOTS {
@@ -422,7 +422,7 @@ mod oplog {
     async fn std_drainer(oplog: Oplog<StdFs>, store: Rc<<StdFs as Filesystem>::File>) {
         loop {
             oplog.drain_wanted().await;
-            let items = oplog.drain_batch(64 << 10);
+            let items = oplog.drain_batch(64 << 10).await;
             for item in &items {
                 let data = oplog.read_drain_item(item).await.expect("read drain item");
                 store
@@ -431,7 +431,7 @@ mod oplog {
                     .expect("store write");
             }
             store.sync_data().await.expect("store sync");
-            oplog.complete_drain(&items);
+            oplog.complete_drain(&items).await;
         }
     }
 
@@ -502,7 +502,7 @@ mod oplog {
             expect.check(slot, &got, "after kill -9");
         }
         while !oplog.is_empty() {
-            let items = oplog.drain_batch(u64::MAX);
+            let items = oplog.drain_batch(u64::MAX).await;
             for item in &items {
                 let data = oplog.read_drain_item(item).await.expect("read drain item");
                 store
@@ -511,7 +511,7 @@ mod oplog {
                     .expect("store write");
             }
             store.sync_data().await.expect("store sync");
-            oplog.complete_drain(&items);
+            oplog.complete_drain(&items).await;
         }
         for &slot in acked.keys() {
             let (offset, length) = slot_range(slot);

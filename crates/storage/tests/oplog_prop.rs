@@ -15,6 +15,8 @@ mod oplog {
     };
     use proptest::prelude::*;
     use proptest::test_runner::FileFailurePersistence;
+    use std::future::Future;
+    use std::task::Poll;
     use std::time::Duration;
 
     /// Bytes of vdisk address space the operations touch.
@@ -53,6 +55,14 @@ mod oplog {
             len: u64,
             seed: u64,
         },
+        /// A write lands while drain_batch gathers its items (after its first turn): the
+        /// write must stay out of the batch, whose items stay disjoint.
+        DrainWhileGathering {
+            max: u64,
+            offset: u64,
+            len: u64,
+            seed: u64,
+        },
         Reopen,
         /// Drain everything, let the log free its segments, reopen (review 4.1 d).
         DrainAllReopen,
@@ -74,6 +84,8 @@ mod oplog {
             3 => (0..10_000u64).prop_map(|max| Op::Drain { max }),
             1 => (0..10_000u64, range(), any::<u64>())
                 .prop_map(|(max, (offset, len), seed)| Op::DrainAcrossWrite { max, offset, len, seed }),
+            2 => (0..10_000u64, range(), any::<u64>())
+                .prop_map(|(max, (offset, len), seed)| Op::DrainWhileGathering { max, offset, len, seed }),
             1 => Just(Op::Reopen),
             1 => Just(Op::DrainAllReopen),
             1 => Just(Op::PowerCutIdle),
@@ -140,6 +152,8 @@ mod oplog {
     fn prop_config(segment: u64) -> OplogConfig {
         let mut config = config(&log_dir(), 400 * segment, segment);
         config.max_batches_in_flight = 3;
+        // A turn per entry: a write can land between any two entries a drain gathers.
+        config.drain_index_entries_per_turn = 1;
         config
     }
 
@@ -153,7 +167,18 @@ mod oplog {
         model: &Model,
         max: u64,
     ) -> Vec<(DrainItem, Vec<u8>)> {
-        let items = oplog.drain_batch(max);
+        let items = oplog.drain_batch(max).await;
+        read_batch(oplog, model, items, max).await
+    }
+
+    /// Reads a drain batch's items (in reads shaped by `max`), checking them against the
+    /// model.
+    async fn read_batch(
+        oplog: &Oplog<TestFs>,
+        model: &Model,
+        items: Vec<DrainItem>,
+        max: u64,
+    ) -> Vec<(DrainItem, Vec<u8>)> {
         // Small reads with small gaps, so batches are cut into many merged reads.
         let limits = DrainReadLimits {
             max_read_bytes: 3 * 4096 + max % 8192,
@@ -196,9 +221,9 @@ mod oplog {
         out
     }
 
-    fn complete(oplog: &Oplog<TestFs>, batch: &[(DrainItem, Vec<u8>)]) {
+    async fn complete(oplog: &Oplog<TestFs>, batch: &[(DrainItem, Vec<u8>)]) {
         let items: Vec<DrainItem> = batch.iter().map(|(item, _)| *item).collect();
-        oplog.complete_drain(&items);
+        oplog.complete_drain(&items).await;
     }
 
     async fn drain_everything(oplog: &Oplog<TestFs>, model: &mut Model) {
@@ -207,7 +232,7 @@ mod oplog {
             if batch.is_empty() {
                 break;
             }
-            complete(oplog, &batch);
+            complete(oplog, &batch).await;
             for (item, data) in &batch {
                 model.drained(item, data, None);
             }
@@ -330,7 +355,7 @@ mod oplog {
                 Op::Pipelined { writes } => pipelined(&oplog, &writes, &mut model).await,
                 Op::Drain { max } => {
                     let batch = take_batch(&oplog, &model, max).await;
-                    complete(&oplog, &batch);
+                    complete(&oplog, &batch).await;
                     for (item, data) in &batch {
                         model.drained(item, data, None);
                     }
@@ -345,7 +370,30 @@ mod oplog {
                     let data = pattern(seed, len as usize);
                     oplog.write(offset, data.clone()).await.expect("write");
                     model.write(offset, &data);
-                    complete(&oplog, &batch);
+                    complete(&oplog, &batch).await;
+                    for (item, drained) in &batch {
+                        model.drained(item, drained, Some((offset, len)));
+                    }
+                }
+                Op::DrainWhileGathering {
+                    max,
+                    offset,
+                    len,
+                    seed,
+                } => {
+                    let data = pattern(seed, len as usize);
+                    let mut gathering = std::pin::pin!(oplog.drain_batch(max));
+                    let first =
+                        std::future::poll_fn(|cx| Poll::Ready(gathering.as_mut().poll(cx))).await;
+                    oplog.write(offset, data.clone()).await.expect("write");
+                    let items = match first {
+                        Poll::Ready(items) => items,
+                        Poll::Pending => gathering.await,
+                    };
+                    // The batch holds what the log held before the write.
+                    let batch = read_batch(&oplog, &model, items, max).await;
+                    model.write(offset, &data);
+                    complete(&oplog, &batch).await;
                     for (item, drained) in &batch {
                         model.drained(item, drained, Some((offset, len)));
                     }

@@ -267,7 +267,7 @@ async fn drain_batch(
     store: &ExtentStore<NodeFs>,
     max_bytes: u64,
 ) -> Result<usize, DrainError> {
-    let items = oplog.drain_batch(max_bytes);
+    let items = oplog.drain_batch(max_bytes).await;
     if items.is_empty() {
         return Ok(0);
     }
@@ -301,7 +301,7 @@ async fn drain_batch(
     let read = started.elapsed();
     // Durable when it returns; only then may the log forget the items.
     store.apply(&batch).await?;
-    oplog.complete_drain(&items);
+    oplog.complete_drain(&items).await;
     tracing::debug!(
         items = items.len(),
         read_us = read.as_micros() as u64,

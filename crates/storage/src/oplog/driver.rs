@@ -549,7 +549,8 @@ impl<F: Filesystem> Inner<F> {
         }
     }
 
-    pub(super) fn complete_drain(&self, items: &[DrainItem]) {
+    /// Drops the index entries still pointing at the records of drained `items`.
+    pub(super) fn forget_drained(&self, items: &[DrainItem]) {
         let mut state = self.state.borrow_mut();
         for item in items {
             let end = item.offset.saturating_add(item.length);
@@ -557,6 +558,11 @@ impl<F: Filesystem> Inner<F> {
                 .index
                 .remove_if_record(item.offset, end, item.target.seq);
         }
+    }
+
+    /// The drain batch is done: its segments may be freed and reused.
+    pub(super) fn end_drain(&self) {
+        let mut state = self.state.borrow_mut();
         state.drain_pinned.clear();
         state.retired.clear();
         // A failed freeing is retried now.

@@ -7,6 +7,7 @@
 
 use super::{SegmentId, Seq};
 use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Bound;
 
 /// Where a write record's payload lives in its segment file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -77,6 +78,42 @@ pub struct Span {
     pub target: Target,
 }
 
+/// A drain batch being gathered a few entries at a time ([`Index::gather_drain`]), with the
+/// thread's other work running in between: the live entries of the oldest segments first, in
+/// offset order within each, about `max_bytes` of data (at least one entry; zero and lost
+/// entries cost nothing), until a segment boundary past `max_bytes` or an entry that would
+/// exceed it.
+///
+/// Writes made while it gathers must not join the batch: a newer record of a range already
+/// taken would put both versions in one batch, in no defined order. Entries of records past
+/// `newest` (the last record in the index when the gathering began) are therefore skipped.
+/// Everything taken is then part of an entry that existed when the gathering began, and no two
+/// taken spans overlap, as no two entries did then.
+#[derive(Debug)]
+pub struct DrainCursor {
+    newest: Seq,
+    max_bytes: u64,
+    bytes: u64,
+    spans: usize,
+    /// The segment being visited and the end of the last entry visited in it.
+    at: Option<(SegmentId, u64)>,
+    done: bool,
+}
+
+impl DrainCursor {
+    /// A gathering of about `max_bytes` of entries of records up to `newest`.
+    pub fn new(max_bytes: u64, newest: Seq) -> DrainCursor {
+        DrainCursor {
+            newest,
+            max_bytes,
+            bytes: 0,
+            spans: 0,
+            at: None,
+            done: false,
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct Index {
     entries: BTreeMap<u64, Entry>,
@@ -137,20 +174,71 @@ impl Index {
         self.by_segment.contains_key(&id)
     }
 
-    /// Live segments, oldest first, each with its entries in offset order.
-    pub fn segments(
+    /// Visits up to `limit` more entries for the drain batch `cursor` gathers (see
+    /// [`DrainCursor`]), calling `enter` for each segment it starts on and pushing the spans it
+    /// takes to `taken`. Returns true once the batch is complete.
+    pub fn gather_drain(
         &self,
-    ) -> impl Iterator<Item = (SegmentId, impl Iterator<Item = Span> + '_)> + '_ {
-        self.by_segment.iter().map(move |(&id, starts)| {
-            let spans = starts.iter().filter_map(move |&s| {
-                self.entries.get(&s).map(|e| Span {
-                    start: s,
-                    end: e.end,
-                    target: e.target,
-                })
-            });
-            (id, spans)
-        })
+        cursor: &mut DrainCursor,
+        limit: usize,
+        mut enter: impl FnMut(SegmentId),
+        taken: &mut Vec<Span>,
+    ) -> bool {
+        if cursor.done {
+            return true;
+        }
+        let from = cursor
+            .at
+            .map_or(Bound::Unbounded, |(segment, _)| Bound::Included(segment));
+        let mut visited = 0;
+        for (&segment, starts) in self.by_segment.range((from, Bound::Unbounded)) {
+            let lower = match cursor.at {
+                // Entries never overlap, so the next one starts at or past the last one's end;
+                // a part of a visited entry that a write cut off (same segment, re-inserted)
+                // starts before it and is not visited twice.
+                Some((at, end)) if at == segment => Bound::Included(end),
+                _ => {
+                    if cursor.at.is_some() && cursor.bytes >= cursor.max_bytes {
+                        cursor.done = true;
+                        return true;
+                    }
+                    enter(segment);
+                    cursor.at = Some((segment, 0));
+                    Bound::Unbounded
+                }
+            };
+            for &start in starts.range((lower, Bound::Unbounded)) {
+                if visited == limit {
+                    return false;
+                }
+                visited += 1;
+                let Some(entry) = self.entries.get(&start) else {
+                    continue;
+                };
+                cursor.at = Some((segment, entry.end));
+                if entry.target.seq > cursor.newest {
+                    // Written after the gathering began: a later drain's.
+                    continue;
+                }
+                let cost = match entry.target.kind {
+                    TargetKind::Data(_) => entry.end - start,
+                    TargetKind::Zero | TargetKind::Lost(_) => 0,
+                };
+                if cursor.spans > 0 && cursor.bytes.saturating_add(cost) > cursor.max_bytes {
+                    cursor.done = true;
+                    return true;
+                }
+                cursor.bytes += cost;
+                cursor.spans += 1;
+                taken.push(Span {
+                    start,
+                    end: entry.end,
+                    target: entry.target,
+                });
+            }
+        }
+        cursor.done = true;
+        true
     }
 
     pub fn is_empty(&self) -> bool {
@@ -239,6 +327,19 @@ mod tests {
         }
     }
 
+    fn data(seq: u64, segment: u64) -> Target {
+        Target {
+            seq: Seq(seq),
+            segment: SegmentId(segment),
+            kind: TargetKind::Data(DataLoc {
+                crcs_at: 0,
+                payload_at: 0,
+                record_offset: 0,
+                record_length: 0,
+            }),
+        }
+    }
+
     fn spans(index: &Index) -> Vec<(u64, u64, u64)> {
         index
             .overlapping(0, u64::MAX)
@@ -257,6 +358,73 @@ mod tests {
         assert!(index.overlaps(50, 51));
         assert!(!index.overlaps(100, 200));
         assert_eq!(index.overlapping(99, 150).len(), 1);
+    }
+
+    /// Gathers a whole drain batch one entry per turn, calling `between` after each turn.
+    fn gather_by_one(
+        index: &mut Index,
+        max_bytes: u64,
+        mut between: impl FnMut(&mut Index, usize),
+    ) -> (Vec<(u64, u64, u64)>, Vec<u64>) {
+        let newest = Seq(index
+            .entries
+            .values()
+            .map(|e| e.target.seq.0)
+            .max()
+            .unwrap_or(0));
+        let mut cursor = DrainCursor::new(max_bytes, newest);
+        let (mut taken, mut entered) = (Vec::new(), Vec::new());
+        let mut turn = 0;
+        while !index.gather_drain(&mut cursor, 1, |s| entered.push(s.0), &mut taken) {
+            between(index, turn);
+            turn += 1;
+        }
+        let taken = taken
+            .iter()
+            .map(|s| (s.start, s.end, s.target.seq.0))
+            .collect();
+        (taken, entered)
+    }
+
+    #[test]
+    fn a_drain_gathered_in_turns_takes_oldest_segments_first_within_its_budget() {
+        let mut index = Index::default();
+        index.apply(300, 400, Some(zero(3, 2)));
+        index.apply(0, 100, Some(data(1, 1)));
+        index.apply(200, 300, Some(data(2, 1)));
+        index.apply(500, 600, Some(data(4, 3)));
+        // Segment 1 holds 200 bytes of data: a budget of 200 ends the batch at its end.
+        let (taken, entered) = gather_by_one(&mut index, 200, |_, _| {});
+        assert_eq!(taken, vec![(0, 100, 1), (200, 300, 2)]);
+        assert_eq!(entered, vec![1]);
+        // With 250, segment 2's zero entry costs nothing; segment 3's entry would pass the
+        // budget (its segment is entered, and pinned, all the same).
+        let (taken, entered) = gather_by_one(&mut index, 250, |_, _| {});
+        assert_eq!(taken, vec![(0, 100, 1), (200, 300, 2), (300, 400, 3)]);
+        assert_eq!(entered, vec![1, 2, 3]);
+        // Always at least one entry, even past the budget.
+        let (taken, _) = gather_by_one(&mut index, 10, |_, _| {});
+        assert_eq!(taken, vec![(0, 100, 1)]);
+    }
+
+    #[test]
+    fn writes_between_turns_stay_out_of_the_drain_and_nothing_is_taken_twice() {
+        let mut index = Index::default();
+        index.apply(0, 100, Some(data(1, 1)));
+        index.apply(100, 200, Some(data(2, 1)));
+        index.apply(200, 300, Some(data(3, 1)));
+        let (taken, _) = gather_by_one(&mut index, u64::MAX, |index, turn| {
+            if turn == 0 {
+                // A newer record over the end of the first entry (taken) and the start of
+                // the second (not yet): the cut-off part of the first is re-inserted behind
+                // the cursor, the new record is newer than the drain.
+                index.apply(50, 150, Some(data(4, 2)));
+            }
+        });
+        assert_eq!(taken, vec![(0, 100, 1), (150, 200, 2), (200, 300, 3)]);
+        for pair in taken.windows(2) {
+            assert!(pair[0].1 <= pair[1].0, "drain items overlap: {taken:?}");
+        }
     }
 
     #[test]

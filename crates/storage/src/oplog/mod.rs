@@ -57,6 +57,10 @@ use tokio::sync::Notify;
 const MIN_DEFAULT_SEGMENT_BYTES: u64 = 1 << 20;
 const DEFAULT_MAX_BATCH_BYTES: u64 = 4 << 20;
 const DEFAULT_MAX_BATCHES_IN_FLIGHT: usize = 4;
+/// Default [`OplogConfig::drain_index_entries_per_turn`]: about 0.2 ms of work on the test VM.
+/// A whole batch at once (26,000 entries: 9 ms to gather, 14 ms to forget) held up every other
+/// client of the reactor for that long (bench/results/20261129-144500-vm).
+pub const DEFAULT_DRAIN_INDEX_ENTRIES_PER_TURN: usize = 512;
 /// Segments need room for the header, one batch of a 4 KiB write (8 KiB) and a seal.
 const MIN_SEGMENT_BYTES: u64 = SEGMENT_HEADER_BYTES + 3 * BLOCK_BYTES;
 /// One batch must hold a 4 KiB write: a header block and a payload block.
@@ -97,6 +101,10 @@ pub struct OplogConfig {
     /// granule answers "maybe" more often and remembers fewer entries (about 24 bytes per
     /// granule touched by records of segments not yet freed). A multiple of 4 KiB.
     pub replay_reach_granule_bytes: u64,
+    /// Index entries a drain visits (gathering its batch in `drain_batch`, or forgetting the
+    /// drained entries in `complete_drain`) before it lets the thread's other tasks run.
+    /// Default [`DEFAULT_DRAIN_INDEX_ENTRIES_PER_TURN`].
+    pub drain_index_entries_per_turn: usize,
 }
 
 impl OplogConfig {
@@ -114,6 +122,7 @@ impl OplogConfig {
             max_batches_in_flight: DEFAULT_MAX_BATCHES_IN_FLIGHT,
             max_spare_segments: usize::MAX,
             replay_reach_granule_bytes: DEFAULT_REPLAY_REACH_GRANULE_BYTES,
+            drain_index_entries_per_turn: DEFAULT_DRAIN_INDEX_ENTRIES_PER_TURN,
         }
     }
 
@@ -150,6 +159,9 @@ impl OplogConfig {
         }
         if self.max_batches_in_flight == 0 || self.max_batches_in_flight > u32::MAX as usize {
             return fail("max_batches_in_flight must be at least 1".into());
+        }
+        if self.drain_index_entries_per_turn == 0 {
+            return fail("drain_index_entries_per_turn must be at least 1".into());
         }
         if self.max_spare_segments == 0 {
             return fail("max_spare_segments must be at least 1".into());
@@ -671,38 +683,54 @@ impl<F: Filesystem> Oplog<F> {
 
     /// Live entries to move to the extent store: those of the oldest segments first (so
     /// space is freed oldest-first), about `max_bytes` of data (at least one entry), sorted by
-    /// offset. Zero and lost entries cost nothing towards `max_bytes`.
-    pub fn drain_batch(&self, max_bytes: u64) -> Vec<DrainItem> {
-        let mut state = self.inner.state.borrow_mut();
-        let state = &mut *state;
-        state.retired.clear();
-        state.drain_pinned.clear();
-        let mut items = Vec::new();
-        let mut bytes = 0u64;
-        'segments: for (segment, spans) in state.index.segments() {
-            state.drain_pinned.insert(segment);
-            for span in spans {
-                let (kind, cost) = match span.target.kind {
-                    TargetKind::Data(_) => (DrainKind::Data, span.end - span.start),
-                    TargetKind::Zero => (DrainKind::Zero, 0),
-                    TargetKind::Lost(_) => (DrainKind::Lost, 0),
-                };
-                if !items.is_empty() && bytes.saturating_add(cost) > max_bytes {
-                    break 'segments;
-                }
-                bytes += cost;
-                items.push(DrainItem {
-                    offset: span.start,
-                    length: span.end - span.start,
-                    kind,
-                    target: span.target,
-                });
-            }
-            if bytes >= max_bytes {
+    /// offset. Zero and lost entries cost nothing towards `max_bytes`. Records written while
+    /// it runs are left to the next batch ([`index::DrainCursor`]).
+    ///
+    /// A batch can hold tens of thousands of entries: they are gathered
+    /// [`OplogConfig::drain_index_entries_per_turn`] at a time, letting the thread's other
+    /// tasks run in between, so a drain does not hold up the clients of the reactor it shares.
+    pub async fn drain_batch(&self, max_bytes: u64) -> Vec<DrainItem> {
+        let mut cursor = {
+            let mut state = self.inner.state.borrow_mut();
+            state.retired.clear();
+            state.drain_pinned.clear();
+            index::DrainCursor::new(max_bytes, Seq(state.durable_through))
+        };
+        let mut spans = Vec::new();
+        loop {
+            let done = {
+                let mut state = self.inner.state.borrow_mut();
+                let state = &mut *state;
+                let pinned = &mut state.drain_pinned;
+                state.index.gather_drain(
+                    &mut cursor,
+                    self.inner.config.drain_index_entries_per_turn,
+                    |segment| {
+                        pinned.insert(segment);
+                    },
+                    &mut spans,
+                )
+            };
+            if done {
                 break;
             }
+            tokio::task::yield_now().await;
         }
-        items.sort_by_key(|item| item.offset);
+        let mut items: Vec<DrainItem> = spans
+            .into_iter()
+            .map(|span| DrainItem {
+                offset: span.start,
+                length: span.end - span.start,
+                kind: match span.target.kind {
+                    TargetKind::Data(_) => DrainKind::Data,
+                    TargetKind::Zero => DrainKind::Zero,
+                    TargetKind::Lost(_) => DrainKind::Lost,
+                },
+                target: span.target,
+            })
+            .collect();
+        // No two items overlap, so an unstable sort gives the one order there is.
+        items.sort_unstable_by_key(|item| item.offset);
         items
     }
 
@@ -739,11 +767,20 @@ impl<F: Filesystem> Oplog<F> {
 
     /// Called once every item is represented in the extent store, durably: its data copied
     /// and synced, or (a lost or rotted item) its range recorded lost there. Drops the index
-    /// entries still pointing at the same records (parts overwritten meanwhile stay); segments
-    /// left with nothing live are then freed, oldest first, by the log's own I/O
-    /// ([`OplogEvent::SpaceFreed`] tells refused writers).
-    pub fn complete_drain(&self, items: &[DrainItem]) {
-        self.inner.complete_drain(items);
+    /// entries still pointing at the same records (parts overwritten meanwhile stay),
+    /// [`OplogConfig::drain_index_entries_per_turn`] at a time with the thread's other tasks
+    /// running in between; segments left with nothing live are then freed, oldest first, by the log's own
+    /// I/O ([`OplogEvent::SpaceFreed`] tells refused writers).
+    pub async fn complete_drain(&self, items: &[DrainItem]) {
+        let per_turn = self.inner.config.drain_index_entries_per_turn;
+        let mut chunks = items.chunks(per_turn).peekable();
+        while let Some(chunk) = chunks.next() {
+            self.inner.forget_drained(chunk);
+            if chunks.peek().is_some() {
+                tokio::task::yield_now().await;
+            }
+        }
+        self.inner.end_drain();
         self.inner.wakers.wake_all();
     }
 

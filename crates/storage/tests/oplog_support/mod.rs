@@ -68,7 +68,8 @@ pub fn segment_for_batches(batches: u64) -> u64 {
 }
 
 /// A small configuration: `segment` bytes per segment, room for `capacity / segment`
-/// segments, batches of up to 64 KiB (or what the segment allows), 4 in flight.
+/// segments, batches of up to 64 KiB (or what the segment allows), 4 in flight, drains that
+/// gather and forget their entries two per turn (so every drain runs across several turns).
 pub fn config(dir: &Path, capacity: u64, segment: u64) -> OplogConfig {
     OplogConfig {
         dir: dir.to_path_buf(),
@@ -79,6 +80,7 @@ pub fn config(dir: &Path, capacity: u64, segment: u64) -> OplogConfig {
         max_batches_in_flight: 4,
         max_spare_segments: usize::MAX,
         replay_reach_granule_bytes: 4096,
+        drain_index_entries_per_turn: 2,
     }
 }
 
@@ -204,7 +206,7 @@ pub async fn drain_into<F: Filesystem>(
     store: &mut Store,
     max_bytes: u64,
 ) -> usize {
-    let items = oplog.drain_batch(max_bytes);
+    let items = oplog.drain_batch(max_bytes).await;
     for item in &items {
         match oplog.read_drain_item(item).await {
             Ok(data) => {
@@ -228,7 +230,7 @@ pub async fn drain_into<F: Filesystem>(
             }
         }
     }
-    oplog.complete_drain(&items);
+    oplog.complete_drain(&items).await;
     items.len()
 }
 
