@@ -7,26 +7,47 @@
 # Prints the reads' p50/p99/p99.9 latency and the writes' IOPS for each phase.
 #
 #   bench/neighbour-write-probe.sh BIN [RUNTIME_S]      e.g. for an A/B of two binaries
+#   bench/neighbour-write-probe.sh nbdkit [RUNTIME_S]   the machine's own share of the tail
 #
-# Knobs (environment): WRITE_QD (32), NODE_ARGS (more `ashlar node` flags), NBD_PORT (19502),
-# HTTP_PORT (19503), DATA_DIR (/var/tmp/ashlar-neighbour-probe).
+# With `nbdkit` for BIN the same clients run against two nbdkit processes that share nothing:
+# `memory` for the reads and `file` with `--filter=fua fuamode=force` (every write flushed
+# before its reply) for the writes. Whatever tail the reads get there, the machine gives them
+# (its CPUs, the clients, the kernel's completion and flush work), not a shared reactor.
+#
+# Knobs (environment): WRITE_QD (32), NODE_ARGS (more `ashlar node` flags), NBD_PORT (19502;
+# nbdkit also uses the next port), HTTP_PORT (19503), DATA_DIR (/var/tmp/ashlar-neighbour-probe).
 set -euo pipefail
-BIN=${1:?usage: neighbour-write-probe.sh BIN [RUNTIME_S]}
+BIN=${1:?usage: neighbour-write-probe.sh BIN|nbdkit [RUNTIME_S]}
 RUNTIME_S=${2:-8}
 WRITE_QD=${WRITE_QD:-32}
 NBD_PORT=${NBD_PORT:-19502}
 HTTP_PORT=${HTTP_PORT:-19503}
 DATA_DIR=${DATA_DIR:-/var/tmp/ashlar-neighbour-probe}
 rm -rf "$DATA_DIR"; mkdir -p "$DATA_DIR"
-# shellcheck disable=SC2086 # NODE_ARGS is a list of flags
-RUST_LOG=warn "$BIN" node --data-dir "$DATA_DIR" --nbd-listen 127.0.0.1:$NBD_PORT \
-    --http-listen 127.0.0.1:$HTTP_PORT --reactors 1 --cache-size 1G \
-    --ensure-vdisk hot:256M --ensure-vdisk busy:1G ${NODE_ARGS:-} > "$DATA_DIR.log" 2>&1 &
-NODE=$!
-trap 'kill $NODE 2>/dev/null; wait $NODE 2>/dev/null || true; rm -rf "$DATA_DIR"' EXIT
-for _ in $(seq 100); do curl -sf "http://127.0.0.1:$HTTP_PORT/healthz" >/dev/null 2>&1 && break; sleep 0.2; done
-HOT=nbd://127.0.0.1:$NBD_PORT/hot
-BUSY=nbd://127.0.0.1:$NBD_PORT/busy
+SERVERS=()
+trap 'kill "${SERVERS[@]}" 2>/dev/null; wait "${SERVERS[@]}" 2>/dev/null || true; rm -rf "$DATA_DIR"' EXIT
+if [ "$BIN" = nbdkit ]; then
+    truncate -s 1G "$DATA_DIR/busy.img"
+    nbdkit -f -p "$NBD_PORT" memory 256M > "$DATA_DIR.log" 2>&1 &
+    SERVERS+=($!)
+    nbdkit -f -p $((NBD_PORT + 1)) --filter=fua file "$DATA_DIR/busy.img" fuamode=force \
+        >> "$DATA_DIR.log" 2>&1 &
+    SERVERS+=($!)
+    HOT=nbd://127.0.0.1:$NBD_PORT
+    BUSY=nbd://127.0.0.1:$((NBD_PORT + 1))
+    for uri in "$HOT" "$BUSY"; do
+        for _ in $(seq 100); do nbdinfo --size "$uri" >/dev/null 2>&1 && break; sleep 0.1; done
+    done
+else
+    # shellcheck disable=SC2086 # NODE_ARGS is a list of flags
+    RUST_LOG=warn "$BIN" node --data-dir "$DATA_DIR" --nbd-listen 127.0.0.1:$NBD_PORT \
+        --http-listen 127.0.0.1:$HTTP_PORT --reactors 1 --cache-size 1G \
+        --ensure-vdisk hot:256M --ensure-vdisk busy:1G ${NODE_ARGS:-} > "$DATA_DIR.log" 2>&1 &
+    SERVERS+=($!)
+    for _ in $(seq 100); do curl -sf "http://127.0.0.1:$HTTP_PORT/healthz" >/dev/null 2>&1 && break; sleep 0.2; done
+    HOT=nbd://127.0.0.1:$NBD_PORT/hot
+    BUSY=nbd://127.0.0.1:$NBD_PORT/busy
+fi
 job() { fio --ioengine=nbd --size="$2" --output-format=json --uri="$1" "${@:3}"; }
 job "$BUSY" 1G --name=fill --rw=write --bs=1M --iodepth=8 >/dev/null
 job "$HOT" 256M --name=fill --rw=write --bs=1M --iodepth=8 >/dev/null
