@@ -1,6 +1,6 @@
 //! Memory for large [`super::DiskBuf`]s (above [`super::small_buffers::SMALL_BUFFER_MAX_BYTES`],
-//! in mappings of at least [`LARGE_BUFFER_MIN_BYTES`]): each buffer is a mapping of its own,
-//! and a dropped one waits on a node-wide free list for the next buffer of its size class (a
+//! in mappings of at least [`LARGE_BUFFER_MIN_BYTES`]): each buffer is a mapping of its own
+//! (or a piece of a huge page, given back to the kernel on its own), and a dropped one waits on a node-wide free list for the next buffer of its size class (a
 //! large read's target, an oplog batch) instead of going back to the kernel, up to a
 //! configurable total ([`set_free_limit_bytes`]). If the kernel refuses a new mapping, the
 //! buffer comes from the heap instead (`anonymous_mapping`).
@@ -12,15 +12,22 @@
 //! samples zeroing those pages (`clear_page_erms`), read 447-753 MiB/s (1.0-1.24 GiB/s with
 //! the buffers kept) and its RSS grew without bound (4.0 GiB after 8 s). Pages of a reused
 //! buffer are already faulted in, and a mapping of its own gives all of its memory back when
-//! it is unmapped. The price, on the test VM: right after a fill, when glibc's heap still
-//! held reusable memory, the same read is 15-30 % slower with these buffers than with the
-//! heap's (bench/results/20261128-010000-vm, cause not found).
+//! it is unmapped.
+//!
+//! Why huge pages: the kernel splits a direct read or write into one segment per physically
+//! contiguous piece of its buffer. A 1 MiB buffer of scattered 4 KiB pages is 256 segments,
+//! more than a request may have (virtio-blk: 254), so it becomes two requests; and a virtio
+//! queue without indirect descriptors spends a ring slot per segment, so one such request
+//! fills a 256-slot ring and the next waits (the test VM's disk: cold 1 MiB reads at QD2 kept
+//! 0.9 requests in the disk, raw fio 1.7; bench/results/20261129-182310-vm). Buffers carved from
+//! a huge page are one segment each. (This was the "cause not found" of
+//! bench/results/20261128-010000-vm: fresh heap memory happened to be contiguous.)
 //!
 //! The free list is shared by every thread (a buffer filled on one reactor is often dropped
 //! on another, after its reply is sent), behind one mutex taken once per large buffer
 //! allocated and dropped: a few thousand times a second, never per 4 KiB block.
 
-use super::anonymous_mapping::{self, unmap};
+use super::anonymous_mapping::{self, unmap, HUGE_PAGE_BYTES};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -70,7 +77,45 @@ pub(super) fn take(len: usize) -> Option<NonNull<u8>> {
     if let Some(ptr) = lock().pop(class) {
         return Some(ptr);
     }
-    anonymous_mapping::map(class)
+    map_new(class)
+}
+
+/// A new buffer of `class` bytes, in huge pages where the kernel has them (see the module
+/// comment): a class of a huge page or more is a huge-page-aligned mapping of its own; a
+/// smaller one is carved from a new huge page, whose other pieces go to the free list as far
+/// as it has room (the rest are given back at once).
+fn map_new(class: usize) -> Option<NonNull<u8>> {
+    if class >= HUGE_PAGE_BYTES {
+        return anonymous_mapping::map_huge_aligned(class)
+            .or_else(|| anonymous_mapping::map(class));
+    }
+    let Some(chunk) = anonymous_mapping::map_huge_aligned(HUGE_PAGE_BYTES) else {
+        return anonymous_mapping::map(class);
+    };
+    // Fault the huge page in while the whole chunk is still one mapping: a piece given back
+    // splits the mapping, and the other pieces keep their (contiguous) pages.
+    // SAFETY: the chunk is mapped, writable and unused; it reads as zeros, so writing a zero
+    // changes nothing but the fault.
+    unsafe { chunk.as_ptr().write_volatile(0) };
+    let base = chunk.as_ptr() as usize;
+    let limit = FREE_LIMIT_BYTES.load(Ordering::Relaxed);
+    let mut unkept = Vec::new();
+    {
+        let mut free = lock();
+        for index in 1..HUGE_PAGE_BYTES / class {
+            let piece = NonNull::new((base + index * class) as *mut u8).expect("non-zero");
+            if free.bytes + class <= limit {
+                free.push(class, piece);
+            } else {
+                unkept.push(piece);
+            }
+        }
+    }
+    for piece in unkept {
+        // SAFETY: a piece of the chunk, never handed out.
+        unsafe { unmap(piece, class) };
+    }
+    Some(chunk)
 }
 
 /// Hands back a buffer `take` gave for a `len` of this class.
@@ -160,6 +205,78 @@ mod tests {
         unsafe { give_back(second, len) };
         set_free_limit_bytes(DEFAULT_FREE_LIMIT_BYTES);
         assert!(free_bytes() <= DEFAULT_FREE_LIMIT_BYTES);
+    }
+
+    #[test]
+    fn buffers_below_a_huge_page_are_carved_from_one() {
+        let len = 200 << 10; // class 256 KiB, a size no other test takes from the list
+        set_free_limit_bytes(1 << 30);
+        let first = take(len).expect("a mapping");
+        let base = first.as_ptr() as usize;
+        assert!(
+            base.is_multiple_of(HUGE_PAGE_BYTES),
+            "a new huge page's first piece"
+        );
+        let rest: Vec<NonNull<u8>> = (1..HUGE_PAGE_BYTES / (256 << 10))
+            .map(|_| take(len).expect("a kept piece"))
+            .collect();
+        let mut offsets: Vec<usize> = rest.iter().map(|p| p.as_ptr() as usize - base).collect();
+        offsets.sort_unstable();
+        let expected: Vec<usize> = (1..8).map(|i| i * (256 << 10)).collect();
+        assert_eq!(offsets, expected, "the other pieces of the same huge page");
+        for piece in rest.into_iter().chain([first]) {
+            // SAFETY: each piece is mapped, 256 KiB, writable; giving it back splits the page.
+            unsafe {
+                piece.as_ptr().add((256 << 10) - 1).write(1);
+                give_back(piece, len);
+            }
+        }
+        set_free_limit_bytes(DEFAULT_FREE_LIMIT_BYTES);
+    }
+
+    /// The physical frame of each 4 KiB page of `[ptr, ptr + len)`, from `/proc/self/pagemap`
+    /// (frames read as 0 without CAP_SYS_ADMIN).
+    fn page_frames(ptr: NonNull<u8>, len: usize) -> Vec<u64> {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut pagemap = std::fs::File::open("/proc/self/pagemap").expect("pagemap");
+        let first_page = ptr.as_ptr() as u64 / 4096;
+        pagemap.seek(SeekFrom::Start(first_page * 8)).expect("seek");
+        let mut entries = vec![0u8; len / 4096 * 8];
+        pagemap.read_exact(&mut entries).expect("pagemap entries");
+        entries
+            .chunks_exact(8)
+            .map(|e| u64::from_le_bytes(e.try_into().expect("8 bytes")) & ((1 << 55) - 1))
+            .collect()
+    }
+
+    #[test]
+    fn a_buffer_is_physically_contiguous_where_the_kernel_gives_huge_pages() {
+        let len = 1 << 20;
+        let buf = take(len).expect("a mapping");
+        // SAFETY: the buffer is mapped, `len` bytes, writable and unused; fault every page in.
+        unsafe {
+            for page in 0..len / 4096 {
+                buf.as_ptr().add(page * 4096).write_volatile(1);
+            }
+        }
+        let frames = page_frames(buf, len);
+        let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .unwrap_or_default();
+        let huge_pages_on = thp.contains("[always]") || thp.contains("[madvise]");
+        if huge_pages_on && frames[0] != 0 {
+            let contiguous = frames.windows(2).all(|w| w[1] == w[0] + 1);
+            assert!(
+                contiguous,
+                "a 1 MiB buffer spans scattered pages: {frames:?}"
+            );
+        } else {
+            eprintln!(
+                "not checked here: transparent huge pages {thp:?}, page frames readable: {}",
+                frames[0] != 0
+            );
+        }
+        // SAFETY: taken above, unused now.
+        unsafe { give_back(buf, len) };
     }
 
     #[test]
