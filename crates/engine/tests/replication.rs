@@ -228,6 +228,14 @@ async fn the_copy_ends_equal_to_the_owner_and_writes_wait_for_it() {
         let owner = owner.clone();
         async move { racing_writes(&owner, 77).await }
     });
+    // Until a record is held, the writes may not have reached the shards yet (slow in debug
+    // builds), and settling would rightly find nothing to wait for.
+    let mut waited = 0;
+    while hold.lock().unwrap().as_ref().is_some_and(Vec::is_empty) {
+        assert!(waited < 3000, "no record reached the replica within 30 s");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        waited += 1;
+    }
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(
         !pending.is_finished(),
