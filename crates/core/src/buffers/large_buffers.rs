@@ -1,6 +1,7 @@
 //! Memory for large [`super::DiskBuf`]s (above [`super::small_buffers::SMALL_BUFFER_MAX_BYTES`],
 //! in mappings of at least [`LARGE_BUFFER_MIN_BYTES`]): each buffer is a mapping of its own
-//! (or a piece of a huge page, given back to the kernel on its own), and a dropped one waits on a node-wide free list for the next buffer of its size class (a
+//! (or a piece of a huge page, given back to the kernel on its own), and a dropped one waits
+//! on a node-wide free list for the next buffer of its size class (a
 //! large read's target, an oplog batch) instead of going back to the kernel, up to a
 //! configurable total ([`set_free_limit_bytes`]). If the kernel refuses a new mapping, the
 //! buffer comes from the heap instead (`anonymous_mapping`).
@@ -82,12 +83,17 @@ pub(super) fn take(len: usize) -> Option<NonNull<u8>> {
 
 /// A new buffer of `class` bytes, in huge pages where the kernel has them (see the module
 /// comment): a class of a huge page or more is a huge-page-aligned mapping of its own; a
-/// smaller one is carved from a new huge page, whose other pieces go to the free list as far
-/// as it has room (the rest are given back at once).
+/// smaller one is carved from a new huge page when [`carves`] says so, its other pieces going
+/// to the free list as far as it has room (the rest are given back at once), else it is a
+/// mapping of ordinary pages.
 fn map_new(class: usize) -> Option<NonNull<u8>> {
     if class >= HUGE_PAGE_BYTES {
         return anonymous_mapping::map_huge_aligned(class)
             .or_else(|| anonymous_mapping::map(class));
+    }
+    let limit = FREE_LIMIT_BYTES.load(Ordering::Relaxed);
+    if !carves(class, lock().bytes, limit) {
+        return anonymous_mapping::map(class);
     }
     let Some(chunk) = anonymous_mapping::map_huge_aligned(HUGE_PAGE_BYTES) else {
         return anonymous_mapping::map(class);
@@ -98,7 +104,6 @@ fn map_new(class: usize) -> Option<NonNull<u8>> {
     // changes nothing but the fault.
     unsafe { chunk.as_ptr().write_volatile(0) };
     let base = chunk.as_ptr() as usize;
-    let limit = FREE_LIMIT_BYTES.load(Ordering::Relaxed);
     let mut unkept = Vec::new();
     {
         let mut free = lock();
@@ -116,6 +121,18 @@ fn map_new(class: usize) -> Option<NonNull<u8>> {
         unsafe { unmap(piece, class) };
     }
     Some(chunk)
+}
+
+/// Whether a new buffer of `class` (under a huge page) is carved from a huge page, with the
+/// free list holding `free_bytes` of at most `limit_bytes`. Carving faults in and zeroes the
+/// whole huge page. For a class of a quarter of a huge page or more that costs at most four
+/// times the buffer, in one fault instead of one per 4 KiB page, and the buffer is large
+/// enough for its segment count to matter: always. A smaller class is carved only when the
+/// list has room for every other piece; otherwise (a list full of other classes, or a limit
+/// of 0) each new 64 KiB buffer would zero 2 MiB.
+fn carves(class: usize, free_bytes: usize, limit_bytes: usize) -> bool {
+    let spare_bytes = HUGE_PAGE_BYTES - class;
+    class >= HUGE_PAGE_BYTES / 4 || free_bytes + spare_bytes <= limit_bytes
 }
 
 /// Hands back a buffer `take` gave for a `len` of this class.
@@ -277,6 +294,19 @@ mod tests {
         }
         // SAFETY: taken above, unused now.
         unsafe { give_back(buf, len) };
+    }
+
+    #[test]
+    fn small_classes_are_carved_only_when_the_list_has_room_for_the_other_pieces() {
+        let mib = 1 << 20;
+        assert!(carves(mib, 64 * mib, 64 * mib), "1 MiB: always");
+        assert!(carves(512 << 10, 0, 0), "a quarter of a huge page: always");
+        assert!(carves(64 << 10, 0, 64 * mib));
+        assert!(
+            !carves(64 << 10, 63 * mib, 64 * mib),
+            "no room for 31 more pieces"
+        );
+        assert!(!carves(256 << 10, 0, 0), "a limit of 0 keeps no pieces");
     }
 
     #[test]
