@@ -6,7 +6,9 @@
 #
 # Stages (COLD_STAGES, any subset, in this order):
 #   uncached  : UNCACHED_JOBS on `raw-cold` (fio io_uring, direct=1, on COLD_IMG of
-#               UNCACHED_SIZE) and on `ashlar-cold` (fio nbd engine against an `ashlar node`
+#               UNCACHED_SIZE; its sequential-write jobs also as `raw-cold-flush`, with one
+#               fdatasync per QD writes: the ceiling of a server durable at acknowledgement)
+#               and on `ashlar-cold` (fio nbd engine against an `ashlar node`
 #               with --cache-size UNCACHED_CACHE and --direct-io ASHLAR_DIRECT_IO serving a
 #               vdisk of UNCACHED_SIZE). Both are filled with 1 MiB sequential writes first.
 #   durable   : DURABLE_JOBS (4 KiB random writes) on `ashlar-cold` (durable at ack), on
@@ -189,6 +191,13 @@ if has uncached "$COLD_STAGES"; then
         note raw-cold "fio io_uring direct=1 on $COLD_IMG ($UNCACHED_SIZE, $(df -hT "$COLD_IMG" | awk 'NR==2{print $2}')), page cache dropped before every job"
         record_load raw-cold; SERVER_PIDS=""
         for j in $UNCACHED_JOBS; do cold_case raw-cold "$j" "${raw_args[@]}"; done
+        # The sequential-write ceiling of any server whose writes are durable at
+        # acknowledgement: with QD writes in flight it cannot flush less often than once per
+        # QD writes (an optimistic bound: fio does not wait for the writes a sync covers).
+        record_load raw-cold-flush; SERVER_PIDS=""
+        for j in $UNCACHED_JOBS; do
+            case $j in seqwrite*) cold_case raw-cold-flush "$j" "${raw_args[@]}" --fdatasync="${j##*:}" ;; esac
+        done
     fi
     if has ashlar "$UNCACHED_SYSTEMS" && node_up; then
         record_load ashlar-cold; SERVER_PIDS=$NODE_PID

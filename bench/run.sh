@@ -19,7 +19,8 @@
 #     iscsi     tgt-iscsi, ashlar-iscsi, ashlar-iscsi-nbd: fio libiscsi against tgt and Ashlar,
 #               and fio nbd on the same Ashlar vdisk, 4k rand QD1/QD32, 1M seq QD8 (iscsi.sh)
 #     uncached  raw-cold vs ashlar-cold: 4k randread QD32/QD1, 1M seqread/seqwrite QD8 with the
-#               page cache dropped before each job, on UNCACHED_SIZE data (cold.sh)
+#               page cache dropped before each job, on UNCACHED_SIZE data; raw-cold-flush:
+#               the seqwrite jobs with one fdatasync per QD writes (cold.sh)
 #     durable   4k randwrite QD1/QD32: ashlar-cold vs raw-cold-dsync and nbdkit-memory-cold
 #     pagecache page cache growth while reading PAGECACHE_READ through the node
 #     shard     the in-process sharding benchmark (shard_bench)
