@@ -168,7 +168,7 @@ pub struct NodeArgs {
     /// Requests queued per shard controller before clients wait.
     #[arg(long, default_value_t = 1024, value_name = "N")]
     pub shard_queue_limit: usize,
-    /// Extent groups each shard keeps open (about 12.3 KiB of checksums and one file
+    /// Extent groups each shard keeps open (about 20.3 KiB of checksums and one file
     /// descriptor each; each covers 4 MiB of the vdisk, so the default covers 4 GiB per shard).
     /// A read or write of an egroup that is not open first reads its checksum blocks from disk.
     #[arg(long, default_value_t = 1024, value_name = "N")]

@@ -387,6 +387,7 @@ impl<M: MetaStore> Engine<M> {
                         max_open_egroups,
                         max_writing_egroups,
                         writes_in_flight_per_egroup,
+                        journal: None,
                     },
                 );
                 let mut lost_ranges = 0;

@@ -28,6 +28,7 @@ fn config(dirs: &[&Path]) -> ExtentStoreConfig {
         max_writing_egroups: ashlar_storage::extent_store::DEFAULT_MAX_WRITING_EGROUPS,
         writes_in_flight_per_egroup:
             ashlar_storage::extent_store::DEFAULT_WRITES_IN_FLIGHT_PER_EGROUP,
+        journal: None,
     }
 }
 

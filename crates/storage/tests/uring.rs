@@ -979,6 +979,7 @@ fn extent_store_writes_shared_aligned_payloads_without_a_copy() {
             max_writing_egroups: ashlar_storage::extent_store::DEFAULT_MAX_WRITING_EGROUPS,
             writes_in_flight_per_egroup:
                 ashlar_storage::extent_store::DEFAULT_WRITES_IN_FLIGHT_PER_EGROUP,
+            journal: None,
         };
         let store = ExtentStore::new(direct_fs(), config);
         let size = 6usize << 20;

@@ -244,6 +244,7 @@ pub async fn start_shard(
             max_open_egroups: spec.max_open_egroups,
             max_writing_egroups: spec.max_writing_egroups,
             writes_in_flight_per_egroup: spec.writes_in_flight_per_egroup,
+            journal: None,
         },
     );
     let (request_tx, request_rx) = mpsc::channel(spec.request_queue_limit);

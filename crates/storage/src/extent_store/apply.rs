@@ -10,6 +10,7 @@
 //! After a power cut at any point every block reads its old or its new content.
 
 use super::batch::{merge_patch, BlockOp};
+use super::block_log::LogSlot;
 use super::egroup::{is_zero, Egroup};
 use super::extent_lock::{ExtentMask, EVERY_EXTENT};
 use super::format::{data_offset, BLOCKS_PER_EXTENT, BLOCK_LEN, EXTENTS};
@@ -106,7 +107,7 @@ pub(crate) async fn apply_plan<F: Filesystem>(
             *view = egroup.normalize(extent).await?;
         }
     }
-    let actions = decide(egroup, blocks, &views).await?;
+    let actions = decide(fs, egroup, blocks, &views).await?;
     drop(views);
     let result = run(
         egroup,
@@ -122,8 +123,9 @@ pub(crate) async fn apply_plan<F: Filesystem>(
     result
 }
 
-async fn decide<'a, D: DiskFile>(
-    egroup: &Egroup<D>,
+async fn decide<'a, F: Filesystem>(
+    fs: &F,
+    egroup: &Egroup<F::File>,
     blocks: BTreeMap<usize, BlockOp<'a>>,
     views: &[Option<Vec<u8>>; EXTENTS],
 ) -> Result<Actions<'a>, ExtentError> {
@@ -144,7 +146,7 @@ async fn decide<'a, D: DiskFile>(
                         state: BlockState::Lost,
                         current: None,
                         zero_known: false,
-                        ..entry
+                        ..Entry::HOLE
                     };
                     acts.b_entries.push((block, lost));
                 }
@@ -181,6 +183,25 @@ async fn decide<'a, D: DiskFile>(
                         acts.b_entries.push((block, poisoned));
                     }
                 }
+                BlockState::InLog => match egroup.read_log_block(fs, block, entry).await {
+                    Ok(mut merged) => {
+                        merge_patch(&mut merged, &buf, &ranges);
+                        acts.content(block, entry, Content::Owned(merged));
+                    }
+                    Err(error) if error.is_corruption() => {
+                        tracing::error!(%error,
+                            "partial write into a corrupt block in the block log: the block stays unreadable until fully rewritten");
+                        let poisoned = Entry {
+                            state: BlockState::Poisoned,
+                            crc: [0, 0],
+                            current: None,
+                            zero_known: false,
+                            log: LogSlot::NONE,
+                        };
+                        acts.b_entries.push((block, poisoned));
+                    }
+                    Err(error) => return Err(error),
+                },
                 // The rest of the block is unknown: it stays unreadable.
                 BlockState::Poisoned | BlockState::Lost => {}
             },
@@ -198,6 +219,7 @@ impl<'a> Actions<'a> {
             crc,
             current: None,
             zero_known: false,
+            log: LogSlot::NONE,
         };
         match entry.state {
             BlockState::Hole if is_zero(bytes) => {}
@@ -208,8 +230,9 @@ impl<'a> Actions<'a> {
                 self.b_data.push((block, content));
                 self.after.push((block, After::Current(1)));
             }
-            BlockState::Hole | BlockState::Poisoned | BlockState::Lost => {
-                // The bytes on disk are unknown: the data is durable before the entry says so.
+            BlockState::Hole | BlockState::Poisoned | BlockState::Lost | BlockState::InLog => {
+                // The bytes at home are unknown (for a block in the log they mean nothing):
+                // the data is durable before the entry says so.
                 self.a_data.push((block, content));
                 self.b_entries.push((block, written([crc, crc])));
                 self.after.push((block, After::Current(0)));

@@ -151,7 +151,8 @@ impl<D: DiskFile> Egroup<D> {
             let Ok(table) = &states[extent].table else {
                 continue;
             };
-            let block = encode_table(table, self.vdisk, self.index, extent);
+            let position = states[extent].position;
+            let block = encode_table(table, self.vdisk, self.index, extent, position);
             match runs.last_mut() {
                 Some((first, bytes)) if *first + bytes.len() / BLOCK_LEN == extent => {
                     bytes.extend_from_slice(&block)

@@ -4,11 +4,12 @@
 //! (`extent_lock`), recovery holds every extent; reads take no lock and see a state that is
 //! valid at every await.
 
+use super::block_log::Position;
 use super::format::{
     data_offset, decode_header, encode_header, table_offset, Decoded, BLOCKS_PER_EXTENT, BLOCK_LEN,
     EGROUP_SPAN_BYTES, EXTENTS, META_BYTES,
 };
-use super::table::{decode_table, encode_table, BlockState, Entry, Table};
+use super::table::{decode_table, encode_table, BlockState, DecodedTable, Entry, Table};
 use super::{io_error, ExtentError};
 use crate::fs::{DiskBuf, DiskFile, Filesystem};
 use ashlar_core::VdiskId;
@@ -30,9 +31,12 @@ pub(crate) struct ExtentState {
     pub table: Result<Box<Table>, String>,
     /// `current` and `zero_known` of every entry reflect the data on disk.
     pub normalized: bool,
+    /// The newest block log position whose entries the table holds: the stamp its next
+    /// write carries (replay applies only newer entries).
+    pub position: Position,
 }
 
-/// An open egroup. Memory: 4 × 256 entries of 12 bytes (12 KiB) plus the file handle, path and
+/// An open egroup. Memory: 4 × 256 entries of 20 bytes (20 KiB) plus the file handle, path and
 /// a few words (see `ExtentStore`'s memory note).
 pub(crate) struct Egroup<D> {
     pub vdisk: VdiskId,
@@ -85,6 +89,7 @@ impl<D: DiskFile> Egroup<D> {
         let extents = std::array::from_fn(|_| ExtentState {
             table: Ok(table.clone()),
             normalized: true,
+            position: Position(0),
         });
         let created = Self::assemble(vdisk, index, path, file, None, extents, true, 0);
         if let Err(error) = created.initialize(fs).await {
@@ -98,9 +103,15 @@ impl<D: DiskFile> Egroup<D> {
     async fn initialize<F: Filesystem<File = D>>(&self, fs: &F) -> Result<(), ExtentError> {
         self.unsynced.set(ALL_BITS);
         let mut meta = encode_header(self.vdisk, self.index);
-        for extent in 0..EXTENTS {
-            if let Ok(table) = &self.extents.borrow()[extent].table {
-                meta.extend_from_slice(&encode_table(table, self.vdisk, self.index, extent));
+        for (extent, state) in self.extents.borrow().iter().enumerate() {
+            if let Ok(table) = &state.table {
+                meta.extend_from_slice(&encode_table(
+                    table,
+                    self.vdisk,
+                    self.index,
+                    extent,
+                    state.position,
+                ));
             }
         }
         self.file
@@ -164,7 +175,7 @@ impl<D: DiskFile> Egroup<D> {
             .map_err(|e| io_error(path, Some(0), e))?;
         let len = file.len().await.map_err(|e| io_error(path, None, e))?;
         let header = decode_header(&meta[..BLOCK_LEN], vdisk, index);
-        let tables: Vec<Decoded<Box<Table>>> = (0..EXTENTS)
+        let tables: Vec<Decoded<DecodedTable>> = (0..EXTENTS)
             .map(|e| {
                 let at = table_offset(e) as usize;
                 decode_table(&meta[at..at + BLOCK_LEN], vdisk, index, e)
@@ -173,7 +184,7 @@ impl<D: DiskFile> Egroup<D> {
         let all_valid = matches!(header, Decoded::Valid(()))
             && tables.iter().all(|t| matches!(t, Decoded::Valid(_)));
         let holds_entries = tables.iter().any(|t| match t {
-            Decoded::Valid(table) => table.iter().any(|e| e.state != BlockState::Hole),
+            Decoded::Valid(table) => table.entries.iter().any(|e| e.state != BlockState::Hole),
             _ => false,
         });
         let no_data = !holds_entries
@@ -184,6 +195,7 @@ impl<D: DiskFile> Egroup<D> {
             let extents = std::array::from_fn(|_| ExtentState {
                 table: Ok(Box::new([Entry::HOLE; BLOCKS_PER_EXTENT])),
                 normalized: true,
+                position: Position(0),
             });
             return Ok(Self::assemble(
                 vdisk,
@@ -207,11 +219,13 @@ impl<D: DiskFile> Egroup<D> {
         }
         let mut tables = tables.into_iter();
         let extents = std::array::from_fn(|extent| {
-            let table = match tables.next() {
-                Some(Decoded::Valid(table)) => Ok(table),
-                Some(Decoded::Zero) => Err("checksum block is all zeros".to_string()),
-                Some(Decoded::Bad(reason)) => Err(reason),
-                None => Err("missing".to_string()),
+            let (table, position) = match tables.next() {
+                Some(Decoded::Valid(table)) => (Ok(table.entries), table.position),
+                Some(Decoded::Zero) => {
+                    (Err("checksum block is all zeros".to_string()), Position(0))
+                }
+                Some(Decoded::Bad(reason)) => (Err(reason), Position(0)),
+                None => (Err("missing".to_string()), Position(0)),
             };
             if let Err(reason) = &table {
                 tracing::error!(path = %path.display(), file_offset = table_offset(extent), %reason,
@@ -220,6 +234,7 @@ impl<D: DiskFile> Egroup<D> {
             ExtentState {
                 table,
                 normalized: false,
+                position,
             }
         });
         Ok(Self::assemble(
@@ -231,33 +246,37 @@ impl<D: DiskFile> Egroup<D> {
         self.index * EGROUP_SPAN_BYTES + (block * BLOCK_LEN) as u64
     }
 
-    /// Reads and verifies blocks `[first, first + out.len() / 4096)` of the egroup.
-    pub(crate) async fn read_blocks(
+    /// Reads and verifies blocks `[first, first + out.len() / 4096)` of the egroup: blocks at
+    /// home with one read of the range, blocks in the block log from there.
+    pub(crate) async fn read_blocks<F: Filesystem<File = D>>(
         &self,
+        fs: &F,
         first: usize,
         out: &mut [u8],
     ) -> Result<(), ExtentError> {
         let count = out.len() / BLOCK_LEN;
         let entries = self.entries(first, count)?;
-        if entries.iter().any(|e| e.state != BlockState::Hole) {
+        if entries.iter().any(|e| e.state == BlockState::Written) {
             let at = data_offset(first);
             self.file
                 .read_at(out, at)
                 .await
                 .map_err(|e| io_error(&self.path, Some(at), e))?;
         }
+        self.fill_from_log(fs, &entries, out).await?;
         self.check_blocks(first, &entries, out)
     }
 
     /// Blocks `[first, first + count)` as `read_blocks` reads them, in a buffer of their own
     /// that the disk read fills directly (see `DiskFile::read_new`).
-    pub(crate) async fn read_blocks_new(
+    pub(crate) async fn read_blocks_new<F: Filesystem<File = D>>(
         &self,
+        fs: &F,
         first: usize,
         count: usize,
     ) -> Result<DiskBuf, ExtentError> {
         let entries = self.entries(first, count)?;
-        let mut buf = if entries.iter().any(|e| e.state != BlockState::Hole) {
+        let mut buf = if entries.iter().any(|e| e.state == BlockState::Written) {
             let at = data_offset(first);
             self.file
                 .read_new(at, count * BLOCK_LEN)
@@ -266,12 +285,14 @@ impl<D: DiskFile> Egroup<D> {
         } else {
             DiskBuf::zeroed(count * BLOCK_LEN)
         };
+        self.fill_from_log(fs, &entries, buf.as_mut_slice()).await?;
         self.check_blocks(first, &entries, buf.as_mut_slice())?;
         Ok(buf)
     }
 
     /// Checks blocks read from `first` on against their entries: a written block's CRC must
-    /// match one of its slots; holes become zeros; poisoned and lost blocks are errors.
+    /// match one of its slots, a block in the log its one CRC; holes become zeros; poisoned
+    /// and lost blocks are errors.
     fn check_blocks(
         &self,
         first: usize,
@@ -298,6 +319,7 @@ impl<D: DiskFile> Egroup<D> {
                         });
                     }
                 }
+                BlockState::InLog => self.check_log_block(index, entry, block)?,
                 BlockState::Poisoned => {
                     return Err(ExtentError::Poisoned {
                         vdisk,

@@ -1,4 +1,4 @@
-//! The on-disk layout of an extent group, format version 2 (docs/extent-store-format.md):
+//! The on-disk layout of an extent group, format version 3 (docs/extent-store-format.md):
 //! a header block, one checksum block per extent (`table`), then the data blocks. Every
 //! metadata block ends with the CRC32C of its first 4092 bytes and carries the format version;
 //! decoding never guesses: a block is all zeros, valid, or bad with a reason.
@@ -10,7 +10,10 @@ use std::path::{Path, PathBuf};
 pub const EXTENTS_PER_EGROUP: u64 = 4;
 /// Bytes of vdisk address space one egroup covers.
 pub const EGROUP_SPAN_BYTES: u64 = EXTENTS_PER_EGROUP * EXTENT_SIZE_BYTES;
-pub(crate) const FORMAT_VERSION: u32 = 2;
+/// The version this code writes: 3 adds blocks in the block log (`table`, `block_log`).
+pub(crate) const FORMAT_VERSION: u32 = 3;
+/// The oldest version this code reads: version 2 is version 3 with no block in the log.
+pub(crate) const OLDEST_READABLE_VERSION: u32 = 2;
 pub(crate) const BLOCK: u64 = BLOCK_SIZE_BYTES;
 pub(crate) const BLOCK_LEN: usize = BLOCK as usize;
 pub(crate) const EXTENTS: usize = EXTENTS_PER_EGROUP as usize;
@@ -70,6 +73,11 @@ pub(super) fn u64_at(bytes: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(word)
 }
 
+/// Whether this code reads metadata blocks of `version`.
+pub(super) fn readable_version(version: u32) -> bool {
+    (OLDEST_READABLE_VERSION..=FORMAT_VERSION).contains(&version)
+}
+
 /// What a metadata block (header or checksum block) holds.
 #[derive(Debug)]
 pub(crate) enum Decoded<T> {
@@ -102,13 +110,14 @@ pub(crate) fn decode_header(block: &[u8], vdisk: VdiskId, egroup: u64) -> Decode
         return Decoded::Bad("wrong magic".into());
     }
     let version = u32_at(block, 8);
-    if version != FORMAT_VERSION {
+    if !readable_version(version) {
         return Decoded::Bad(format!("unsupported format version {version}"));
     }
     if block[CRC_AT..] != crc_of(block) {
         return Decoded::Bad("header checksum mismatch".into());
     }
-    if block[..CRC_AT] != encode_header(vdisk, egroup)[..CRC_AT] {
+    let expected = encode_header(vdisk, egroup);
+    if block[..8] != expected[..8] || block[12..CRC_AT] != expected[12..CRC_AT] {
         return Decoded::Bad("header names another vdisk, egroup or geometry".into());
     }
     Decoded::Valid(())
@@ -129,6 +138,20 @@ mod tests {
             decode_header(&header, VdiskId(1), 3),
             Decoded::Bad(_)
         ));
+        let mut version_2 = header.clone();
+        version_2[8..12].copy_from_slice(&2u32.to_le_bytes());
+        seal(&mut version_2);
+        assert!(matches!(
+            decode_header(&version_2, VdiskId(1), 2),
+            Decoded::Valid(())
+        ));
+        let mut version_4 = header;
+        version_4[8..12].copy_from_slice(&4u32.to_le_bytes());
+        seal(&mut version_4);
+        match decode_header(&version_4, VdiskId(1), 2) {
+            Decoded::Bad(reason) => assert!(reason.contains("version 4"), "{reason}"),
+            other => panic!("expected Bad, got {other:?}"),
+        }
         assert_eq!(parse_egroup_file_name(&egroup_file_name(0xab)), Some(0xab));
         assert_eq!(parse_egroup_file_name("0000000000000001.tmp"), None);
         assert_eq!(parse_egroup_file_name("1.egroup"), None);

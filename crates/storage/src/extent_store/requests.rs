@@ -85,7 +85,7 @@ impl<F: Filesystem> ExtentStore<F> {
         };
         let target: &mut [u8] = if aligned { &mut *out } else { &mut scratch };
         read_verified(&slot, open, (first, end), async || {
-            open.read_blocks(first, target).await
+            open.read_blocks(&self.fs, first, target).await
         })
         .await?;
         if !aligned {
@@ -128,7 +128,7 @@ impl<F: Filesystem> ExtentStore<F> {
         let first = ((offset % EGROUP_SPAN_BYTES) / BLOCK) as usize;
         let count = length / BLOCK_LEN;
         read_verified(&slot, open, (first, first + count), async || {
-            open.read_blocks_new(first, count).await
+            open.read_blocks_new(&self.fs, first, count).await
         })
         .await
     }
@@ -169,37 +169,56 @@ impl<F: Filesystem> ExtentStore<F> {
     /// it ("fsyncgate"), so the store first rewrites what it wrote since then (see `sync`) and
     /// the retry rewrites the rest.
     pub async fn apply(&self, batch: &WriteBatch<'_>) -> Result<(), ExtentError> {
-        for (offset, length) in batch.ranges() {
-            range_end(offset, length)?;
-        }
+        self.check_ranges(batch)?;
         self.ensure_durable_listing().await?;
         let groups = batch.by_egroup(|first, last| self.known_in(first, last));
-        // A few egroups at a time, not all: a batch spread over hundreds of egroups would put
-        // thousands of writes and syncs ahead of the oplog's commits in the disk's and the
-        // kernel's queues, and every client write would wait out the whole batch.
-        let width = self
-            .config
-            .max_writing_egroups
-            .clamp(1, self.config.max_open_egroups.max(1));
         try_run_windowed(
             groups.into_iter().map(|(egroup, ops)| async move {
-                let result = self.apply_egroup(egroup, ops).await;
+                let result = self.apply_egroup_except(egroup, ops, |_| false).await;
                 self.trim();
                 result
             }),
-            width,
+            self.writing_width(),
             AfterError::StopStarting,
         )
         .await
     }
 
-    async fn apply_egroup(&self, egroup: u64, ops: Vec<Op<'_>>) -> Result<(), ExtentError> {
+    /// Every range of the batch ends within the largest vdisk.
+    pub(super) fn check_ranges(&self, batch: &WriteBatch<'_>) -> Result<(), ExtentError> {
+        for (offset, length) in batch.ranges() {
+            range_end(offset, length)?;
+        }
+        Ok(())
+    }
+
+    /// Egroups a batch writes at a time. A few, not all: a batch spread over hundreds of
+    /// egroups would put thousands of writes and syncs ahead of the oplog's commits in the
+    /// disk's and the kernel's queues, and every client write would wait out the whole batch.
+    pub(super) fn writing_width(&self) -> usize {
+        self.config
+            .max_writing_egroups
+            .clamp(1, self.config.max_open_egroups.max(1))
+    }
+
+    /// Applies `ops` to `egroup` with the two-slot protocol, leaving out the blocks `skip`
+    /// names (already in the block log: `apply_journaled`).
+    pub(super) async fn apply_egroup_except(
+        &self,
+        egroup: u64,
+        ops: Vec<Op<'_>>,
+        skip: impl Fn(usize) -> bool,
+    ) -> Result<(), ExtentError> {
         self.ensure_durable_listing().await?;
+        let mut blocks = plan(egroup, &ops);
+        blocks.retain(|&block, _| !skip(block));
+        if blocks.is_empty() {
+            return Ok(());
+        }
         let create = ops.iter().any(Op::needs_egroup);
         if !create && self.find(egroup).is_none() {
             return Ok(());
         }
-        let blocks = plan(egroup, &ops);
         let slot = self.pin(egroup);
         let mut guard = slot.lock.lock(extents_touched(&blocks)).await;
         let Some(open) = self.load(&slot, egroup, create).await? else {

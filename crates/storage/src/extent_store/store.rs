@@ -4,6 +4,7 @@
 use super::egroup::Egroup;
 use super::extent_lock::{ExtentLocks, EVERY_EXTENT};
 use super::format::{egroup_dir, egroup_file_name, parse_egroup_file_name};
+use super::journal::Journal;
 use super::{io_error, ExtentError, ExtentStoreConfig};
 use crate::fs::Filesystem;
 use crate::join::try_join_all;
@@ -24,8 +25,8 @@ use std::rc::Rc;
 ///   directory once, then kept up to date on create): one `u64` in a hash set, about 10 bytes
 ///   (up to 20 right after the set grows). Looking up an egroup that does not exist costs
 ///   neither memory nor a syscall.
-/// - per **open** egroup: 12 KiB of checksum entries (4 extents × 256 blocks × 12 bytes), its
-///   file handle and path, about 12.3 KiB in all. At most `max_open_egroups` stay open when
+/// - per **open** egroup: 20 KiB of checksum entries (4 extents × 256 blocks × 20 bytes), its
+///   file handle and path, about 20.3 KiB in all. At most `max_open_egroups` stay open when
 ///   idle; egroups in use by running operations (or waiting for `sync` after a failed write)
 ///   are never evicted, so the count can exceed it by the number of egroups in use.
 /// - per write batch in progress: the merged content of partial blocks (4 KiB each) and one
@@ -41,6 +42,8 @@ pub struct ExtentStore<F: Filesystem> {
     clock: Cell<u64>,
     /// Listings made so far: the generation of the newest.
     listings_made: Cell<u64>,
+    /// The block log and its overlay, when the store writes format 3's log (`journal`).
+    pub(super) journal: Option<Journal<F>>,
 }
 
 pub(super) struct Slot<D> {
@@ -86,8 +89,13 @@ impl<F: Filesystem> ExtentStore<F> {
             !config.disks.is_empty(),
             "an extent store needs at least one disk"
         );
+        let journal = config
+            .journal
+            .clone()
+            .map(|journal| Journal::new(journal, config.disks.len()));
         ExtentStore {
             fs,
+            journal,
             config,
             known: RefCell::new(None),
             listing: tokio::sync::Mutex::new(()),
@@ -236,6 +244,26 @@ impl<F: Filesystem> ExtentStore<F> {
         out
     }
 
+    /// Where the egroup's file is, or would be created on the first disk.
+    pub(super) fn egroup_path(&self, egroup: u64) -> PathBuf {
+        self.path(self.find(egroup).unwrap_or(0), egroup)
+    }
+
+    /// Calls `f` with each open egroup of `egroups`.
+    pub(super) fn for_each_open(
+        &self,
+        egroups: &HashSet<u64>,
+        mut f: impl FnMut(&Egroup<F::File>),
+    ) {
+        for (egroup, slot) in self.open.borrow().iter() {
+            if egroups.contains(egroup) {
+                if let Some(open) = slot.egroup.get() {
+                    f(open);
+                }
+            }
+        }
+    }
+
     fn path(&self, disk: usize, egroup: u64) -> PathBuf {
         egroup_dir(&self.config.disks[disk].path, self.config.vdisk).join(egroup_file_name(egroup))
     }
@@ -307,7 +335,16 @@ impl<F: Filesystem> ExtentStore<F> {
         Ok(Some(open))
     }
 
+    /// The egroup, opened or created, with the journal's entries for it applied.
     async fn open_or_create(&self, egroup: u64) -> Result<Egroup<F::File>, ExtentError> {
+        let open = self.open_or_create_file(egroup).await?;
+        if let Some(journal) = &self.journal {
+            journal.overlay.borrow().apply_to(&open);
+        }
+        Ok(open)
+    }
+
+    async fn open_or_create_file(&self, egroup: u64) -> Result<Egroup<F::File>, ExtentError> {
         let vdisk = self.config.vdisk;
         if let Some(disk) = self.find(egroup) {
             return Egroup::open(&self.fs, &self.path(disk, egroup), vdisk, egroup).await;
@@ -382,7 +419,18 @@ impl<F: Filesystem> ExtentStore<F> {
 
     /// Forgets open egroups and the location set (re-listed on next use), e.g. when a shard
     /// hands its ranges over. Egroups in use, or waiting for a `sync` after a failure, stay.
+    ///
+    /// # Panics
+    /// If the journal holds entries no table has yet: [`Self::checkpoint`] first, or the next
+    /// owner of the ranges would read tables without them.
     pub fn close_all(&self) {
+        if let Some(journal) = &self.journal {
+            assert_eq!(
+                journal.overlay.borrow().blocks(),
+                0,
+                "close_all with block log entries not checkpointed"
+            );
+        }
         self.open
             .borrow_mut()
             .retain(|_, slot| Rc::strong_count(slot) > 1 || !slot.evictable());
