@@ -38,6 +38,7 @@
 #   PAGECACHE_MODES="on"    --direct-io of the node for each pagecache measurement; "on off"
 #                           adds a buffered control run (node restarted on the same data)
 #   ASHLAR_BIN (default: target/release/ashlar), ASHLAR_DIRECT_IO=on, ASHLAR_REACTORS=2
+#   ASHLAR_NODE_ARGS        extra `ashlar node` flags (e.g. "--experimental-block-log")
 #   ASHLAR_SHARDS           the vdisk's shards (--default-shards; unset: the node's default, 1).
 #                           One shard puts a single client's cold reads on one reactor
 #                           (20261127-214500-vm/NOTES.md); 2 spreads them over both.
@@ -132,7 +133,7 @@ start_node() { # DIRECT_IO(on|off)
     RUST_LOG=warn "$ASHLAR_BIN" node --data-dir "$NODE_DIR" --nbd-listen 127.0.0.1:$COLD_NBD_PORT \
         --http-listen 127.0.0.1:$COLD_HTTP_PORT --reactors "$ASHLAR_REACTORS" \
         --cache-size "$UNCACHED_CACHE" --direct-io "$1" --ensure-vdisk "bench:$UNCACHED_SIZE" \
-        ${ASHLAR_SHARDS:+--default-shards "$ASHLAR_SHARDS"} \
+        ${ASHLAR_SHARDS:+--default-shards "$ASHLAR_SHARDS"} ${ASHLAR_NODE_ARGS:-} \
         >> "$RESULTS_DIR/logs/ashlar-cold.server.log" 2>&1 &
     NODE_PID=$! NODE_MODE=$1
     if ! wait_port 127.0.0.1 "$COLD_NBD_PORT" 60; then
@@ -165,7 +166,7 @@ node_up() {
         stop_node
         return 1
     fi
-    note ashlar-cold "ashlar $("$ASHLAR_BIN" --version | awk '{print $2}'), $ASHLAR_REACTORS reactors, ${ASHLAR_SHARDS:-default} shards, cache $UNCACHED_CACHE, vdisk $UNCACHED_SIZE, $(curl -s -m 5 "$API/api/v1/node" | jq -r '"disk I/O \(.disk_io), direct_io \(.direct_io), buffered fallback opens \(.buffered_fallback_opens)"' 2>/dev/null), data on $(df -hT "$DATA_DIR" | awk 'NR==2{print $2}') under $NODE_DIR; page cache dropped before every job; writes durable at acknowledgement"
+    note ashlar-cold "ashlar $("$ASHLAR_BIN" --version | awk '{print $2}'), $ASHLAR_REACTORS reactors, ${ASHLAR_SHARDS:-default} shards, cache $UNCACHED_CACHE, vdisk $UNCACHED_SIZE,${ASHLAR_NODE_ARGS:+ node flags $ASHLAR_NODE_ARGS,} $(curl -s -m 5 "$API/api/v1/node" | jq -r '"disk I/O \(.disk_io), direct_io \(.direct_io), buffered fallback opens \(.buffered_fallback_opens)"' 2>/dev/null), data on $(df -hT "$DATA_DIR" | awk 'NR==2{print $2}') under $NODE_DIR; page cache dropped before every job; writes durable at acknowledgement"
 }
 
 cache_note() { # LABEL

@@ -185,6 +185,16 @@ pub struct NodeArgs {
     /// (every client write at QD1) from queueing behind them.
     #[arg(long, default_value_t = ashlar_storage::extent_store::DEFAULT_WRITES_IN_FLIGHT_PER_EGROUP, value_name = "N")]
     pub writes_in_flight_per_egroup: usize,
+    /// Experimental, for benchmarks and tests: drain steps append whole blocks to a block
+    /// log per shard (extent store format 3) instead of writing each block in place. Space in
+    /// the log is not reclaimed yet, so the log grows with every drained block. Hidden until
+    /// it is (docs/extent-store-log-proposal.md).
+    #[arg(long, hide = true)]
+    pub experimental_block_log: bool,
+    /// With --experimental-block-log: log bytes a shard may hold that no checksum table names
+    /// yet before a drain step writes the tables (memory ~40 bytes per 4 KiB block).
+    #[arg(long, default_value = "256M", value_name = "SIZE", hide = true)]
+    pub block_log_checkpoint_bytes: String,
     /// Disk I/O with O_DIRECT (`on`, the default: data is cached once, in Ashlar's cache) or
     /// through the kernel page cache (`off`). Files on a filesystem that refuses O_DIRECT
     /// (e.g. ramfs) fall back to the page cache either way, with one warning in the log.

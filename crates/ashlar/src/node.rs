@@ -7,7 +7,8 @@ use crate::http::{router, ApiState};
 use crate::ownership::NodeOwnership;
 use crate::registry::{EngineRegistry, NodeEngine};
 use anyhow::{anyhow, bail, Context, Result};
-use ashlar_core::{format_size, parse_size};
+use ashlar_core::{format_size, parse_size, BLOCK_SIZE_BYTES};
+use ashlar_engine::config::BlockLogSettings;
 use ashlar_engine::reactor::{allowed_cpus, default_reactor_count, ReactorId};
 use ashlar_engine::vdisk::ConnectionGuard;
 use ashlar_engine::{Engine, EngineConfig, EngineError};
@@ -215,7 +216,21 @@ fn engine_config(args: &NodeArgs) -> Result<EngineConfig> {
         writes_in_flight_per_egroup: args.writes_in_flight_per_egroup,
         default_shards: args.default_shards,
         fs: NodeFs::detect(uring_config(args)?).map_err(|e| anyhow!("setting up disk I/O: {e}"))?,
+        block_log: block_log_settings(args)?,
     })
+}
+
+/// `--experimental-block-log` and its checkpoint size.
+fn block_log_settings(args: &NodeArgs) -> Result<Option<BlockLogSettings>> {
+    if !args.experimental_block_log {
+        return Ok(None);
+    }
+    let checkpoint_bytes = parse_size(&args.block_log_checkpoint_bytes)
+        .map_err(|e| anyhow!("--block-log-checkpoint-bytes: {e}"))?;
+    if checkpoint_bytes < BLOCK_SIZE_BYTES {
+        bail!("--block-log-checkpoint-bytes must be at least 4K");
+    }
+    Ok(Some(BlockLogSettings { checkpoint_bytes }))
 }
 
 /// `--io-read-buffers`: bytes of freed large read buffers the node keeps.

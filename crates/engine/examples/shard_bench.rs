@@ -125,6 +125,7 @@ fn main() {
                 ashlar_storage::extent_store::DEFAULT_WRITES_IN_FLIGHT_PER_EGROUP,
             default_shards: 1,
             fs: ashlar_storage::fs::NodeFs::Std(ashlar_storage::fs::StdFs),
+            block_log: None,
         };
         let meta = EmbeddedMetaStore::open(&dir.path().join("meta.redb")).expect("meta");
         let engine = Engine::start(config, meta).await.expect("engine");

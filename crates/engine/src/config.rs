@@ -45,7 +45,23 @@ pub struct EngineConfig {
     pub default_shards: u32,
     /// How the engine reaches its disks (io_uring, blocking calls, or a simulated disk).
     pub fs: NodeFs,
+    /// Drain steps put whole blocks in a block log per shard (extent store format 3) instead
+    /// of at home; `None`: they write home, as before. Experimental: space in the log is not
+    /// reclaimed yet (docs/extent-store-log-proposal.md, "Reclaiming log space").
+    pub block_log: Option<BlockLogSettings>,
 }
+
+/// How shards use their block logs (`EngineConfig::block_log`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockLogSettings {
+    /// Log bytes a shard may hold that no checksum table names yet: a drain step that leaves
+    /// more checkpoints (writes and syncs the tables). Memory (~40 bytes per 4 KiB block)
+    /// and the log that replay reads after a crash follow from it.
+    pub checkpoint_bytes: u64,
+}
+
+/// Default of `BlockLogSettings::checkpoint_bytes`.
+pub const DEFAULT_BLOCK_LOG_CHECKPOINT_BYTES: u64 = 256 << 20;
 
 /// Default of `EngineConfig::poll_window` (the node's `--poll-window-us`).
 pub const DEFAULT_POLL_WINDOW: Duration = Duration::from_micros(50);

@@ -18,7 +18,9 @@ use crate::vdisk::{ShardMap, VdiskHandle, VdiskShared, SHARD_RANGE_BYTES};
 use ashlar_core::{Epoch, VdiskId, BLOCK_SIZE_BYTES, MAX_VDISK_SIZE_BYTES};
 use ashlar_meta::MetaStore;
 use ashlar_storage::copy_identity::{self, CopyIdentity};
-use ashlar_storage::extent_store::{self, ExtentStore, ExtentStoreConfig};
+use ashlar_storage::extent_store::{
+    self, ExtentStore, ExtentStoreConfig, JournalConfig, LogId, SegmentCounter,
+};
 use ashlar_storage::fs::{Filesystem, NodeFs};
 use ashlar_storage::oplog::{Oplog, OplogConfig, ReplayReport};
 use serde::Serialize;
@@ -198,6 +200,9 @@ pub struct Engine<M: MetaStore> {
     control: tokio::sync::Mutex<()>,
     cache_counters: Vec<Arc<CacheCounters>>,
     rate_samples: Mutex<HashMap<VdiskId, RateSample>>,
+    /// Per vdisk, the block log segment counters of its disks, shared by every shard of every
+    /// epoch of this process (`EngineConfig::block_log`): made once, above what is on disk.
+    block_log_counters: Mutex<HashMap<VdiskId, Vec<Arc<SegmentCounter>>>>,
     started_at: Instant,
     quarantined: Mutex<Vec<PathBuf>>,
     /// In a cluster: every vdisk's serving gate starts closed, and only the node's
@@ -266,6 +271,7 @@ impl<M: MetaStore> Engine<M> {
             control: tokio::sync::Mutex::new(()),
             cache_counters,
             rate_samples: Mutex::new(HashMap::new()),
+            block_log_counters: Mutex::new(HashMap::new()),
             started_at: Instant::now(),
             quarantined: Mutex::new(Vec::new()),
             ownership_required: AtomicBool::new(false),
@@ -360,9 +366,6 @@ impl<M: MetaStore> Engine<M> {
         let mut logs = list_oplog_dirs(&self.config.fs, &root)
             .await
             .map_err(|e| EngineError::Storage(format!("listing {}: {e}", root.display())))?;
-        if logs.is_empty() {
-            return Ok((Epoch(0), 0));
-        }
         logs.sort();
         let newest = logs.last().map(|(epoch, _, _)| *epoch).unwrap_or(Epoch(0));
         let disks = self.config.disks.clone();
@@ -379,6 +382,17 @@ impl<M: MetaStore> Engine<M> {
         let reactor = self.reactors.get(ReactorId(vdisk.0 as usize));
         let lost_ranges = reactor
             .run(move || async move {
+                // Before any drain: the tables must name every block a drain step put in
+                // the block log before the crash (a node whose block log is off now replays
+                // too, so turning it off loses nothing).
+                let replay = extent_store::replay_block_logs(&fs, &disks, vdisk)
+                    .await
+                    .map_err(|e| format!("replaying the block log: {e}"))?;
+                if replay.entries > 0 {
+                    tracing::info!(vdisk = %vdisk, chunks = replay.chunks, entries = replay.entries,
+                        left_out = replay.incomplete.len(), "replayed the block log into the checksum tables");
+                }
+                let mut uncovered = replay.incomplete;
                 let store = ExtentStore::new(
                     fs.clone(),
                     ExtentStoreConfig {
@@ -399,6 +413,7 @@ impl<M: MetaStore> Engine<M> {
                         .map_err(|e| format!("replaying {}: {e}", dir.display()))?;
                     log_replay_report(vdisk, &report);
                     lost_ranges += report.lost.len() as u64;
+                    uncovered.retain(|&offset| !oplog.holds_any_of(offset, BLOCK_SIZE_BYTES));
                     let live = oplog.live_bytes();
                     drain_all(&oplog, &store, &drain_budget, drain_step_bytes).await?;
                     drop(oplog);
@@ -408,12 +423,47 @@ impl<M: MetaStore> Engine<M> {
                             "replayed oplog into the extent store");
                     }
                 }
+                // Blocks of a cut-short step that no oplog will drain again: a step that did
+                // complete, whose data rotted since. Their previous content would be stale.
+                for offset in uncovered {
+                    tracing::error!(vdisk = %vdisk, offset,
+                        "a block in the block log failed its checksum at replay and no oplog holds it: recorded lost");
+                    store
+                        .mark_lost(offset, BLOCK_SIZE_BYTES)
+                        .await
+                        .map_err(|e| format!("recording a lost block at {offset}: {e}"))?;
+                    lost_ranges += 1;
+                }
                 Ok::<u64, String>(lost_ranges)
             })
             .await
             .map_err(|e| EngineError::Storage(e.to_string()))?
             .map_err(EngineError::Storage)?;
         Ok((newest, lost_ranges))
+    }
+
+    /// The vdisk's block log segment counters (made on first use), if shards use the log.
+    async fn block_log_counters(
+        &self,
+        vdisk: VdiskId,
+    ) -> Result<Option<Vec<Arc<SegmentCounter>>>, EngineError> {
+        if self.config.block_log.is_none() {
+            return Ok(None);
+        }
+        if let Some(counters) = lock(&self.block_log_counters).get(&vdisk) {
+            return Ok(Some(counters.clone()));
+        }
+        let (fs, disks) = (self.config.fs.clone(), self.config.disks.clone());
+        let counters = self
+            .reactors
+            .get(ReactorId(vdisk.0 as usize))
+            .run(move || async move { extent_store::segment_counters(&fs, &disks, vdisk).await })
+            .await
+            .map_err(|e| EngineError::Storage(e.to_string()))?
+            .map_err(|e| EngineError::Storage(format!("listing the block log: {e}")))?;
+        // Made under the control lock: nobody else made them meanwhile.
+        lock(&self.block_log_counters).insert(vdisk, counters.clone());
+        Ok(Some(counters))
     }
 
     /// Starts `count` gated shard controllers for `epoch`, spread over reactors.
@@ -426,7 +476,17 @@ impl<M: MetaStore> Engine<M> {
     ) -> Result<(Vec<ShardLink>, watch::Sender<bool>), EngineError> {
         let (gate, gate_receiver) = watch::channel(false);
         let mut links = Vec::with_capacity(count as usize);
+        let counters = self.block_log_counters(vdisk).await?;
         for index in 0..count {
+            let journal = match (&counters, self.config.block_log) {
+                (Some(counters), Some(settings)) => Some(JournalConfig {
+                    log: LogId(u8::try_from(index).expect("at most MAX_SHARDS shards")),
+                    counters: counters.clone(),
+                    checkpoint_blocks: (settings.checkpoint_bytes / BLOCK_SIZE_BYTES).max(1)
+                        as usize,
+                }),
+                _ => None,
+            };
             let spec = ShardSpec {
                 vdisk,
                 epoch,
@@ -444,6 +504,7 @@ impl<M: MetaStore> Engine<M> {
                 max_requests_in_flight: self.config.shard_requests_in_flight_limit,
                 fs: self.config.fs.clone(),
                 replication: replication.clone(),
+                journal,
             };
             let reactor = self.reactors.get(self.shard_reactor(vdisk, index));
             let gate = gate_receiver.clone();

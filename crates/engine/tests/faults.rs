@@ -11,6 +11,7 @@
 //! message.
 
 use ashlar_core::{BlockDevice, IoError, IoResult, VdiskId};
+use ashlar_engine::config::BlockLogSettings;
 use ashlar_engine::{Engine, EngineConfig, VdiskHandle, VdiskState};
 use ashlar_meta::EmbeddedMetaStore;
 use ashlar_storage::disk::{Disk, Tier};
@@ -303,6 +304,7 @@ struct Settings {
     drain_batch_bytes: u64,
     drain_idle: Duration,
     max_open_egroups_per_shard: usize,
+    block_log: Option<BlockLogSettings>,
 }
 
 impl Default for Settings {
@@ -314,6 +316,7 @@ impl Default for Settings {
             drain_batch_bytes: MIB,
             drain_idle: Duration::from_millis(20),
             max_open_egroups_per_shard: 8,
+            block_log: None,
         }
     }
 }
@@ -385,6 +388,7 @@ impl Node {
                 ashlar_storage::extent_store::DEFAULT_WRITES_IN_FLIGHT_PER_EGROUP,
             default_shards: 1,
             fs: NodeFs::Sim(self.sim.clone()),
+            block_log: s.block_log,
         }
     }
 
@@ -1111,6 +1115,17 @@ fn power_cut_settings() -> Settings {
         drain_batch_bytes: 256 * 1024,
         drain_idle: Duration::from_millis(2),
         max_open_egroups_per_shard: 8,
+        block_log: None,
+    }
+}
+
+/// `power_cut_settings` with drains into the block log, checkpointing every 64 blocks.
+fn block_log_settings() -> Settings {
+    Settings {
+        block_log: Some(BlockLogSettings {
+            checkpoint_bytes: 256 * 1024,
+        }),
+        ..power_cut_settings()
     }
 }
 
@@ -1147,16 +1162,16 @@ async fn power_cuts_during_mixed_io_keep_acknowledged_writes() {
     );
 }
 
-#[tokio::test(flavor = "current_thread")]
-async fn power_cuts_during_drains_keep_acknowledged_writes() {
+/// Power cuts while drain steps run (only small writes: the data goes through the oplog).
+async fn cuts_during_drains(seeds: std::ops::RangeInclusive<u64>, settings: Settings, what: &str) {
     let _cpu = CPU.read().await;
     let started = Instant::now();
     let mut stats = CutStats::default();
-    for seed in 101..=124 {
+    for seed in seeds {
         power_cut_run(
             seed,
             CutDuring::Drain,
-            power_cut_settings(),
+            settings.clone(),
             2,
             Workload {
                 mix: Mix::SmallOnly,
@@ -1168,7 +1183,7 @@ async fn power_cuts_during_drains_keep_acknowledged_writes() {
         )
         .await;
     }
-    eprintln!("drains: {stats:?} in {:?}", started.elapsed());
+    eprintln!("{what}: {stats:?} in {:?}", started.elapsed());
     // With only oplog writes, unsynced extent-store changes at the cut mean a drain step was
     // cut half done.
     assert!(
@@ -1179,16 +1194,20 @@ async fn power_cuts_during_drains_keep_acknowledged_writes() {
     );
 }
 
-#[tokio::test(flavor = "current_thread")]
-async fn power_cuts_during_reshards_keep_acknowledged_writes() {
+/// Power cuts while the shard count changes under mixed I/O.
+async fn cuts_during_reshards(
+    seeds: std::ops::RangeInclusive<u64>,
+    settings: Settings,
+    what: &str,
+) {
     let _cpu = CPU.read().await;
     let started = Instant::now();
     let mut stats = CutStats::default();
-    for seed in 201..=216 {
+    for seed in seeds {
         power_cut_run(
             seed,
             CutDuring::Reshard,
-            power_cut_settings(),
+            settings.clone(),
             2,
             Workload {
                 mix: Mix::Mixed,
@@ -1200,11 +1219,39 @@ async fn power_cuts_during_reshards_keep_acknowledged_writes() {
         )
         .await;
     }
-    eprintln!("re-shards: {stats:?} in {:?}", started.elapsed());
+    eprintln!("{what}: {stats:?} in {:?}", started.elapsed());
     assert!(
         stats.reshards_finished_before_cut < stats.cuts,
         "every re-shard finished before its cut: none was cut half done"
     );
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn power_cuts_during_drains_keep_acknowledged_writes() {
+    cuts_during_drains(101..=124, power_cut_settings(), "drains").await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn power_cuts_during_reshards_keep_acknowledged_writes() {
+    cuts_during_reshards(201..=216, power_cut_settings(), "re-shards").await;
+}
+
+/// The drains above, into the block log: cuts inside appends, between an append and its
+/// overlay, inside checkpoints; replay at restart restores what no table names.
+#[tokio::test(flavor = "current_thread")]
+async fn power_cuts_during_drains_into_the_block_log_keep_acknowledged_writes() {
+    cuts_during_drains(401..=424, block_log_settings(), "drains into the block log").await;
+}
+
+/// Re-shards with the block log: a hand-over checkpoints its shard's log.
+#[tokio::test(flavor = "current_thread")]
+async fn power_cuts_during_reshards_with_the_block_log_keep_acknowledged_writes() {
+    cuts_during_reshards(
+        501..=516,
+        block_log_settings(),
+        "re-shards with the block log",
+    )
+    .await;
 }
 
 // ---------------------------------------------------------------------------------------------

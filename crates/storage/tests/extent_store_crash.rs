@@ -7,9 +7,9 @@ mod extent_store_support;
 use ashlar_core::VdiskId;
 use ashlar_storage::disk::{Disk, Tier};
 use ashlar_storage::extent_store::{
-    ExtentError, ExtentStore, ExtentStoreConfig, WriteBatch, EGROUP_SPAN_BYTES,
+    ExtentError, ExtentStore, ExtentStoreConfig, EGROUP_SPAN_BYTES,
 };
-use extent_store_support::{pattern, run_local, Rng, TestFs};
+use extent_store_support::{apply_model, pattern, run_local, write_batch, Rng, TestFs, TestOp};
 use std::path::PathBuf;
 
 const SPAN: u64 = EGROUP_SPAN_BYTES;
@@ -33,12 +33,6 @@ fn config(disks: usize, max_open_egroups: usize) -> ExtentStoreConfig {
             ashlar_storage::extent_store::DEFAULT_WRITES_IN_FLIGHT_PER_EGROUP,
         journal: None,
     }
-}
-
-#[derive(Clone, Debug)]
-enum TestOp {
-    Write(u64, Vec<u8>),
-    Zero(u64, u64),
 }
 
 /// A hot offset: the first or last blocks of some extent, so blocks are overwritten often.
@@ -87,26 +81,6 @@ fn workload(seed: u64) -> Vec<Vec<TestOp>> {
                 .collect()
         })
         .collect()
-}
-
-fn apply_model(image: &mut [u8], batch: &[TestOp]) {
-    for op in batch {
-        match op {
-            TestOp::Write(at, d) => image[*at as usize..*at as usize + d.len()].copy_from_slice(d),
-            TestOp::Zero(at, len) => image[*at as usize..(at + len) as usize].fill(0),
-        }
-    }
-}
-
-fn write_batch(ops: &[TestOp]) -> WriteBatch<'_> {
-    let mut batch = WriteBatch::new();
-    for op in ops {
-        match op {
-            TestOp::Write(at, d) => batch.write(*at, d),
-            TestOp::Zero(at, len) => batch.write_zeroes(*at, *len),
-        };
-    }
-    batch
 }
 
 async fn read_all(store: &ExtentStore<TestFs>) -> Result<Vec<u8>, ExtentError> {

@@ -12,7 +12,7 @@ use ashlar_storage::extent_store::{
     replay_block_logs, segment_counters, ExtentError, ExtentStore, ExtentStoreConfig,
     JournalConfig, LogId, WriteBatch, EGROUP_SPAN_BYTES,
 };
-use extent_store_support::{pattern, run_local, Rng, TestFs};
+use extent_store_support::{apply_model, pattern, run_local, write_batch, Rng, TestFs, TestOp};
 use std::path::PathBuf;
 
 const SPAN: u64 = EGROUP_SPAN_BYTES;
@@ -70,43 +70,6 @@ fn plain(fs: &TestFs, disk_count: usize) -> ExtentStore<TestFs> {
             journal: None,
         },
     )
-}
-
-#[derive(Clone, Debug)]
-enum TestOp {
-    Write(u64, Vec<u8>),
-    Zero(u64, u64),
-}
-
-impl TestOp {
-    fn range(&self) -> (u64, u64) {
-        match self {
-            TestOp::Write(at, data) => (*at, data.len() as u64),
-            TestOp::Zero(at, length) => (*at, *length),
-        }
-    }
-}
-
-fn batch_of(ops: &[TestOp]) -> WriteBatch<'_> {
-    let mut batch = WriteBatch::new();
-    for op in ops {
-        match op {
-            TestOp::Write(at, data) => batch.write(*at, data),
-            TestOp::Zero(at, length) => batch.write_zeroes(*at, *length),
-        };
-    }
-    batch
-}
-
-fn apply_model(image: &mut [u8], ops: &[TestOp]) {
-    for op in ops {
-        match op {
-            TestOp::Write(at, data) => {
-                image[*at as usize..*at as usize + data.len()].copy_from_slice(data)
-            }
-            TestOp::Zero(at, length) => image[*at as usize..(at + length) as usize].fill(0),
-        }
-    }
 }
 
 /// Batches of a drain's mix: many whole blocks spread over the egroups (overwriting one
@@ -169,7 +132,7 @@ fn journaled_blocks_read_back_and_need_replay_until_a_checkpoint() {
         let store = journaled(&fs, 1, usize::MAX).await;
         let mut model = vec![0u8; SPACE];
         for ops in workload(7, 12) {
-            store.apply_journaled(&batch_of(&ops)).await.unwrap();
+            store.apply_journaled(&write_batch(&ops)).await.unwrap();
             apply_model(&mut model, &ops);
         }
         assert!(read_all(&store).await.unwrap() == model);
@@ -195,7 +158,7 @@ fn journaled_blocks_read_back_and_need_replay_until_a_checkpoint() {
         // A checkpoint writes them into the tables: no replay needed after it.
         let store = journaled(&fs, 1, usize::MAX).await;
         for ops in workload(8, 6) {
-            store.apply_journaled(&batch_of(&ops)).await.unwrap();
+            store.apply_journaled(&write_batch(&ops)).await.unwrap();
             apply_model(&mut model, &ops);
         }
         store.checkpoint().await.unwrap();
@@ -263,7 +226,7 @@ async fn crash_run(seed: u64) {
     let dry = TestFs::new();
     let store = journaled(&dry, disk_count, checkpoint_blocks).await;
     for ops in &batches {
-        store.apply_journaled(&batch_of(ops)).await.unwrap();
+        store.apply_journaled(&write_batch(ops)).await.unwrap();
     }
     assert!(
         read_all(&store).await.unwrap() == final_model,
@@ -279,7 +242,7 @@ async fn crash_run(seed: u64) {
     let mut acked = vec![0u8; SPACE];
     let mut interrupted = None;
     for (index, ops) in batches.iter().enumerate() {
-        if store.apply_journaled(&batch_of(ops)).await.is_err() {
+        if store.apply_journaled(&write_batch(ops)).await.is_err() {
             assert!(fs.is_cut(), "seed {seed}: a batch failed without a cut");
             interrupted = Some(index);
             break;
@@ -325,7 +288,7 @@ async fn crash_run(seed: u64) {
     let resume = interrupted.unwrap_or(batches.len());
     for ops in &batches[resume..] {
         store
-            .apply_journaled(&batch_of(ops))
+            .apply_journaled(&write_batch(ops))
             .await
             .unwrap_or_else(|e| panic!("{context}: batch after the cut failed: {e}"));
     }

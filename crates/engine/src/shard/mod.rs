@@ -29,7 +29,7 @@ use crate::reactor::{ReactorId, ReplyRoute};
 use crate::replication::ReplicationSlot;
 use ashlar_core::{BlockStatusRun, Epoch, IoError, VdiskId};
 use ashlar_storage::disk::Disk;
-use ashlar_storage::extent_store::{ExtentStore, ExtentStoreConfig};
+use ashlar_storage::extent_store::{ExtentStore, ExtentStoreConfig, JournalConfig};
 use ashlar_storage::fs::NodeFs;
 use ashlar_storage::oplog::{Oplog, OplogConfig};
 use bytes::Bytes;
@@ -168,6 +168,8 @@ pub struct ShardSpec {
     pub fs: NodeFs,
     /// The vdisk's replicator, when the node replicates its writes.
     pub replication: Arc<ReplicationSlot>,
+    /// Where drain steps put whole blocks: the shard's block log (`None`: home).
+    pub journal: Option<JournalConfig>,
 }
 
 /// Names one shard controller among those of its reactor.
@@ -244,7 +246,7 @@ pub async fn start_shard(
             max_open_egroups: spec.max_open_egroups,
             max_writing_egroups: spec.max_writing_egroups,
             writes_in_flight_per_egroup: spec.writes_in_flight_per_egroup,
-            journal: None,
+            journal: spec.journal.clone(),
         },
     );
     let (request_tx, request_rx) = mpsc::channel(spec.request_queue_limit);

@@ -300,7 +300,7 @@ async fn drain_batch(
     }
     let read = started.elapsed();
     // Durable when it returns; only then may the log forget the items.
-    store.apply(&batch).await?;
+    store.apply_journaled(&batch).await?;
     oplog.complete_drain(&items).await;
     tracing::debug!(
         items = items.len(),
@@ -351,6 +351,12 @@ pub(super) async fn hand_over(
     } else {
         drain_all(&storage.oplog, &storage.store, &budget, step_bytes).await?;
     }
+    // The next owner of the ranges reads the tables: they must name every block in the log.
+    storage
+        .store
+        .checkpoint()
+        .await
+        .map_err(|e| format!("checkpointing the block log: {e}"))?;
     storage.store.close_all();
     remove_oplog_dir(&fs, &oplog_dir).await
 }

@@ -33,6 +33,7 @@ pub fn config(dir: &Path, oplog_bytes_per_vdisk: u64) -> EngineConfig {
             ashlar_storage::extent_store::DEFAULT_WRITES_IN_FLIGHT_PER_EGROUP,
         default_shards: 2,
         fs: ashlar_storage::fs::NodeFs::detect(Default::default()).unwrap(),
+        block_log: None,
     }
 }
 

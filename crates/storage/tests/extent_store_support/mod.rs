@@ -3,8 +3,11 @@
 #![allow(dead_code)]
 
 mod crash_fs;
+mod model;
 
 pub use crash_fs::CrashFs;
+#[allow(unused_imports)] // not every test binary models a workload
+pub use model::{apply_model, write_batch, TestOp};
 use std::future::Future;
 
 /// The filesystem the crash tests run on: the one-line switch to `fs::sim::SimFs`.
