@@ -195,6 +195,10 @@ pub struct NodeArgs {
     /// yet before a drain step writes the tables (memory ~40 bytes per 4 KiB block).
     #[arg(long, default_value = "256M", value_name = "SIZE", hide = true)]
     pub block_log_checkpoint_bytes: String,
+    /// With --experimental-block-log: log bytes a shard keeps per disk; past it a drain step
+    /// writes the oldest segments' blocks home and removes them.
+    #[arg(long, default_value = "2G", value_name = "SIZE", hide = true)]
+    pub block_log_capacity_bytes: String,
     /// Disk I/O with O_DIRECT (`on`, the default: data is cached once, in Ashlar's cache) or
     /// through the kernel page cache (`off`). Files on a filesystem that refuses O_DIRECT
     /// (e.g. ramfs) fall back to the page cache either way, with one warning in the log.

@@ -14,6 +14,7 @@ use ashlar_engine::vdisk::ConnectionGuard;
 use ashlar_engine::{Engine, EngineConfig, EngineError};
 use ashlar_nbd::{resume_connection, serve_or_hand_over, Handover, NbdLimits, RequestBudget};
 use ashlar_storage::disk::{Disk, Tier};
+use ashlar_storage::extent_store::SEGMENT_BYTES;
 use ashlar_storage::fs::{NodeFs, UringConfig};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
@@ -230,7 +231,16 @@ fn block_log_settings(args: &NodeArgs) -> Result<Option<BlockLogSettings>> {
     if checkpoint_bytes < BLOCK_SIZE_BYTES {
         bail!("--block-log-checkpoint-bytes must be at least 4K");
     }
-    Ok(Some(BlockLogSettings { checkpoint_bytes }))
+    let capacity_bytes = parse_size(&args.block_log_capacity_bytes)
+        .map_err(|e| anyhow!("--block-log-capacity-bytes: {e}"))?;
+    if capacity_bytes < 2 * SEGMENT_BYTES {
+        bail!("--block-log-capacity-bytes must be at least 128M (two 64 MiB segments)");
+    }
+    Ok(Some(BlockLogSettings {
+        checkpoint_bytes,
+        capacity_bytes,
+        segment_chunks: ashlar_storage::extent_store::DEFAULT_SEGMENT_CHUNKS,
+    }))
 }
 
 /// `--io-read-buffers`: bytes of freed large read buffers the node keeps.

@@ -58,10 +58,17 @@ pub struct BlockLogSettings {
     /// more checkpoints (writes and syncs the tables). Memory (~40 bytes per 4 KiB block)
     /// and the log that replay reads after a crash follow from it.
     pub checkpoint_bytes: u64,
+    /// Log bytes a shard may keep on a disk: past it, a drain step cleans the oldest
+    /// segments (their blocks still in use written home).
+    pub capacity_bytes: u64,
+    /// Chunks of 1 MiB per segment (1 to 64; `extent_store::DEFAULT_SEGMENT_CHUNKS`).
+    pub segment_chunks: u16,
 }
 
 /// Default of `BlockLogSettings::checkpoint_bytes`.
 pub const DEFAULT_BLOCK_LOG_CHECKPOINT_BYTES: u64 = 256 << 20;
+/// Default of `BlockLogSettings::capacity_bytes`.
+pub const DEFAULT_BLOCK_LOG_CAPACITY_BYTES: u64 = 2 << 30;
 
 /// Default of `EngineConfig::poll_window` (the node's `--poll-window-us`).
 pub const DEFAULT_POLL_WINDOW: Duration = Duration::from_micros(50);

@@ -434,6 +434,16 @@ impl<M: MetaStore> Engine<M> {
                         .map_err(|e| format!("recording a lost block at {offset}: {e}"))?;
                     lost_ranges += 1;
                 }
+                // Every block in the log goes home and the segments go: the shards of this
+                // run start with logs of their own, and no log id of an earlier shard map
+                // holds blocks another shard now owns.
+                let cleaned = store
+                    .clean_log(|_, _| true)
+                    .await
+                    .map_err(|e| format!("cleaning the block log: {e}"))?;
+                if cleaned.segments_removed > 0 {
+                    tracing::info!(vdisk = %vdisk, ?cleaned, "moved the block log home");
+                }
                 Ok::<u64, String>(lost_ranges)
             })
             .await
@@ -484,6 +494,10 @@ impl<M: MetaStore> Engine<M> {
                     counters: counters.clone(),
                     checkpoint_blocks: (settings.checkpoint_bytes / BLOCK_SIZE_BYTES).max(1)
                         as usize,
+                    max_segments: (settings.capacity_bytes
+                        / (u64::from(settings.segment_chunks.max(1)) << 20))
+                        .max(2) as usize,
+                    segment_chunks: settings.segment_chunks,
                 }),
                 _ => None,
             };

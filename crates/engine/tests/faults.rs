@@ -1124,6 +1124,9 @@ fn block_log_settings() -> Settings {
     Settings {
         block_log: Some(BlockLogSettings {
             checkpoint_bytes: 256 * 1024,
+            // Segments of 1 MiB, two per shard: drain steps clean as they go.
+            capacity_bytes: 2 * MIB,
+            segment_chunks: 1,
         }),
         ..power_cut_settings()
     }

@@ -36,6 +36,16 @@ async fn journaled(
     disk_count: usize,
     checkpoint_blocks: usize,
 ) -> ExtentStore<TestFs> {
+    journaled_with_segments(fs, disk_count, checkpoint_blocks, usize::MAX).await
+}
+
+/// `journaled`, cleaning past `max_segments` segments per disk.
+async fn journaled_with_segments(
+    fs: &TestFs,
+    disk_count: usize,
+    checkpoint_blocks: usize,
+    max_segments: usize,
+) -> ExtentStore<TestFs> {
     let disks = disks(disk_count);
     let counters = segment_counters(fs, &disks, VDISK).await.unwrap();
     ExtentStore::new(
@@ -51,6 +61,10 @@ async fn journaled(
                 log: LogId(3),
                 counters,
                 checkpoint_blocks,
+                max_segments,
+                // Small segments (254 blocks each) so that workloads of a few hundred blocks
+                // fill several and cleaning runs.
+                segment_chunks: 1,
             }),
         },
     )
@@ -219,12 +233,14 @@ async fn crash_run(seed: u64) {
     let batches = workload(seed, 14);
     let disk_count = 1 + (seed % 2) as usize;
     let checkpoint_blocks = [8, 40, usize::MAX][(seed % 3) as usize];
+    // Half the seeds clean as they go: cuts land inside cleaning too.
+    let max_segments = [2, usize::MAX][(seed / 2 % 2) as usize];
     let mut final_model = vec![0u8; SPACE];
     for ops in &batches {
         apply_model(&mut final_model, ops);
     }
     let dry = TestFs::new();
-    let store = journaled(&dry, disk_count, checkpoint_blocks).await;
+    let store = journaled_with_segments(&dry, disk_count, checkpoint_blocks, max_segments).await;
     for ops in &batches {
         store.apply_journaled(&write_batch(ops)).await.unwrap();
     }
@@ -236,7 +252,7 @@ async fn crash_run(seed: u64) {
 
     let mut rng = Rng::new(seed ^ 0x5eed);
     let fs = TestFs::new();
-    let store = journaled(&fs, disk_count, checkpoint_blocks).await;
+    let store = journaled_with_segments(&fs, disk_count, checkpoint_blocks, max_segments).await;
     let cut = rng.below(total + 1);
     fs.cut_after(cut);
     let mut acked = vec![0u8; SPACE];
@@ -274,7 +290,7 @@ async fn crash_run(seed: u64) {
             "{context}: replay left out block {offset}, which no interrupted batch wrote"
         );
     }
-    let store = journaled(&disk, disk_count, checkpoint_blocks).await;
+    let store = journaled_with_segments(&disk, disk_count, checkpoint_blocks, max_segments).await;
     let got = read_all(&store)
         .await
         .unwrap_or_else(|e| panic!("{context}: read after the cut failed: {e}"));
@@ -376,5 +392,54 @@ fn replay_refuses_a_chunk_whose_two_summaries_rotted() {
         fs.xor_byte(&segment, 20, 1);
         let report = replay_block_logs(&fs, &disks(1), VDISK).await.unwrap();
         assert_eq!(report.entries, 2);
+    });
+}
+
+/// Cleaning writes home the blocks a segment still holds, leaves the ones overwritten since,
+/// removes the segment, and changes no block's content, also for replay after a crash.
+#[test]
+fn cleaning_moves_live_blocks_home_and_removes_the_segment() {
+    run_local(async {
+        let fs = TestFs::new();
+        let store = journaled(&fs, 1, usize::MAX).await;
+        let first = pattern(11, 20 * BLOCK);
+        let second = pattern(12, 5 * BLOCK);
+        store
+            .apply_journaled(WriteBatch::new().write(0, &first))
+            .await
+            .unwrap();
+        // Five of the twenty blocks overwritten: in a newer segment.
+        store
+            .apply_journaled(WriteBatch::new().write(3 * BLOCK as u64, &second))
+            .await
+            .unwrap();
+        let mut model = vec![0u8; SPACE];
+        apply_model(
+            &mut model,
+            &[
+                TestOp::Write(0, first.clone()),
+                TestOp::Write(3 * BLOCK as u64, second.clone()),
+            ],
+        );
+        let before = segments(&fs);
+        assert_eq!(before.len(), 2, "{before:?}");
+        let report = store
+            .clean_log(|_, seq| seq == ashlar_storage::extent_store::SegmentSeq(1))
+            .await
+            .unwrap();
+        assert_eq!(report.segments_removed, 1, "{report:?}");
+        assert_eq!(report.blocks_moved, 15, "{report:?}");
+        assert_eq!(segments(&fs), before[1..].to_vec());
+        assert!(read_all(&store).await.unwrap() == model);
+        // The highest segment of a disk stays (its number keeps positions from going back).
+        let report = store.clean_log(|_, _| true).await.unwrap();
+        assert_eq!((report.segments_removed, report.segments_kept), (0, 1));
+        drop(store);
+        let disk = fs.power_cut(3);
+        replay_block_logs(&disk, &disks(1), VDISK).await.unwrap();
+        assert!(
+            read_all(&plain(&disk, 1)).await.unwrap() == model,
+            "after replay"
+        );
     });
 }

@@ -357,6 +357,12 @@ pub(super) async fn hand_over(
         .checkpoint()
         .await
         .map_err(|e| format!("checkpointing the block log: {e}"))?;
+    // The next shard with this log id may own other ranges: it must find none of these blocks.
+    storage
+        .store
+        .clean_own_log()
+        .await
+        .map_err(|e| format!("cleaning the block log: {e}"))?;
     storage.store.close_all();
     remove_oplog_dir(&fs, &oplog_dir).await
 }

@@ -30,7 +30,7 @@ use std::sync::Arc;
 
 /// Bytes of one segment file: large enough that a step's sync touches one file (two when it
 /// fills one), small enough that cleaning frees space in useful steps.
-pub(crate) const SEGMENT_BYTES: u64 = 64 << 20;
+pub const SEGMENT_BYTES: u64 = 64 << 20;
 /// Bytes of one chunk: the unit of an append, written with one `O_DIRECT` write when full.
 pub(crate) const CHUNK_BYTES: u64 = 1 << 20;
 pub(crate) const CHUNKS_PER_SEGMENT: u16 = 64;
@@ -91,7 +91,7 @@ pub struct LogId(pub u8);
 /// Segment 0 is never written: position 0 means "no chunk" (the position a version-2 table, or
 /// a table no step touched yet, reflects).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub(crate) struct SegmentSeq(pub u32);
+pub struct SegmentSeq(pub u32);
 
 /// A chunk's place in the journal: `segment seq × 64 + chunk index`. A checksum table stamped
 /// with a position already holds every summary entry at or below it.
@@ -476,6 +476,9 @@ pub(crate) struct BlockLog<F: Filesystem> {
     /// Segments that filled up with chunks of the open step: the sync closing it syncs them.
     filled: Vec<OpenSegment<F::File>>,
     health: Health,
+    /// Chunks a new segment takes: fewer than `CHUNKS_PER_SEGMENT` makes smaller segments
+    /// (positions keep their spacing), which cleaning frees sooner.
+    chunks_per_segment: u16,
     /// The position of the newest chunk appended (in this step or before).
     appended_through: Position,
     /// The position of the newest chunk whose step's sync succeeded: written into every
@@ -487,6 +490,8 @@ struct OpenSegment<File> {
     seq: SegmentSeq,
     path: PathBuf,
     file: File,
+    /// Chunks this segment takes (at most `CHUNKS_PER_SEGMENT`).
+    chunks: u16,
     /// The chunk the next append writes.
     next_chunk: u16,
     /// Whether chunks were appended since this file's last successful sync.
@@ -495,7 +500,7 @@ struct OpenSegment<File> {
 
 impl<File: DiskFile> OpenSegment<File> {
     fn is_full(&self) -> bool {
-        self.next_chunk >= CHUNKS_PER_SEGMENT
+        self.next_chunk >= self.chunks
     }
 
     async fn sync(&self) -> Result<(), ExtentError> {
@@ -588,9 +593,16 @@ impl<F: Filesystem> BlockLog<F> {
             current: None,
             filled: Vec::new(),
             health: Health::Healthy,
+            chunks_per_segment: CHUNKS_PER_SEGMENT,
             appended_through: Position(0),
             durable_through: Position(0),
         }
+    }
+
+    /// New segments take `chunks` chunks of 1 MiB (1 to 64; 64 is the default).
+    pub(crate) fn with_chunks_per_segment(mut self, chunks: u16) -> Self {
+        self.chunks_per_segment = chunks.clamp(1, CHUNKS_PER_SEGMENT);
+        self
     }
 
     /// Appends one chunk: `entries` (1 to 254) describe the 4 KiB blocks of `data`, in order.
@@ -691,6 +703,7 @@ impl<F: Filesystem> BlockLog<F> {
             seq,
             path,
             file,
+            chunks: self.chunks_per_segment,
             next_chunk: 0,
             unsynced: false,
         })
@@ -865,15 +878,15 @@ impl ChunkSummary {
 }
 
 /// A segment file found in a log directory.
-struct SegmentFile {
-    log: LogId,
-    seq: SegmentSeq,
-    path: PathBuf,
+pub(crate) struct SegmentFile {
+    pub log: LogId,
+    pub seq: SegmentSeq,
+    pub path: PathBuf,
 }
 
 /// The segment files of every log of `vdisk` on the disk at `disk` (none if the directory does
 /// not exist). Other names are ignored, with a warning.
-async fn list_segments<F: Filesystem>(
+pub(crate) async fn list_segments<F: Filesystem>(
     fs: &F,
     disk: &Path,
     vdisk: VdiskId,
@@ -924,7 +937,7 @@ pub(crate) async fn read_summaries<F: Filesystem>(
 }
 
 /// The written chunks of one segment; the summaries of its chunks are read concurrently.
-async fn read_segment_summaries<F: Filesystem>(
+pub(crate) async fn read_segment_summaries<F: Filesystem>(
     fs: &F,
     vdisk: VdiskId,
     segment: &SegmentFile,
@@ -1019,8 +1032,6 @@ async fn read_block<D: DiskFile>(file: &D, path: &Path, at: u64) -> Result<Vec<u
 /// no longer references the segment, and never for the highest one (positions must not go
 /// back). A segment already gone is not an error: a retry after a failed directory sync
 /// syncs again.
-// Cleaning (step 5 of docs/extent-store-log-proposal.md) is its caller; tested here first.
-#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) async fn remove_segment<F: Filesystem>(
     fs: &F,
     disk: &Path,

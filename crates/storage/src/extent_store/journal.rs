@@ -8,8 +8,9 @@
 
 use super::batch::{plan, BlockOp, WriteBatch};
 use super::block_log::{
-    highest_segment, log_dir, read_slots, read_summaries, segment_path, BlockLog, ChunkSummary,
-    LogId, Position, SegmentCounter, SummaryEntry, CHUNK_BYTES, DATA_BLOCKS_PER_CHUNK,
+    highest_segment, list_segments, log_dir, read_slots, read_summaries, segment_path, BlockLog,
+    ChunkSummary, LogId, Position, SegmentCounter, SegmentSeq, SummaryEntry, CHUNK_BYTES,
+    DATA_BLOCKS_PER_CHUNK,
 };
 use super::egroup::{is_zero, Egroup};
 use super::extent_lock::EVERY_EXTENT;
@@ -37,10 +38,21 @@ pub struct JournalConfig {
     /// the log that replay reads after a crash, and how many steps a checkpoint's table
     /// writes and syncs are shared by.
     pub checkpoint_blocks: usize,
+    /// Segments the store's log may have on a disk: past it, a batch cleans the oldest (their
+    /// blocks still in use written home) before it returns.
+    pub max_segments: usize,
+    /// Chunks of 1 MiB per segment (1 to 64): smaller segments are cleaned sooner after their
+    /// blocks die, at the cost of more files ([`DEFAULT_SEGMENT_CHUNKS`]).
+    pub segment_chunks: u16,
 }
+
+/// Default of [`JournalConfig::segment_chunks`]: 64 MiB segments.
+pub const DEFAULT_SEGMENT_CHUNKS: u16 = 64;
 
 /// Default of [`JournalConfig::checkpoint_blocks`]: 256 MiB of log.
 pub const DEFAULT_CHECKPOINT_BLOCKS: usize = 65_536;
+/// Default of [`JournalConfig::max_segments`]: 2 GiB of log per store and disk.
+pub const DEFAULT_MAX_SEGMENTS: usize = 32;
 
 /// One segment counter per disk, above every segment of the vdisk on that disk: call once
 /// per vdisk and process, before any store of the vdisk appends, and share the result.
@@ -146,7 +158,49 @@ impl<F: Filesystem> ExtentStore<F> {
         if journal.overlay.borrow().blocks() > journal.config.checkpoint_blocks {
             self.checkpoint().await?;
         }
+        self.clean_over_capacity(journal).await
+    }
+
+    /// Cleans the oldest segments of the store's own log beyond `max_segments` on each disk,
+    /// never the newest (the log appends there).
+    async fn clean_over_capacity(&self, journal: &Journal<F>) -> Result<(), ExtentError> {
+        let own = journal.config.log;
+        for disk in &self.config.disks {
+            let mut own_segments: Vec<SegmentSeq> =
+                list_segments(&self.fs, &disk.path, self.config.vdisk)
+                    .await?
+                    .into_iter()
+                    .filter(|segment| segment.log == own)
+                    .map(|segment| segment.seq)
+                    .collect();
+            if own_segments.len() <= journal.config.max_segments.max(1) {
+                continue;
+            }
+            own_segments.sort_unstable();
+            let excess = own_segments.len() - journal.config.max_segments.max(1);
+            let oldest: Vec<SegmentSeq> = own_segments[..excess].to_vec();
+            let report = self
+                .clean_log(|log, seq| log == own && oldest.contains(&seq))
+                .await?;
+            tracing::debug!(vdisk = %self.config.vdisk, ?report, "cleaned the block log");
+        }
         Ok(())
+    }
+
+    /// Cleans every segment of the store's own log (a shard handing its ranges over: the next
+    /// owner's log may have the same id and must not find blocks of other shards in it).
+    pub async fn clean_own_log(&self) -> Result<(), ExtentError> {
+        let Some(journal) = &self.journal else {
+            return Ok(());
+        };
+        let own = journal.config.log;
+        // The writer's segment goes too: the next append starts a new one.
+        journal
+            .logs
+            .borrow_mut()
+            .iter_mut()
+            .for_each(|log| *log = None);
+        self.clean_log(|log, _| log == own).await.map(|_| ())
     }
 
     /// Makes sure `egroup` exists (its tables are where a checkpoint writes its entries) and
@@ -190,6 +244,7 @@ impl<F: Filesystem> ExtentStore<F> {
                     journal.config.log,
                     journal.config.counters[disk].clone(),
                 )
+                .with_chunks_per_segment(journal.config.segment_chunks)
             });
             let appended = append_all(&mut log, &blocks, &mut records).await;
             // A sync closes the step even when an append failed (it then fails too, and the
@@ -385,6 +440,8 @@ pub async fn replay_block_logs<F: Filesystem>(
                 log: LogId(0),
                 counters,
                 checkpoint_blocks: usize::MAX,
+                max_segments: usize::MAX,
+                segment_chunks: DEFAULT_SEGMENT_CHUNKS,
             }),
         },
     );

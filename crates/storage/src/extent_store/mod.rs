@@ -20,6 +20,7 @@
 mod apply;
 mod batch;
 mod block_log;
+mod cleaning;
 mod disk_state;
 mod egroup;
 mod extent_lock;
@@ -32,10 +33,12 @@ mod store;
 mod table;
 
 pub use batch::WriteBatch;
-pub use block_log::{LogId, SegmentCounter};
+pub use block_log::{LogId, SegmentCounter, SegmentSeq, SEGMENT_BYTES};
+pub use cleaning::CleanReport;
 pub use format::{EGROUP_SPAN_BYTES, EXTENTS_PER_EGROUP};
 pub use journal::{
     replay_block_logs, segment_counters, JournalConfig, ReplayReport, DEFAULT_CHECKPOINT_BLOCKS,
+    DEFAULT_MAX_SEGMENTS, DEFAULT_SEGMENT_CHUNKS,
 };
 pub use requests::READ_NEW_MIN_BYTES;
 pub use store::ExtentStore;

@@ -4,6 +4,7 @@
 
 use super::apply::{apply_plan, extents_touched};
 use super::batch::{plan, Op, WriteBatch};
+use super::block_log::parse_segment_file_name;
 use super::egroup::Egroup;
 use super::extent_lock::EVERY_EXTENT;
 use super::format::{BLOCK, BLOCK_LEN, EGROUP_SPAN_BYTES};
@@ -288,6 +289,9 @@ async fn read_verified<D: DiskFile, T>(
     mut read: impl AsyncFnMut() -> Result<T, ExtentError>,
 ) -> Result<T, ExtentError> {
     match read().await {
+        // Cleaning removed a segment after this read took a block's entry naming it: the
+        // entry names the block's home now.
+        Err(error) if is_removed_log_segment(&error) => read().await,
         Err(ExtentError::Corrupt { .. }) => {
             let _guard = slot.lock.lock(EVERY_EXTENT).await;
             let again = read().await;
@@ -301,5 +305,19 @@ async fn read_verified<D: DiskFile, T>(
             again
         }
         other => other,
+    }
+}
+
+/// A read of a block log segment that is gone (cleaning removed it).
+fn is_removed_log_segment(error: &ExtentError) -> bool {
+    match error {
+        ExtentError::Io { path, source, .. } => {
+            source.kind() == std::io::ErrorKind::NotFound
+                && path
+                    .file_name()
+                    .and_then(|name| name.to_str())
+                    .is_some_and(|name| parse_segment_file_name(name).is_some())
+        }
+        _ => false,
     }
 }
