@@ -382,17 +382,42 @@ impl<M: MetaStore> Engine<M> {
         let reactor = self.reactors.get(ReactorId(vdisk.0 as usize));
         let lost_ranges = reactor
             .run(move || async move {
-                // Before any drain: the tables must name every block a drain step put in
-                // the block log before the crash (a node whose block log is off now replays
-                // too, so turning it off loses nothing).
-                let replay = extent_store::replay_block_logs(&fs, &disks, vdisk)
+                // Every oplog is opened (replayed) first: the block log's replay must know
+                // which blocks an oplog will drain again.
+                let mut oplogs = Vec::with_capacity(logs.len());
+                let mut lost_ranges = 0;
+                for (epoch, shard, dir) in logs {
+                    let config =
+                        OplogConfig::new(dir.clone(), oplog_id(vdisk, epoch, shard), capacity);
+                    let (oplog, report) = Oplog::open(fs.clone(), config)
+                        .await
+                        .map_err(|e| format!("replaying {}: {e}", dir.display()))?;
+                    log_replay_report(vdisk, &report);
+                    lost_ranges += report.lost.len() as u64;
+                    oplogs.push((epoch, shard, dir, oplog));
+                }
+                // Before any drain: the tables must name every block a drain step put in the
+                // block log before the crash (a node whose block log is off now replays too,
+                // so turning it off loses nothing).
+                let covered = |offset: u64| {
+                    oplogs
+                        .iter()
+                        .any(|(_, _, _, oplog)| oplog.holds_any_of(offset, BLOCK_SIZE_BYTES))
+                };
+                let replay = extent_store::replay_block_logs(&fs, &disks, vdisk, covered)
                     .await
                     .map_err(|e| format!("replaying the block log: {e}"))?;
-                if replay.entries > 0 {
+                if replay.entries > 0 || !replay.left_out.is_empty() {
                     tracing::info!(vdisk = %vdisk, chunks = replay.chunks, entries = replay.entries,
-                        left_out = replay.incomplete.len(), "replayed the block log into the checksum tables");
+                        left_out = replay.left_out.len(), "replayed the block log into the checksum tables");
                 }
-                let mut uncovered = replay.incomplete;
+                // Blocks whose newest data in the block log is missing and that no oplog
+                // will drain again: a step that completed, whose data rotted since.
+                for offset in &replay.lost {
+                    tracing::error!(vdisk = %vdisk, offset,
+                        "a block in the block log failed its checksum at replay and no oplog holds it: recorded lost");
+                }
+                lost_ranges += replay.lost.len() as u64;
                 let store = ExtentStore::new(
                     fs.clone(),
                     ExtentStoreConfig {
@@ -404,16 +429,7 @@ impl<M: MetaStore> Engine<M> {
                         journal: None,
                     },
                 );
-                let mut lost_ranges = 0;
-                for (epoch, shard, dir) in logs {
-                    let config =
-                        OplogConfig::new(dir.clone(), oplog_id(vdisk, epoch, shard), capacity);
-                    let (oplog, report) = Oplog::open(fs.clone(), config)
-                        .await
-                        .map_err(|e| format!("replaying {}: {e}", dir.display()))?;
-                    log_replay_report(vdisk, &report);
-                    lost_ranges += report.lost.len() as u64;
-                    uncovered.retain(|&offset| !oplog.holds_any_of(offset, BLOCK_SIZE_BYTES));
+                for (epoch, shard, dir, oplog) in oplogs {
                     let live = oplog.live_bytes();
                     drain_all(&oplog, &store, &drain_budget, drain_step_bytes).await?;
                     drop(oplog);
@@ -422,17 +438,6 @@ impl<M: MetaStore> Engine<M> {
                         tracing::info!(vdisk = %vdisk, epoch = epoch.0, shard, live_bytes = live,
                             "replayed oplog into the extent store");
                     }
-                }
-                // Blocks of a cut-short step that no oplog will drain again: a step that did
-                // complete, whose data rotted since. Their previous content would be stale.
-                for offset in uncovered {
-                    tracing::error!(vdisk = %vdisk, offset,
-                        "a block in the block log failed its checksum at replay and no oplog holds it: recorded lost");
-                    store
-                        .mark_lost(offset, BLOCK_SIZE_BYTES)
-                        .await
-                        .map_err(|e| format!("recording a lost block at {offset}: {e}"))?;
-                    lost_ranges += 1;
                 }
                 // Every block in the log goes home and the segments go: the shards of this
                 // run start with logs of their own, and no log id of an earlier shard map

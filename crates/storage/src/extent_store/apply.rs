@@ -142,13 +142,7 @@ async fn decide<'a, F: Filesystem>(
             }
             BlockOp::Lost => {
                 if entry.state != BlockState::Lost {
-                    let lost = Entry {
-                        state: BlockState::Lost,
-                        current: None,
-                        zero_known: false,
-                        ..Entry::HOLE
-                    };
-                    acts.b_entries.push((block, lost));
+                    acts.b_entries.push((block, Entry::LOST));
                 }
             }
             BlockOp::Data { src, at, shared } => {

@@ -8,13 +8,12 @@
 
 use super::batch::{plan, BlockOp, WriteBatch};
 use super::block_log::{
-    highest_segment, list_segments, log_dir, read_slots, read_summaries, segment_path, BlockLog,
-    ChunkSummary, LogId, Position, SegmentCounter, SegmentSeq, SummaryEntry, CHUNK_BYTES,
-    DATA_BLOCKS_PER_CHUNK,
+    highest_segment, list_segments, BlockLog, LogId, Position, SegmentCounter, SegmentSeq,
+    SummaryEntry, DATA_BLOCKS_PER_CHUNK,
 };
 use super::egroup::{is_zero, Egroup};
 use super::extent_lock::EVERY_EXTENT;
-use super::format::{BLOCK, BLOCK_LEN, EGROUP_SPAN_BYTES, EXTENTS};
+use super::format::{BLOCK_LEN, EXTENTS};
 use super::overlay::{Logged, Overlay};
 use super::table::Entry;
 use super::{ExtentError, ExtentStore};
@@ -23,7 +22,7 @@ use crate::fs::Filesystem;
 use crate::join::{try_run_windowed, AfterError};
 use ashlar_core::VdiskId;
 use std::cell::RefCell;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
 /// What a store needs to write a block log.
@@ -374,128 +373,3 @@ async fn append_all<F: Filesystem>(
     }
     Ok(())
 }
-
-/// What replay found in a vdisk's block logs.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ReplayReport {
-    /// Chunks read (every chunk of every segment that holds one).
-    pub chunks: usize,
-    /// Their entries: each is in its egroup's table afterwards, unless the table already held
-    /// a newer state of the block.
-    pub entries: usize,
-    /// Vdisk offsets of 4 KiB blocks left out: entries of the last step of a log before the
-    /// crash whose data does not match their CRC. Either that step was cut short (its data
-    /// never all reached the disk; the oplog still holds its records and drains them again)
-    /// or it completed and the block rotted since. **The caller must `mark_lost` every block
-    /// here that its recovered oplog does not cover**: otherwise the block's previous content
-    /// would be served as if it were current.
-    pub incomplete: Vec<u64>,
-}
-
-/// Per log, the newest position its summaries say was durable.
-fn durable_through_per_log(chunks: &[ChunkSummary]) -> HashMap<LogId, Position> {
-    let mut durable: HashMap<LogId, Position> = HashMap::new();
-    for chunk in chunks.iter().filter(|chunk| chunk.entries.is_ok()) {
-        let claim = durable.entry(chunk.log).or_insert(Position(0));
-        *claim = (*claim).max(chunk.durable_through);
-    }
-    durable
-}
-
-/// Whether entry `index` of `chunk` has its data on disk (a chunk of the last step before a
-/// crash may have its summary without all of its data).
-async fn data_matches<F: Filesystem>(
-    fs: &F,
-    disk: &std::path::Path,
-    vdisk: VdiskId,
-    chunk: &ChunkSummary,
-    index: usize,
-    entry: &SummaryEntry,
-) -> Result<bool, ExtentError> {
-    let mut block = vec![0u8; BLOCK_LEN];
-    read_slots(fs, &log_dir(disk, vdisk), chunk.slot(index), &mut block).await?;
-    Ok(crc32c::crc32c(&block) == entry.crc)
-}
-
-/// Reads every block log summary of `vdisk` on `disks` back into the egroups' checksum tables,
-/// durably: the entries of steps whose tables no checkpoint wrote before a crash. Run before
-/// any store of the vdisk writes (at startup, before recovered oplogs drain). A chunk whose
-/// two summaries are both unreadable fails it with `BadLogChunk`: which blocks that chunk holds
-/// is unknown, and serving the vdisk could return stale data for them.
-pub async fn replay_block_logs<F: Filesystem>(
-    fs: &F,
-    disks: &[Disk],
-    vdisk: VdiskId,
-) -> Result<ReplayReport, ExtentError> {
-    let counters = segment_counters(fs, disks, vdisk).await?;
-    let store = ExtentStore::new(
-        fs.clone(),
-        super::ExtentStoreConfig {
-            vdisk,
-            disks: disks.to_vec(),
-            max_open_egroups: REPLAY_OPEN_EGROUPS,
-            max_writing_egroups: super::DEFAULT_MAX_WRITING_EGROUPS,
-            writes_in_flight_per_egroup: super::DEFAULT_WRITES_IN_FLIGHT_PER_EGROUP,
-            journal: Some(JournalConfig {
-                log: LogId(0),
-                counters,
-                checkpoint_blocks: usize::MAX,
-                max_segments: usize::MAX,
-                segment_chunks: DEFAULT_SEGMENT_CHUNKS,
-            }),
-        },
-    );
-    store.ensure_listing().await?;
-    let journal = store.journal.as_ref().expect("configured above");
-    let mut report = ReplayReport::default();
-    for (disk_index, disk) in disks.iter().enumerate() {
-        let chunks = read_summaries(fs, &disk.path, vdisk).await?;
-        let durable = durable_through_per_log(&chunks);
-        for chunk in chunks {
-            let entries = chunk
-                .entries
-                .as_ref()
-                .map_err(|reason| ExtentError::BadLogChunk {
-                    path: segment_path(&log_dir(&disk.path, vdisk), chunk.log, chunk.segment),
-                    file_offset: u64::from(chunk.chunk) * CHUNK_BYTES,
-                    reason: reason.clone(),
-                })?;
-            report.chunks += 1;
-            let unsure = chunk.position > durable.get(&chunk.log).copied().unwrap_or(Position(0));
-            for (index, entry) in entries.iter().enumerate() {
-                if unsure && !data_matches(fs, &disk.path, vdisk, &chunk, index, entry).await? {
-                    // A block of the last step before the crash without its data: left out,
-                    // its previous state stays (see `ReplayReport::incomplete`).
-                    report
-                        .incomplete
-                        .push(entry.egroup * EGROUP_SPAN_BYTES + u64::from(entry.block) * BLOCK);
-                    continue;
-                }
-                if store.find(entry.egroup) != Some(disk_index) {
-                    return Err(ExtentError::BadLogChunk {
-                        path: segment_path(&log_dir(&disk.path, vdisk), chunk.log, chunk.segment),
-                        file_offset: u64::from(chunk.chunk) * CHUNK_BYTES,
-                        reason: format!(
-                            "names extent group {} that is not on this disk",
-                            entry.egroup
-                        ),
-                    });
-                }
-                let logged = Logged {
-                    entry: Entry::in_log(chunk.slot(index), entry.crc),
-                    position: chunk.position,
-                };
-                journal
-                    .overlay
-                    .borrow_mut()
-                    .insert(entry.egroup, entry.block, logged);
-                report.entries += 1;
-            }
-        }
-    }
-    store.checkpoint().await?;
-    Ok(report)
-}
-
-/// Egroups replay keeps open: it writes each once.
-const REPLAY_OPEN_EGROUPS: usize = 64;

@@ -1,7 +1,7 @@
 //! The extent store: a vdisk's data in extent groups (egroups), one sparse file per egroup on
 //! one of the node's disks, every 4 KiB block checked against a CRC32C on every read, and
 //! every write batch crash-safe under power loss. Format and protocol:
-//! docs/extent-store-format.md (format version 2).
+//! docs/extent-store-format.md (format version 3).
 //!
 //! - `format`: the on-disk layout, paths and the header block;
 //! - `table`: the checksum block of an extent (block states, CRC slots), in memory and on disk;
@@ -12,7 +12,8 @@
 //! - `store`: [`ExtentStore`]: the location set, the open set and its eviction;
 //! - `requests`: reads, write batches and allocation maps, split per extent or egroup and run
 //!   concurrently;
-//! - `join`: a small `join_all`.
+//! - `block_log`, `journal`, `overlay`, `log_reads`, `replay`, `cleaning`: format 3's block
+//!   log, where drain batches put whole blocks (docs/extent-store-log-proposal.md).
 //!
 //! All file and directory operations go through [`crate::fs::Filesystem`]; every write is
 //! 4 KiB-aligned in offset and length, so the data path may use O_DIRECT.
@@ -28,6 +29,7 @@ mod format;
 mod journal;
 mod log_reads;
 mod overlay;
+mod replay;
 mod requests;
 mod store;
 mod table;
@@ -37,9 +39,10 @@ pub use block_log::{LogId, SegmentCounter, SegmentSeq, SEGMENT_BYTES};
 pub use cleaning::CleanReport;
 pub use format::{EGROUP_SPAN_BYTES, EXTENTS_PER_EGROUP};
 pub use journal::{
-    replay_block_logs, segment_counters, JournalConfig, ReplayReport, DEFAULT_CHECKPOINT_BLOCKS,
-    DEFAULT_MAX_SEGMENTS, DEFAULT_SEGMENT_CHUNKS,
+    segment_counters, JournalConfig, DEFAULT_CHECKPOINT_BLOCKS, DEFAULT_MAX_SEGMENTS,
+    DEFAULT_SEGMENT_CHUNKS,
 };
+pub use replay::{replay_block_logs, ReplayReport};
 pub use requests::READ_NEW_MIN_BYTES;
 pub use store::ExtentStore;
 

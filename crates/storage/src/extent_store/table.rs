@@ -72,6 +72,12 @@ impl Entry {
         log: LogSlot::NONE,
     };
 
+    /// A block recorded lost (`mark_lost`, or replay finding its newest data missing).
+    pub(crate) const LOST: Entry = Entry {
+        state: BlockState::Lost,
+        ..Entry::HOLE
+    };
+
     /// A block whose data is at `log`, with CRC32C `crc`.
     pub(crate) fn in_log(log: LogSlot, crc: u32) -> Entry {
         Entry {
