@@ -152,7 +152,8 @@ impl LogSlot {
         Position::of(self.segment, self.chunk())
     }
 
-    fn file_offset(&self) -> u64 {
+    /// Where the slot's block is in its segment file.
+    pub(crate) fn file_offset(&self) -> u64 {
         slot_offset(self.slot)
     }
 }

@@ -160,8 +160,9 @@ impl<F: Filesystem> ExtentStore<F> {
         self.clean_over_capacity(journal).await
     }
 
-    /// Cleans the oldest segments of the store's own log beyond `max_segments` on each disk,
-    /// never the newest (the log appends there).
+    /// Cleans the oldest segments of the store's own log once it has more than
+    /// `max_segments` on a disk, down to a quarter below it ([`segments_to_clean`]), never the
+    /// newest (the log appends there).
     async fn clean_over_capacity(&self, journal: &Journal<F>) -> Result<(), ExtentError> {
         let own = journal.config.log;
         for disk in &self.config.disks {
@@ -172,11 +173,11 @@ impl<F: Filesystem> ExtentStore<F> {
                     .filter(|segment| segment.log == own)
                     .map(|segment| segment.seq)
                     .collect();
-            if own_segments.len() <= journal.config.max_segments.max(1) {
+            let excess = segments_to_clean(own_segments.len(), journal.config.max_segments);
+            if excess == 0 {
                 continue;
             }
             own_segments.sort_unstable();
-            let excess = own_segments.len() - journal.config.max_segments.max(1);
             let oldest: Vec<SegmentSeq> = own_segments[..excess].to_vec();
             let report = self
                 .clean_log(|log, seq| log == own && oldest.contains(&seq))
@@ -321,6 +322,18 @@ impl<F: Filesystem> ExtentStore<F> {
     }
 }
 
+/// How many of its `count` segments a log over `max_segments` cleans: down to a quarter
+/// below the limit, so that one pass cleans several segments together (each egroup they
+/// name is then synced once for all of its blocks in them, see `cleaning.rs`), and none
+/// while at or under the limit.
+pub(crate) fn segments_to_clean(count: usize, max_segments: usize) -> usize {
+    let max_segments = max_segments.max(1);
+    if count <= max_segments {
+        return 0;
+    }
+    count - (max_segments - max_segments / 4)
+}
+
 /// The newest position the tables of `bits` hold: every overlay entry of those extents is at
 /// or below it once they are written.
 fn newest_position<D>(open: &Egroup<D>, bits: u8) -> Position {
@@ -372,4 +385,18 @@ async fn append_all<F: Filesystem>(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::segments_to_clean;
+
+    #[test]
+    fn a_log_over_its_limit_cleans_down_to_a_quarter_below_it() {
+        assert_eq!(segments_to_clean(32, 32), 0);
+        assert_eq!(segments_to_clean(33, 32), 9);
+        assert_eq!(segments_to_clean(3, 2), 1);
+        assert_eq!(segments_to_clean(2, 0), 1);
+        assert_eq!(segments_to_clean(5, 4), 2);
+    }
 }
