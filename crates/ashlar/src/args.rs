@@ -186,9 +186,9 @@ pub struct NodeArgs {
     #[arg(long, default_value_t = ashlar_storage::extent_store::DEFAULT_WRITES_IN_FLIGHT_PER_EGROUP, value_name = "N")]
     pub writes_in_flight_per_egroup: usize,
     /// Experimental, for benchmarks and tests: drain steps append whole blocks to a block
-    /// log per shard (extent store format 3) instead of writing each block in place. Space in
-    /// the log is not reclaimed yet, so the log grows with every drained block. Hidden until
-    /// it is (docs/extent-store-log-proposal.md).
+    /// log per shard (extent store format 3) instead of writing each block in place; past
+    /// --block-log-capacity-bytes drain steps write the blocks still in use home. Hidden until
+    /// the capacity has a sizing rule (docs/extent-store-log-proposal.md).
     #[arg(long, hide = true)]
     pub experimental_block_log: bool,
     /// With --experimental-block-log: log bytes a shard may hold that no checksum table names
@@ -196,7 +196,8 @@ pub struct NodeArgs {
     #[arg(long, default_value = "256M", value_name = "SIZE", hide = true)]
     pub block_log_checkpoint_bytes: String,
     /// With --experimental-block-log: log bytes a shard keeps per disk; past it a drain step
-    /// writes the oldest segments' blocks home and removes them.
+    /// writes the oldest segments' blocks still in use home and removes the segments, down to
+    /// a quarter below it.
     #[arg(long, default_value = "2G", value_name = "SIZE", hide = true)]
     pub block_log_capacity_bytes: String,
     /// Disk I/O with O_DIRECT (`on`, the default: data is cached once, in Ashlar's cache) or

@@ -46,8 +46,8 @@ pub struct EngineConfig {
     /// How the engine reaches its disks (io_uring, blocking calls, or a simulated disk).
     pub fs: NodeFs,
     /// Drain steps put whole blocks in a block log per shard (extent store format 3) instead
-    /// of at home; `None`: they write home, as before. Experimental: space in the log is not
-    /// reclaimed yet (docs/extent-store-log-proposal.md, "Reclaiming log space").
+    /// of at home; `None`: they write home, as before. Experimental until the log's capacity
+    /// has a sizing rule (docs/extent-store-log-proposal.md, status).
     pub block_log: Option<BlockLogSettings>,
 }
 
@@ -59,7 +59,7 @@ pub struct BlockLogSettings {
     /// and the log that replay reads after a crash follow from it.
     pub checkpoint_bytes: u64,
     /// Log bytes a shard may keep on a disk: past it, a drain step cleans the oldest
-    /// segments (their blocks still in use written home).
+    /// segments down to a quarter below it (their blocks still in use written home).
     pub capacity_bytes: u64,
     /// Chunks of 1 MiB per segment (1 to 64; `extent_store::DEFAULT_SEGMENT_CHUNKS`).
     pub segment_chunks: u16,
