@@ -65,8 +65,9 @@ impl<F: Filesystem> ExtentStore<F> {
     /// Cleans the segments `pick` chooses on every disk, in one pass per disk. The store must
     /// be the only writer of every egroup those segments name (see the module comment).
     ///
-    /// Memory: the picked segments' summaries (12 bytes a block) and, per window of
-    /// `max_writing_egroups` egroups, their live blocks' data (at most 4 MiB an egroup).
+    /// Memory: the picked segments' summaries and their blocks grouped by egroup (about 30
+    /// bytes a block in them) and, per window of `max_writing_egroups` egroups, their live
+    /// blocks' data (at most 4 MiB an egroup).
     pub async fn clean_log(
         &self,
         pick: impl Fn(LogId, SegmentSeq) -> bool,
